@@ -1,0 +1,41 @@
+# Two commands set up a fresh machine: `make demo` and `make test`. Both create or refresh .venv from
+# constraints.txt (exact versions; torch is the CPU build 2.13.0 from local disk).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+JOBS ?= 2
+
+.PHONY: demo test lint typecheck pytest docs bench clean
+
+$(STAMP): pyproject.toml constraints.txt Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,kernels,trl,verl,demo,docs,notebooks]'
+	$(PY) -m pip install -q -c constraints.txt --no-deps verl==0.9.1
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m rolloutopt demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP)
+	$(PY) -m pytest -n $(JOBS)
+
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir .site
+
+test: lint typecheck docs pytest
+
+bench: $(STAMP)
+	$(PY) benchmarks/groups.py
+
+clean:
+	rm -rf $(VENV) .site .pytest_cache .mypy_cache .ruff_cache .hypothesis

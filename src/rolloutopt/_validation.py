@@ -1,0 +1,210 @@
+"""Input validation shared by every public function, and the global ``checks`` switch.
+
+Validation happens once, at the boundary of a public function. Conversions that the arithmetic needs (half
+precision to fp32, 0/1 masks to bool) always run; the checks that can raise — shapes, dtypes, devices, mask
+values and finiteness of masked-in values — run only while :func:`checks_enabled` is true. Checks that read
+tensor values (mask values, finiteness) cost one host synchronisation each, which is why production and
+``torch.compile`` paths turn them off with ``rolloutopt.checks(False)``.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rolloutopt.errors import InputError
+
+__all__ = ["Dims", "as_float", "as_index", "as_mask", "checks", "checks_enabled", "describe", "finite"]
+
+_ENABLED = [True]
+
+
+def checks_enabled() -> bool:
+    """Whether rolloutopt validates inputs (True unless turned off with :class:`checks`)."""
+    return _ENABLED[0]
+
+
+class checks:  # noqa: N801 - used like a function: rolloutopt.checks(False)
+    """Turn input validation on or off: a global switch and a context manager.
+
+    ``rolloutopt.checks(False)`` turns validation off from now on; ``with rolloutopt.checks(False): ...``
+    turns it off inside the block and restores the previous setting on exit. Conversions (fp32 upcast,
+    bool masks) still run with checks off; only the checks that can raise are skipped.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        if not isinstance(enabled, bool):
+            raise InputError("enabled", "a bool", type(enabled).__name__, "pass True or False")
+        self._previous = _ENABLED[0]
+        _ENABLED[0] = enabled
+
+    def __enter__(self) -> checks:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        _ENABLED[0] = self._previous
+
+
+def describe(x: Any) -> str:
+    """A short description of a value for error messages: dtype, shape and device of a tensor."""
+    if isinstance(x, Tensor):
+        return f"{str(x.dtype).removeprefix('torch.')} tensor of shape {tuple(x.shape)} on {x.device}"
+    return f"{type(x).__name__} {x!r}"[:120]
+
+
+def _require_tensor(x: Any, name: str) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise InputError(name, "a torch.Tensor", describe(x), f"pass {name} as a tensor (torch.as_tensor)")
+    return x
+
+
+class Dims:
+    """Binds symbolic dimension names (``"B T"``) across the arguments of one call and checks them.
+
+    The first argument that mentions a name fixes its size; later arguments must agree. Error messages name
+    the argument that fixed the size, so a mismatch reads like ``mask: expected shape [B, T] with B=4 (from
+    logp), got ...``.
+    """
+
+    def __init__(self) -> None:
+        self.sizes: dict[str, tuple[int, str]] = {}
+
+    def __getitem__(self, dim: str) -> int:
+        return self.sizes[dim][0]
+
+    def check(self, x: Tensor, name: str, spec: str) -> None:
+        """Check that ``x`` has the shape ``spec`` (names separated by spaces) and bind new names."""
+        dims = spec.split()
+        if x.ndim != len(dims):
+            raise InputError(
+                name,
+                f"a tensor of shape [{', '.join(dims)}]",
+                describe(x),
+                f"reshape {name} to [{', '.join(dims)}]" + (" (one value per sequence)" if dims == ["B"] else ""),
+            )
+        for dim, size in zip(dims, x.shape, strict=True):
+            if dim.isdigit():
+                if size != int(dim):
+                    raise InputError(name, f"size {dim} in a [{', '.join(dims)}] tensor", describe(x), "fix the shape")
+                continue
+            bound = self.sizes.get(dim)
+            if bound is None:
+                self.sizes[dim] = (int(size), name)
+            elif bound[0] != size:
+                raise InputError(
+                    name,
+                    f"shape [{', '.join(dims)}] with {dim}={bound[0]} (from {bound[1]})",
+                    describe(x),
+                    f"pass tensors whose {dim} dimensions agree",
+                )
+
+
+def _check_device(x: Tensor, name: str, device: torch.device | None) -> None:
+    if device is not None and x.device != device:
+        raise InputError(name, f"a tensor on {device}", describe(x), f"move {name} with .to({str(device)!r})")
+
+
+def as_float(
+    x: Any,
+    name: str,
+    dims: Dims | None = None,
+    spec: str | None = None,
+    *,
+    device: torch.device | None = None,
+) -> Tensor:
+    """Validate a floating tensor and return it in fp32 (float64 stays float64, for gradcheck).
+
+    bf16 and fp16 inputs are upcast, so that arithmetic runs in fp32 as ``DESIGN.md`` §2 requires.
+    """
+    if checks_enabled():
+        x = _require_tensor(x, name)
+        if not x.is_floating_point():
+            raise InputError(
+                name, "a floating tensor (fp32, bf16, fp16 or fp64)", describe(x), f"cast with {name}.float()"
+            )
+        if dims is not None and spec is not None:
+            dims.check(x, name, spec)
+        _check_device(x, name, device)
+    t: Tensor = x
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def as_mask(
+    mask: Any,
+    name: str,
+    dims: Dims | None = None,
+    spec: str | None = None,
+    *,
+    device: torch.device | None = None,
+) -> Tensor:
+    """Validate a mask and return it as bool: bool, or 0/1 floats or ints (converted)."""
+    if checks_enabled():
+        mask = _require_tensor(mask, name)
+        if dims is not None and spec is not None:
+            dims.check(mask, name, spec)
+        _check_device(mask, name, device)
+        if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
+            raise InputError(
+                name,
+                "a bool mask or a 0/1 tensor",
+                f"{describe(mask)} with values other than 0 and 1",
+                f"pass {name} as a bool tensor (True where a token counts); use weights for soft masks",
+            )
+    m: Tensor = mask
+    return m if m.dtype == torch.bool else m != 0
+
+
+def as_index(group: Any, name: str, dims: Dims | None = None, spec: str = "B") -> Tensor:
+    """Validate integer ids ``[B]`` (any integer dtype; returned as int64)."""
+    if checks_enabled():
+        group = _require_tensor(group, name)
+        if group.is_floating_point() or group.is_complex() or group.dtype == torch.bool:
+            raise InputError(name, "an int64 tensor of ids", describe(group), f"cast with {name}.long()")
+        if dims is not None:
+            dims.check(group, name, spec)
+    return group.long()  # type: ignore[no-any-return]
+
+
+def finite(x: Tensor, name: str, mask: Tensor | None = None) -> None:
+    """Raise if a masked-in value of ``x`` is NaN or infinite (skipped while checks are off)."""
+    if not checks_enabled():
+        return
+    bad = ~torch.isfinite(x.detach())
+    if mask is not None:
+        bad = bad & mask
+    if bool(bad.any()):
+        where = torch.nonzero(bad)[0].tolist()
+        raise InputError(
+            name,
+            "finite values at masked-in positions",
+            f"{describe(x)} with {int(bad.sum())} non-finite value(s), first at index {tuple(where)}",
+            f"fix the producer of {name}, or mask those positions out",
+        )
+
+
+def positive(value: float, name: str, *, strict: bool = True) -> None:
+    """Raise unless a hyper-parameter is a positive (or, with ``strict=False``, non-negative) number."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value > 0 if strict else value >= 0)
+    if not ok:
+        raise InputError(
+            name, "a positive number" if strict else "a non-negative number", describe(value), f"set {name} accordingly"
+        )
+
+
+def choice(value: Any, name: str, options: tuple[Any, ...]) -> None:
+    """Raise unless ``value`` is one of ``options``."""
+    if value not in options:
+        raise InputError(
+            name,
+            f"one of {', '.join(map(repr, options))}",
+            describe(value),
+            f"pick one of the listed values for {name}",
+        )

@@ -1,0 +1,243 @@
+"""Reference advantage estimators that the trainers already ship: GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline.
+
+They are first-class because every paper compares against them. Each works on ragged groups (any ids, any
+order, any sizes), takes an optional ``valid`` mask of rows that enter the group statistics (verl PR #6452:
+a rejected rollout must not shift its siblings' baseline), and documents its convention for singleton and
+zero-variance groups, with a switch for verl's convention where it differs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from rolloutopt._validation import Dims, as_float, as_mask, choice, finite, positive
+from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
+from rolloutopt.groups import Groups, as_groups
+from rolloutopt.typing import BoolBT, FloatB, FloatBT, IntB, PerSeqOrToken
+
+__all__ = ["dr_grpo", "grpo", "reinforce_pp_baseline", "rloo", "to_tokens"]
+
+Singleton = Literal["zero", "raw"]
+
+
+def _prepare(rewards: Any, group: Groups | IntB, valid: Any) -> tuple[Tensor, Groups, Tensor | None, Dims]:
+    dims = Dims()
+    r = as_float(rewards, "rewards", dims, "B")
+    g = as_groups(group, dims)
+    v = None if valid is None else as_mask(valid, "valid", dims, "B", device=r.device)
+    finite(r, "rewards", v)
+    return r, g, v, dims
+
+
+def _weight(r: Tensor, valid: Tensor | None) -> Tensor:
+    return torch.ones_like(r) if valid is None else valid.to(r.dtype)
+
+
+def _finish(adv: Tensor, r: Tensor, g: Groups, valid: Tensor | None, n: Tensor, std: Tensor | None) -> AdvantageOutput:
+    if valid is not None:
+        adv = torch.where(valid, adv, torch.zeros_like(adv))
+    groups_with_rows = (n > 0).sum().clamp(min=1)
+    w = _weight(r, valid)
+    metrics = {
+        "singleton_group_frac": ((n == 1).sum() / groups_with_rows).detach(),
+        "reward_mean": ((r * w).sum() / w.sum().clamp(min=1)).detach(),
+    }
+    if std is not None:
+        metrics["zero_variance_group_frac"] = (((std == 0) & (n > 1)).sum() / groups_with_rows).detach()
+    return AdvantageOutput(advantages=adv, weight=w, metrics=metrics)
+
+
+def _warn_singletons(g: Groups, singleton: str) -> None:
+    if singleton == "zero" and g.min_size == 1:
+        warnings.warn(
+            "rolloutopt: a group of size 1 gets advantage 0 (no baseline can be formed); pass singleton='raw' "
+            "for verl's convention (advantage = raw reward)",
+            stacklevel=3,
+        )
+
+
+def grpo(
+    rewards: FloatB,
+    group: Groups | IntB,
+    *,
+    scale: Literal["group", "batch"] | None = "group",
+    unbiased: bool = True,
+    eps: float = 1e-6,
+    singleton: Singleton = "zero",
+    valid: Any = None,
+) -> AdvantageOutput:
+    r"""GRPO group-relative advantage: reward minus the group mean, divided by the group std.
+
+    .. math::  A_i = \frac{r_i - \mu_g}{\sigma_g + \varepsilon}, \qquad
+               \mu_g = \tfrac{1}{n_g}\textstyle\sum_{j\in g} r_j, \quad
+               \sigma_g = \sqrt{\tfrac{1}{n_g - 1}\textstyle\sum_{j\in g}(r_j-\mu_g)^2}
+
+    Reference: DeepSeekMath, arXiv 2402.03300; verl ``compute_grpo_outcome_advantage``; TRL
+    ``scale_rewards``.
+
+    Args:
+        rewards: scalar reward per rollout ``[B]``.
+        group: group ids ``[B]`` (any int64 values, any order) or a prebuilt :class:`~rolloutopt.groups.Groups`.
+        scale: ``"group"`` divides by the group std (GRPO), ``"batch"`` by the std of all valid rewards of the
+            batch (TRL ``scale_rewards="batch"``), ``None`` does not scale (Dr.GRPO, :func:`dr_grpo`).
+        unbiased: Bessel-corrected std (n-1), as torch, verl and TRL compute it; False for population std.
+        eps: added to the std. Default 1e-6 is verl's; TRL uses 1e-4.
+        singleton: a group with one valid row has no baseline. ``"zero"`` (default, TRL's behaviour) gives it
+            advantage 0 and warns once; ``"raw"`` is verl's convention (mean 0, std 1, so ``A = r/(1+eps)``).
+        valid: optional mask ``[B]`` of the rows that enter group statistics; other rows get advantage 0
+            and weight 0.
+
+    Returns:
+        :class:`AdvantageOutput` with ``advantages [B]``; metrics ``singleton_group_frac``,
+        ``zero_variance_group_frac`` and ``reward_mean``.
+
+    Edge cases: all-equal rewards give 0 for every member (0/(0+eps)); such groups carry no gradient and are
+    counted in ``zero_variance_group_frac``. The advantages of a group sum to 0 (for scale="group" and None).
+    """
+    choice(scale, "scale", ("group", "batch", None))
+    choice(singleton, "singleton", ("zero", "raw"))
+    positive(eps, "eps", strict=False)
+    r, g, valid, _ = _prepare(rewards, group, valid)
+    _warn_singletons(g, singleton)
+    n = g.count(valid)
+    mean = g.mean(r, valid)
+    std: Tensor | None = None
+    if scale == "group":
+        std = g.std(r, valid, unbiased=unbiased)
+    elif scale == "batch":
+        w = _weight(r, valid)
+        count = w.sum()
+        mu = (r * w).sum() / count.clamp(min=1)
+        var = ((r - mu) ** 2 * w).sum() / (count - (1 if unbiased else 0)).clamp(min=1)
+        std_b = torch.where(var > 0, var, torch.ones_like(var)).sqrt() * (var > 0)
+        std = std_b.expand(g.num_groups)
+    single = n == 1
+    if singleton == "raw":
+        mean = torch.where(single, torch.zeros_like(mean), mean)
+        if scale == "group" and std is not None:
+            std = torch.where(single, torch.ones_like(std), std)
+    adv = r - g.broadcast(mean)
+    if std is not None:
+        adv = adv / (g.broadcast(std) + eps)
+    if singleton == "zero":
+        adv = torch.where(g.broadcast(single), torch.zeros_like(adv), adv)
+    return _finish(adv, r, g, valid, n, std if scale == "group" else None)
+
+
+def dr_grpo(
+    rewards: FloatB, group: Groups | IntB, *, singleton: Singleton = "zero", valid: Any = None
+) -> AdvantageOutput:
+    r"""Dr.GRPO advantage ("GRPO done right"): the group-mean baseline without std scaling.
+
+    .. math::  A_i = r_i - \mu_g
+
+    Reference: arXiv 2503.20783. Dr.GRPO also removes the per-response ``1/|o_i|`` factor from the loss:
+    aggregate with ``agg="seq-mean-token-sum-norm"`` and a constant ``max_len`` (the ``"dr_grpo"`` loss
+    preset). Same as ``grpo(..., scale=None)``; ``singleton`` and ``valid`` as in :func:`grpo`.
+    """
+    return grpo(rewards, group, scale=None, singleton=singleton, valid=valid)
+
+
+def rloo(rewards: FloatB, group: Groups | IntB, *, singleton: Singleton = "zero", valid: Any = None) -> AdvantageOutput:
+    r"""RLOO leave-one-out baseline: reward minus the mean of the other rollouts of the prompt.
+
+    .. math::  A_i = r_i - \frac{1}{n_g - 1}\sum_{j \in g, j \ne i} r_j = \frac{n_g}{n_g - 1}(r_i - \mu_g)
+
+    Reference: arXiv 2402.14740; verl ``compute_rloo_outcome_advantage`` / ``rloo_vectorized``.
+
+    Args:
+        rewards, group, valid: as in :func:`grpo`.
+        singleton: ``"zero"`` (default; verl ``rloo_vectorized``) gives a group of one advantage 0 and warns
+            once; ``"raw"`` (verl ``rloo``) gives it its raw reward ``A = r`` (no baseline).
+
+    Edge cases: all-equal rewards give 0. The identity ``A_RLOO = n/(n-1) · A_DrGRPO`` holds in every group.
+    """
+    choice(singleton, "singleton", ("zero", "raw"))
+    r, g, valid, _ = _prepare(rewards, group, valid)
+    _warn_singletons(g, singleton)
+    n = g.count(valid)
+    adv = r - g.loo_mean(r, valid)
+    single = g.broadcast(n == 1)
+    adv = torch.where(single, r if singleton == "raw" else torch.zeros_like(r), adv)
+    return _finish(adv, r, g, valid, n, None)
+
+
+def reinforce_pp_baseline(
+    rewards: FloatB,
+    group: Groups | IntB,
+    mask: BoolBT,
+    *,
+    eps: float = 1e-8,
+    singleton: Singleton = "zero",
+    valid: Any = None,
+) -> AdvantageOutput:
+    r"""REINFORCE++-baseline: subtract the group mean, then whiten over every valid token of the batch.
+
+    .. math::  \tilde A_i = r_i - \mu_g, \qquad
+               A_{i,t} = m_{i,t}\,\frac{\tilde A_i - \bar A}{\sqrt{\operatorname{Var}(\tilde A) + \varepsilon}}
+
+    where the mean and (unbiased) variance run over all masked-in tokens of the batch (verl
+    ``masked_whiten``), so long responses weigh more in the batch statistics. Reference: REINFORCE++,
+    arXiv 2501.03262; verl ``compute_reinforce_plus_plus_baseline_outcome_advantage``.
+
+    Args:
+        rewards, group, valid: as in :func:`grpo`; invalid rows are left out of the group means and of the
+            whitening statistics and get advantage 0.
+        mask: response mask ``[B, T]``.
+        eps: inside the square root (verl ``masked_whiten``: 1e-8).
+        singleton: ``"zero"`` (default) centres a group of one at its own reward (0 before whitening);
+            ``"raw"`` is verl's convention (mean 0, so the raw reward is whitened).
+
+    Returns:
+        :class:`AdvantageOutput` with per-token ``advantages [B, T]`` (0 at masked-out positions).
+
+    Edge cases: with fewer than two valid tokens in the batch the variance is taken as 0 (verl raises).
+    """
+    choice(singleton, "singleton", ("zero", "raw"))
+    positive(eps, "eps", strict=False)
+    dims = Dims()
+    r = as_float(rewards, "rewards", dims, "B")
+    m = as_mask(mask, "mask", dims, "B T", device=r.device)
+    g = as_groups(group, dims)
+    v = None if valid is None else as_mask(valid, "valid", dims, "B", device=r.device)
+    finite(r, "rewards", v)
+    _warn_singletons(g, singleton)
+    n = g.count(v)
+    mean = g.mean(r, v)
+    if singleton == "raw":
+        mean = torch.where(n == 1, torch.zeros_like(mean), mean)
+    centred = r - g.broadcast(mean)
+    tok = m if v is None else m & v[:, None]
+    w = tok.to(r.dtype)
+    count = w.sum()
+    x = centred[:, None].expand_as(w)
+    mu = (x * w).sum() / count.clamp(min=1)
+    var = ((x - mu) ** 2 * w).sum() / (count - 1).clamp(min=1)
+    adv = (x - mu) * torch.rsqrt(var + eps) * w
+    return _finish(adv, r, g, v, n, None)
+
+
+def to_tokens(advantages: PerSeqOrToken, mask: BoolBT) -> FloatBT:
+    r"""Broadcast per-sequence advantages ``[B]`` to tokens: :math:`A_{i,t} = A_i\, m_{i,t}`.
+
+    Per-token advantages ``[B, T]`` are returned masked. The result is fp32 (fp64 for fp64 input).
+    """
+    dims = Dims()
+    m = as_mask(mask, "mask", dims, "B T")
+    a = as_float(advantages, "advantages", device=m.device)
+    if a.ndim == 1:
+        dims.check(a, "advantages", "B")
+        a = a[:, None]
+    else:
+        dims.check(a, "advantages", "B T")
+    return a * m
+
+
+REGISTRY.register("grpo", grpo)
+REGISTRY.register("dr_grpo", dr_grpo)
+REGISTRY.register("rloo", rloo)
+REGISTRY.register("reinforce_pp_baseline", reinforce_pp_baseline)

@@ -1,0 +1,74 @@
+"""Named loss presets: prepared compositions of :func:`~rolloutopt.losses.policy_loss`, and their registry.
+
+A preset is ``policy_loss`` with a configuration bound; calling it takes ``policy_loss``'s arguments and
+any keyword overrides the bound value (``rolloutopt.losses.get("dapo")(..., trust=PPOClip(0.1, 0.2))``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rolloutopt.losses.policy import LossOutput, policy_loss
+from rolloutopt.ratios import CISPO, SAPO, GSPORatio, PPOClip, TokenRatio
+from rolloutopt.registry import Registry
+
+__all__ = ["PRESETS", "Preset"]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """``policy_loss`` with keyword arguments bound; keywords given at call time override them.
+
+    Attributes:
+        name: the registry name.
+        reference: where the configuration comes from (arXiv id and trainer names).
+        config: the bound keyword arguments of :func:`~rolloutopt.losses.policy_loss`.
+    """
+
+    name: str
+    reference: str
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, logp: Any, old_logp: Any, advantages: Any, mask: Any, **kwargs: Any) -> LossOutput:
+        """Compute :func:`~rolloutopt.losses.policy_loss` with this preset's configuration."""
+        return policy_loss(logp, old_logp, advantages, mask, **{**self.config, **kwargs})
+
+
+PRESETS: Registry[Preset] = Registry("loss preset")
+
+for _preset in (
+    Preset(
+        "grpo",
+        "DeepSeekMath arXiv 2402.03300: symmetric clip 0.2, per-sequence token mean (TRL loss_type='grpo', "
+        "verl loss_agg_mode='seq-mean-token-mean')",
+        {"ratio": TokenRatio(), "trust": PPOClip(low=0.2, high=0.2, dual=None), "agg": "seq-mean-token-mean"},
+    ),
+    Preset(
+        "dapo",
+        "DAPO arXiv 2503.14476: clip-higher 0.2/0.28, token-level mean (TRL loss_type='dapo', verl default)",
+        {"ratio": TokenRatio(), "trust": PPOClip(low=0.2, high=0.28, dual=None), "agg": "token-mean"},
+    ),
+    Preset(
+        "dr_grpo",
+        "Dr.GRPO arXiv 2503.20783: symmetric clip 0.2, sum over tokens divided by B·L_max (pass max_len)",
+        {"ratio": TokenRatio(), "trust": PPOClip(low=0.2, high=0.2, dual=None), "agg": "seq-mean-token-sum-norm"},
+    ),
+    Preset(
+        "gspo",
+        "GSPO arXiv 2507.18071: sequence geometric-mean ratio (GSPO-token form), clip 3e-4/4e-4, per-sequence "
+        "token mean (verl policy_loss='gspo', TRL importance_sampling_level='sequence')",
+        {"ratio": GSPORatio(), "trust": PPOClip(low=3e-4, high=4e-4, dual=None), "agg": "seq-mean-token-mean"},
+    ),
+    Preset(
+        "cispo",
+        "MiniMax-M1 arXiv 2506.13585: stop-gradient clipped IS weight (upper 1+0.2, no lower bound), token mean",
+        {"ratio": TokenRatio(), "trust": CISPO(), "agg": "token-mean"},
+    ),
+    Preset(
+        "sapo",
+        "SAPO arXiv 2511.20347: soft sigmoid gate, tau_pos 1.0 / tau_neg 1.05, per-sequence token mean",
+        {"ratio": TokenRatio(), "trust": SAPO(), "agg": "seq-mean-token-mean"},
+    ),
+):
+    PRESETS.register(_preset.name, _preset)
