@@ -75,9 +75,9 @@ class Groups:
         min_size, max_size = torch.stack([sizes.min(), sizes.max()]).tolist()
 
         self.ids = ids
-        self.unique_ids = unique_ids
-        self.inverse = inverse
-        self.sizes = sizes
+        self.unique_ids: Tensor = unique_ids
+        self.inverse: Tensor = inverse
+        self.sizes: Tensor = sizes
         self.offsets = offsets
         self.order = order
         self.position = position
