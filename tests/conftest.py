@@ -1,0 +1,28 @@
+"""Shared test settings: hypothesis profiles (fewer examples in CI, same properties) and common fixtures."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+import rolloutopt
+
+settings.register_profile(
+    "dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+settings.register_profile(
+    "ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _checks_on() -> None:
+    """Every test starts with input validation on (a test that turns it off cannot leak)."""
+    with rolloutopt.checks(True):
+        yield
