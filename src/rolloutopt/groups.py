@@ -65,13 +65,20 @@ class Groups:
         if already_sorted:
             unique_ids, inverse, sizes = torch.unique_consecutive(ids, return_inverse=True, return_counts=True)
             order = torch.arange(num_rows, device=ids.device)
+            sorted_inverse = inverse
         else:
-            unique_ids, inverse, sizes = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
-            order = torch.argsort(inverse, stable=True)
+            # One stable sort gives both the order and (via unique_consecutive) the inverse: half the cost of
+            # torch.unique (a sort) followed by an argsort of the inverse.
+            sorted_ids, order = torch.sort(ids, stable=True)
+            unique_ids, sorted_inverse, sizes = torch.unique_consecutive(
+                sorted_ids, return_inverse=True, return_counts=True
+            )
+            inverse = torch.empty_like(sorted_inverse).scatter_(0, order, sorted_inverse)
         offsets = torch.zeros(sizes.numel() + 1, dtype=torch.long, device=ids.device)
         torch.cumsum(sizes, 0, out=offsets[1:])
-        position = torch.empty_like(inverse)
-        position[order] = torch.arange(num_rows, device=ids.device) - offsets[inverse[order]]
+        position = torch.empty_like(inverse).scatter_(
+            0, order, torch.arange(num_rows, device=ids.device) - offsets.index_select(0, sorted_inverse)
+        )
         min_size, max_size = torch.stack([sizes.min(), sizes.max()]).tolist()
 
         self.ids = ids
@@ -119,12 +126,20 @@ class Groups:
         """``x`` as a ``[G, n]`` view (a gather when rows are not sorted by group)."""
         assert self.dense_size is not None
         if not self._identity_order:
-            x = x[self.order]
+            x = x.index_select(0, self.order)
         return x.reshape(self.num_groups, self.dense_size)
 
     def broadcast(self, stat: FloatG) -> Tensor:
         """Broadcast a per-group statistic ``[G]`` to its rows ``[B]``."""
-        return stat[self.inverse]
+        if checks_enabled() and (not isinstance(stat, Tensor) or stat.ndim == 0 or stat.shape[0] != self.num_groups):
+            # a per-row [B] tensor passed by mistake would otherwise be gathered silently when B >= G
+            raise InputError(
+                "stat",
+                f"a per-group tensor of shape [G] with G={self.num_groups} (from group)",
+                f"shape {tuple(stat.shape)}" if isinstance(stat, Tensor) else type(stat).__name__,
+                "pass one value per group, ordered as unique_ids",
+            )
+        return stat.index_select(0, self.inverse)  # several times faster than stat[inverse] on the CPU
 
     # --------------------------------------------------------------- reductions
     def count(self, valid: Any = None) -> Tensor:

@@ -65,4 +65,4 @@ class Registry(Generic[T]):
         return sorted(self._items)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._items
+        return isinstance(name, str) and name in self._items  # an unhashable name is absent, not a TypeError

@@ -30,7 +30,22 @@ def _prepare(rewards: Any, group: Groups | IntB, valid: Any) -> tuple[Tensor, Gr
     g = as_groups(group, dims)
     v = None if valid is None else as_mask(valid, "valid", dims, "B", device=r.device)
     finite(r, "rewards", v)
+    if v is not None:
+        # Invalid rows may hold NaN (TRL marks unscorable rewards so); zero them so that neither the metrics nor
+        # the gradients of their siblings see it.
+        r = torch.where(v, r, torch.zeros_like(r))
     return r, g, v, dims
+
+
+def _shifted(r: Tensor, g: Groups, valid: Tensor | None) -> Tensor:
+    """``r`` minus a detached reference reward of its group (a valid member's).
+
+    Advantages are shift-invariant within a group, and centring on a member makes an all-equal group exactly 0:
+    the float32 mean of n copies of 0.1 is not 0.1, and dividing that residue by ``std + eps`` gives advantages
+    up to ±0.3 (verl 0.9.1 does this). It also keeps the sums accurate for large reward offsets.
+    """
+    ref = r.detach()[g.order[g.offsets[:-1]]] if valid is None else g.max(r.detach(), valid)
+    return r - g.broadcast(ref)
 
 
 def _weight(r: Tensor, valid: Tensor | None) -> Tensor:
@@ -39,7 +54,8 @@ def _weight(r: Tensor, valid: Tensor | None) -> Tensor:
 
 def _finish(adv: Tensor, r: Tensor, g: Groups, valid: Tensor | None, n: Tensor, std: Tensor | None) -> AdvantageOutput:
     if valid is not None:
-        adv = torch.where(valid, adv, torch.zeros_like(adv))
+        keep = valid if adv.ndim == 1 else valid[:, None]  # per-token advantages (REINFORCE++) are [B, T]
+        adv = torch.where(keep, adv, torch.zeros_like(adv))
     groups_with_rows = (n > 0).sum().clamp(min=1)
     w = _weight(r, valid)
     metrics = {
@@ -51,8 +67,9 @@ def _finish(adv: Tensor, r: Tensor, g: Groups, valid: Tensor | None, n: Tensor, 
     return AdvantageOutput(advantages=adv, weight=w, metrics=metrics)
 
 
-def _warn_singletons(g: Groups, singleton: str) -> None:
-    if singleton == "zero" and g.min_size == 1:
+def _warn_singletons(g: Groups, n: Tensor, valid: Tensor | None, singleton: str) -> None:
+    # A group is a singleton when it has one *valid* row (a host sync only when a valid mask is given).
+    if singleton == "zero" and (g.min_size == 1 if valid is None else bool((n == 1).any())):
         warnings.warn(
             "rolloutopt: a group of size 1 gets advantage 0 (no baseline can be formed); pass singleton='raw' "
             "for verl's convention (advantage = raw reward)",
@@ -95,19 +112,28 @@ def grpo(
         :class:`AdvantageOutput` with ``advantages [B]``; metrics ``singleton_group_frac``,
         ``zero_variance_group_frac`` and ``reward_mean``.
 
-    Edge cases: all-equal rewards give 0 for every member (0/(0+eps)); such groups carry no gradient and are
-    counted in ``zero_variance_group_frac``. The advantages of a group sum to 0 (for scale="group" and None).
+    Edge cases: all-equal rewards give exactly 0 for every member (0/(0+eps)); such groups carry no gradient
+    and are counted in ``zero_variance_group_frac``. The advantages of a group sum to 0 (for scale="group" and
+    None). Statistics are computed on rewards centred at a member of the group, so "all-equal" is exact.
+
+    Trainer parity: verl 0.9.1 ``compute_grpo_outcome_advantage`` and ``compute_grpo_vectorized_outcome_advantage``
+    equal ``grpo(r, ids, singleton="raw")`` (``norm_adv_by_std_in_grpo=False``: ``scale=None``). verl differs
+    in two ways: singletons (its ``A = r/(1+eps)`` against our default 0) and all-equal groups whose float32
+    mean is inexact (e.g. sixteen 0.1s), where verl returns residues up to ±0.2 instead of 0. TRL 1.16's
+    ``scale_rewards="group" | "batch" | "none"`` equals ``grpo(r, ids, eps=1e-4, scale="group" | "batch" | None,
+    valid=~r.isnan())``: TRL drops unscorable (NaN) rewards from the group statistics and gives them 0.
     """
     choice(scale, "scale", ("group", "batch", None))
     choice(singleton, "singleton", ("zero", "raw"))
     positive(eps, "eps", strict=False)
     r, g, valid, _ = _prepare(rewards, group, valid)
-    _warn_singletons(g, singleton)
     n = g.count(valid)
-    mean = g.mean(r, valid)
+    _warn_singletons(g, n, valid, singleton)
+    rs = _shifted(r, g, valid)
+    mean = g.mean(rs, valid)
     std: Tensor | None = None
     if scale == "group":
-        std = g.std(r, valid, unbiased=unbiased)
+        std = g.std(rs, valid, unbiased=unbiased)
     elif scale == "batch":
         w = _weight(r, valid)
         count = w.sum()
@@ -116,11 +142,11 @@ def grpo(
         std_b = torch.where(var > 0, var, torch.ones_like(var)).sqrt() * (var > 0)
         std = std_b.expand(g.num_groups)
     single = n == 1
-    if singleton == "raw":
-        mean = torch.where(single, torch.zeros_like(mean), mean)
+    adv = rs - g.broadcast(mean)
+    if singleton == "raw":  # verl: mean 0 and std 1 for a group of one
+        adv = torch.where(g.broadcast(single), r, adv)
         if scale == "group" and std is not None:
             std = torch.where(single, torch.ones_like(std), std)
-    adv = r - g.broadcast(mean)
     if std is not None:
         adv = adv / (g.broadcast(std) + eps)
     if singleton == "zero":
@@ -154,13 +180,15 @@ def rloo(rewards: FloatB, group: Groups | IntB, *, singleton: Singleton = "zero"
         singleton: ``"zero"`` (default; verl ``rloo_vectorized``) gives a group of one advantage 0 and warns
             once; ``"raw"`` (verl ``rloo``) gives it its raw reward ``A = r`` (no baseline).
 
-    Edge cases: all-equal rewards give 0. The identity ``A_RLOO = n/(n-1) · A_DrGRPO`` holds in every group.
+    Edge cases: all-equal rewards give exactly 0 (verl leaves float32 residues of ~1e-7 when the mean is
+    inexact). The identity ``A_RLOO = n/(n-1) · A_DrGRPO`` holds in every group.
     """
     choice(singleton, "singleton", ("zero", "raw"))
     r, g, valid, _ = _prepare(rewards, group, valid)
-    _warn_singletons(g, singleton)
     n = g.count(valid)
-    adv = r - g.loo_mean(r, valid)
+    _warn_singletons(g, n, valid, singleton)
+    rs = _shifted(r, g, valid)
+    adv = rs - g.loo_mean(rs, valid)
     single = g.broadcast(n == 1)
     adv = torch.where(single, r if singleton == "raw" else torch.zeros_like(r), adv)
     return _finish(adv, r, g, valid, n, None)
@@ -189,8 +217,9 @@ def reinforce_pp_baseline(
             whitening statistics and get advantage 0.
         mask: response mask ``[B, T]``.
         eps: inside the square root (verl ``masked_whiten``: 1e-8).
-        singleton: ``"zero"`` (default) centres a group of one at its own reward (0 before whitening);
-            ``"raw"`` is verl's convention (mean 0, so the raw reward is whitened).
+        singleton: ``"zero"`` (default) gives a group of one advantage 0 at every token, leaves its tokens out
+            of the whitening statistics and warns; ``"raw"`` is verl's convention (mean 0, so the raw reward is
+            whitened with the others).
 
     Returns:
         :class:`AdvantageOutput` with per-token ``advantages [B, T]`` (0 at masked-out positions).
@@ -205,13 +234,18 @@ def reinforce_pp_baseline(
     g = as_groups(group, dims)
     v = None if valid is None else as_mask(valid, "valid", dims, "B", device=r.device)
     finite(r, "rewards", v)
-    _warn_singletons(g, singleton)
+    if v is not None:
+        r = torch.where(v, r, torch.zeros_like(r))
     n = g.count(v)
-    mean = g.mean(r, v)
-    if singleton == "raw":
-        mean = torch.where(n == 1, torch.zeros_like(mean), mean)
-    centred = r - g.broadcast(mean)
+    _warn_singletons(g, n, v, singleton)
+    rs = _shifted(r, g, v)
+    centred = rs - g.broadcast(g.mean(rs, v))
+    single = g.broadcast(n == 1)
     tok = m if v is None else m & v[:, None]
+    if singleton == "raw":  # verl: a group of one has mean 0, so its raw reward is whitened
+        centred = torch.where(single, r, centred)
+    else:  # a group of one gets advantage 0 and stays out of the whitening statistics
+        tok = tok & ~single[:, None]
     w = tok.to(r.dtype)
     count = w.sum()
     x = centred[:, None].expand_as(w)
@@ -234,7 +268,7 @@ def to_tokens(advantages: PerSeqOrToken, mask: BoolBT) -> FloatBT:
         a = a[:, None]
     else:
         dims.check(a, "advantages", "B T")
-    return a * m
+    return a * m.to(a.dtype)  # float x float: ~3x faster on the CPU than float x bool (type promotion)
 
 
 REGISTRY.register("grpo", grpo)

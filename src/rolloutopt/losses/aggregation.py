@@ -94,7 +94,7 @@ def aggregate(
     Edge cases: a batch with no token gives 0 (denominators are clamped to at least 1); a sequence with no
     token is left out of the sequence count; per-sequence token means divide by ``max(L_i, 1)``.
     """
-    choice(mode, "agg", AGG_MODES)
+    choice(mode, "mode", AGG_MODES)
     dims = Dims()
     x = as_float(per_token, "per_token", dims, "B T")
     m = as_mask(mask, "mask", dims, "B T", device=x.device)

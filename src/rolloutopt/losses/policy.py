@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import Dims, as_float, as_mask, finite
+from rolloutopt._validation import Dims, as_float, as_mask, choice, finite
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
-from rolloutopt.losses.aggregation import AggMode, Denominators, aggregate
+from rolloutopt.losses.aggregation import AGG_MODES, AggMode, Denominators, aggregate
 from rolloutopt.losses.regularizers import KL
 from rolloutopt.ratios import PPOClip, TokenRatio, TrustOutput
 from rolloutopt.typing import BoolBT, FloatB, FloatBT, IntB, PerSeqOrToken
@@ -139,8 +140,11 @@ def policy_loss(
     loss 0; log-ratios are clamped so every finite input gives a finite loss; non-finite values at masked-in
     positions raise (unless checks are off).
     """
-    if not isinstance(entropy_coef, (int, float)) or isinstance(entropy_coef, bool):
-        raise InputError("entropy_coef", "a number", repr(entropy_coef), "pass a float (0.0 turns the bonus off)")
+    if not isinstance(entropy_coef, (int, float)) or isinstance(entropy_coef, bool) or not math.isfinite(entropy_coef):
+        raise InputError(
+            "entropy_coef", "a finite number", repr(entropy_coef), "pass a float (0.0 turns the bonus off)"
+        )
+    choice(agg, "agg", AGG_MODES)
     dims = Dims()
     lp = as_float(logp, "logp", dims, "B T")
     m = as_mask(mask, "mask", dims, "B T", device=lp.device)
@@ -157,6 +161,9 @@ def policy_loss(
     behav = None if behav_logp is None else as_float(behav_logp, "behav_logp", dims, "B T", device=lp.device)
     if behav is not None:
         finite(behav, "behav_logp", m)
+    # Padding may hold garbage (inf, NaN) in any input; this select makes the gradient at masked-out positions
+    # exactly 0, so a non-finite local derivative there (0 * inf) cannot reach the caller's logp.
+    lp = torch.where(m, lp, torch.zeros_like(lp))
 
     log_r = ratio.log_ratio(lp, old, m)
     r = torch.exp(log_r)
@@ -204,6 +211,7 @@ def policy_loss(
 
     loss_mask = m if keep is None else m & keep
     denom_mask = m if removed_in_denominator else loss_mask
+    kept = loss_mask  # before seq_weight: masked_frac reports trust-region and correction masks only
     if seq_weight is not None:
         sw = as_float(seq_weight, "seq_weight", dims, "B", device=lp.device)
         finite(sw, "seq_weight")
@@ -228,7 +236,7 @@ def policy_loss(
         "ratio_mean": _masked_mean(rd, m, count),
         "ratio_max": torch.where(m, rd, torch.zeros_like(rd)).amax().detach() if rd.numel() else rd.sum().detach(),
         "approx_kl": _masked_mean(-log_r.detach(), m, count),
-        "masked_frac": _masked_mean(~loss_mask, m, count),
+        "masked_frac": _masked_mean(~kept, m, count),
     }
     for name, ind in out.indicators.items():
         metrics[name] = _masked_mean(ind, m, count)

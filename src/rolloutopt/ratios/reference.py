@@ -91,7 +91,8 @@ def gspo_token_log_ratio(logp: FloatBT, old_logp: FloatBT, mask: BoolBT, *, clam
 def _gspo_token(lp: Tensor, old: Tensor, m: Tensor, clamp_max: float) -> Tensor:
     diff = torch.where(m, lp - old, torch.zeros_like(lp))
     seq = diff.sum(-1) / m.sum(-1).clamp(min=1).to(lp.dtype)
-    tok = (seq.detach()[:, None] + lp - lp.detach()).clamp(max=clamp_max)
+    # (lp - sg(lp)) is exactly 0: the value is exactly log s_i, with no rounding at the scale of lp (verl's order).
+    tok = (seq.detach()[:, None] + (lp - lp.detach())).clamp(max=clamp_max)
     return torch.where(m, tok, torch.zeros_like(tok))
 
 
@@ -204,26 +205,37 @@ def cispo_weight(
     Two parameterisations, named apart because the trainers disagree: relative bounds ``low``/``high``
     (verl and the paper: bounds ``1-low`` and ``1+high``; ``low=None`` means no lower bound, MiniMax-M1's
     choice) or an absolute upper ``cap`` (TRL's ``epsilon_high`` for ``loss_type="cispo"``; ScaleRL uses 5.0).
-    Passing ``cap`` requires ``high=None``. Reference: MiniMax-M1, arXiv 2506.13585.
+    Passing ``cap`` requires ``high=None`` and ``low=None``. Reference: MiniMax-M1, arXiv 2506.13585.
     """
+    _check_cispo(low, high, cap, "")
     if cap is not None:
-        positive(cap, "cap")
-        if high is not None:
-            raise InputError(
-                "cap", "cap alone (an absolute upper bound)", f"cap={cap} with high={high}", "pass high=None with cap"
-            )
         return ratio.clamp(max=cap).detach()
+    assert high is not None
+    return ratio.clamp(min=None if low is None else 1 - low, max=1 + high).detach()
+
+
+def _check_cispo(low: float | None, high: float | None, cap: float | None, owner: str) -> None:
+    if cap is not None:
+        positive(cap, f"{owner}cap")
+        for name, value in (("high", high), ("low", low)):
+            if value is not None:
+                raise InputError(
+                    f"{owner}{name}",
+                    "None with cap (cap is an absolute upper bound, TRL's convention, and has no lower bound)",
+                    f"cap={cap} with {name}={value}",
+                    f"pass {name}=None with cap, or drop cap and use the relative bounds low/high",
+                )
+        return
     if low is not None:
-        positive(low, "low", strict=False)
+        positive(low, f"{owner}low", strict=False)
     if high is None:
         raise InputError(
-            "high",
+            f"{owner}high",
             "a relative upper bound (1+high) or cap=",
             "high=None and cap=None",
             "set high (e.g. 0.2) or cap (e.g. 5.0)",
         )
-    positive(high, "high", strict=False)
-    return ratio.clamp(min=None if low is None else 1 - low, max=1 + high).detach()
+    positive(high, f"{owner}high", strict=False)
 
 
 @dataclass(frozen=True)
@@ -240,7 +252,7 @@ class CISPO:
     cap: float | None = None
 
     def __post_init__(self) -> None:
-        cispo_weight(torch.ones(1), low=self.low, high=self.high, cap=self.cap)
+        _check_cispo(self.low, self.high, self.cap, "CISPO.")
 
     def __call__(self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor) -> TrustOutput:
         w = cispo_weight(ratio, low=self.low, high=self.high, cap=self.cap)
@@ -250,13 +262,16 @@ class CISPO:
 def sapo_gate(ratio: FloatBT, advantages: FloatBT, *, tau_pos: float = 1.0, tau_neg: float = 1.05) -> FloatBT:
     r"""SAPO's soft gate, the per-token loss :math:`L = -\frac{4}{\tau}\,\sigma(\tau(r-1))\,A`.
 
-    :math:`\tau = \tau_{pos}` where A > 0, else :math:`\tau_{neg}`; at r = 1 the gate equals 1 with slope 1,
-    so on-policy it matches the unclipped surrogate, and it decays smoothly instead of clipping. Defaults 1.0 /
+    :math:`\tau = \tau_{pos}` where A > 0, else :math:`\tau_{neg}`; at r = 1 the gate equals 2/τ with slope 1,
+    so on-policy its gradient matches the unclipped surrogate's, and it decays smoothly instead of clipping. Defaults 1.0 /
     1.05 (verl ``tau_pos``/``tau_neg``, TRL ``sapo_temperature_*``). Reference: SAPO, arXiv 2511.20347.
     """
     positive(tau_pos, "tau_pos")
     positive(tau_neg, "tau_neg")
-    tau = torch.where(advantages > 0, tau_pos, tau_neg).to(ratio.dtype)
+    # Build tau in the ratio's dtype: torch.where on Python scalars gives fp32 (1.05 -> 1.0499999523), which
+    # would put a ~1e-6 relative error into fp64 losses (caught by the verl parity test).
+    pos = torch.tensor(tau_pos, dtype=ratio.dtype, device=ratio.device)
+    tau = torch.where(advantages > 0, pos, torch.tensor(tau_neg, dtype=ratio.dtype, device=ratio.device))
     return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
 
 

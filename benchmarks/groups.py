@@ -1,0 +1,138 @@
+"""Group advantages on 65,536 rollouts: rolloutopt's grpo/rloo against verl 0.9.1's estimators, in one run.
+
+Cases: (a) equal groups of 8 in consecutive order (what a trainer with ``rollout.n = 8`` produces) and (b)
+ragged groups of random sizes 1–32 in shuffled order (what allocators produce). T = 8 response tokens with
+random lengths; verl takes ``token_level_rewards [B, T]`` and ``index``, a numpy object array of uid strings.
+
+Baselines: verl's default estimators (``compute_grpo_outcome_advantage``, ``compute_rloo_outcome_advantage``:
+Python loops over rows and ids) and its vectorised ones (``compute_grpo_vectorized_outcome_advantage``,
+``compute_rloo_vectorized_outcome_advantage``). rolloutopt runs in the compatible mode (``singleton="raw"``
+against verl's GRPO and loop RLOO, ``"zero"`` against vectorised RLOO) and the numbers are asserted equal
+within 1e-5. Our time includes the reward sum over T and ``to_tokens`` (verl returns ``[B, T]``), input
+validation (checks on, the default) and, in the "ours" column, building :class:`~rolloutopt.groups.Groups`
+from int64 ids; the "prebuilt" column passes a Groups built once per step. verl's time includes turning uid
+strings into integers (``np.unique``), which rolloutopt leaves to the trainer adapter: the "uid→int" line
+reports that cost on its own. One thread (``torch.set_num_threads(1)``) for everything; medians of several
+repeats after a warmup (fewer for the slow loops).
+
+Run: ``python benchmarks/groups.py``.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from rolloutopt.advantages import grpo, rloo, to_tokens
+from rolloutopt.groups import Groups
+
+B, T = 65_536, 8
+REPEATS, LOOP_REPEATS = 30, 3
+
+
+def timeit(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def make_case(case: str, gen: torch.Generator) -> dict[str, Any]:
+    if case == "equal":
+        ids = torch.arange(B // 8).repeat_interleave(8)
+    else:
+        sizes = torch.randint(1, 33, (B // 8,), generator=gen)
+        sizes = sizes[torch.cumsum(sizes, 0) <= B]
+        last = B - int(sizes.sum())
+        sizes = torch.cat([sizes, torch.ones(last, dtype=torch.long)]) if last else sizes
+        ids = torch.repeat_interleave(torch.randperm(len(sizes), generator=gen) * 7919 + 13, sizes)
+        ids = ids[torch.randperm(B, generator=gen)]
+    lengths = torch.randint(1, T + 1, (B,), generator=gen)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    scores = (torch.rand(B, generator=gen) > 0.5).float() + 0.1 * torch.randn(B, generator=gen)
+    tlr = torch.zeros(B, T)
+    tlr[torch.arange(B), lengths - 1] = scores
+    index = np.array([f"{i:08x}-uid" for i in ids.tolist()], dtype=object)
+    return {"ids": ids, "mask": mask, "mask_f": mask.float(), "tlr": tlr, "index": index}
+
+
+def run_case(case: str, d: dict[str, Any], ca: Any) -> None:
+    ids, mask, tlr, index = d["ids"], d["mask"], d["tlr"], d["index"]
+    prebuilt = Groups(ids)
+
+    def ours_grpo(g: Any = ids) -> torch.Tensor:
+        return to_tokens(grpo(tlr.sum(-1), g, singleton="raw").advantages, mask)
+
+    def ours_rloo_raw(g: Any = ids) -> torch.Tensor:
+        return to_tokens(rloo(tlr.sum(-1), g, singleton="raw").advantages, mask)
+
+    def ours_rloo_zero(g: Any = ids) -> torch.Tensor:
+        return to_tokens(rloo(tlr.sum(-1), g).advantages, mask)
+
+    # verl's fast path: integer labels skip as_torch_index's string factorisation. They must be dense (0..G-1):
+    # group_mean_std allocates max(label) + 1 slots, so sparse int ids cost it a second per call.
+    int_index = np.unique(ids.numpy(), return_inverse=True)[1]
+    rows = [
+        ("grpo", "compute_grpo_outcome_advantage", ours_grpo, LOOP_REPEATS, index),
+        ("grpo", "compute_grpo_vectorized_outcome_advantage", ours_grpo, REPEATS, index),
+        ("grpo", "compute_grpo_vectorized_outcome_advantage", ours_grpo, REPEATS, int_index),
+        ("rloo", "compute_rloo_outcome_advantage", ours_rloo_raw, LOOP_REPEATS, index),
+        ("rloo", "compute_rloo_vectorized_outcome_advantage", ours_rloo_zero, REPEATS, index),
+        ("rloo", "compute_rloo_vectorized_outcome_advantage", ours_rloo_zero, REPEATS, int_index),
+    ]
+    for method, fn_name, ours, reps, idx in rows:
+        fn = getattr(ca, fn_name)
+        name = fn_name.removeprefix("compute_").removesuffix("_outcome_advantage")
+        name += " (uid str)" if idx is index else " (dense int ids)"
+
+        def theirs(fn: Any = fn, idx: Any = idx) -> torch.Tensor:
+            return fn(token_level_rewards=tlr.clone(), response_mask=d["mask_f"], index=idx)[0]  # type: ignore[no-any-return]
+
+        diff = float((ours() - theirs()).abs().max())
+        assert diff <= 1e-5, (case, name, diff)
+        t_ours = timeit(ours, REPEATS)
+        t_pre = timeit(lambda ours=ours: ours(prebuilt), REPEATS)
+        t_base = timeit(theirs, reps, warmup=1)
+        print(
+            f"| {case:6} | {method:5} | {name:32} | {t_ours:8.2f} | {t_pre:11.2f} | {t_base:11.2f} "
+            f"| {t_base / t_ours:6.0f}x | {t_base / t_pre:13.0f}x | {diff:12.1e} |"
+        )
+    t_groups = timeit(lambda: Groups(ids), REPEATS)
+    t_uid = timeit(lambda: np.unique(index, return_inverse=True), 5, warmup=1)
+    print(
+        f"| {case:6} | Groups(ids) alone: {t_groups:.2f} ms; uid strings→int (np.unique, adapter side): {t_uid:.2f} ms |"
+    )
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="rolloutopt: a group of size 1")
+    from verl.trainer.ppo import core_algos as ca
+
+    gen = torch.Generator().manual_seed(0)
+    print(
+        f"B={B}, T={T}, torch {torch.__version__}, threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}"
+    )
+    header = (
+        f"| {'case':6} | {'method':5} | {'baseline (verl 0.9.1 compute_*)':32} | {'ours ms':>8} | {'prebuilt ms':>11} "
+        f"| {'baseline ms':>11} | {'ratio':>7} | {'ratio prebuilt':>14} | {'max abs diff':>12} |"
+    )
+    print(header)
+    print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
+    for case in ("equal", "ragged"):
+        run_case(case, make_case(case, gen), ca)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Named loss presets: each is policy_loss with its documented configuration; registry behaviour."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import rolloutopt.losses as L
+from rolloutopt.errors import InputError
+from rolloutopt.losses import Preset, policy_loss
+from rolloutopt.ratios import CISPO, SAPO, GSPORatio, PPOClip, TokenRatio
+
+# the documented configurations (specs/ratios_and_losses.md §2, §5; the docstring of each preset)
+DOCUMENTED: dict[str, dict[str, Any]] = {
+    "grpo": {"ratio": TokenRatio(), "trust": PPOClip(low=0.2, high=0.2, dual=None), "agg": "seq-mean-token-mean"},
+    "dapo": {"ratio": TokenRatio(), "trust": PPOClip(low=0.2, high=0.28, dual=None), "agg": "token-mean"},
+    "dr_grpo": {
+        "ratio": TokenRatio(),
+        "trust": PPOClip(low=0.2, high=0.2, dual=None),
+        "agg": "seq-mean-token-sum-norm",
+    },
+    "gspo": {
+        "ratio": GSPORatio(clamp_max=10.0),
+        "trust": PPOClip(low=3e-4, high=4e-4, dual=None),
+        "agg": "seq-mean-token-mean",
+    },
+    "cispo": {"ratio": TokenRatio(), "trust": CISPO(low=None, high=0.2, cap=None), "agg": "token-mean"},
+    "sapo": {"ratio": TokenRatio(), "trust": SAPO(tau_pos=1.0, tau_neg=1.05), "agg": "seq-mean-token-mean"},
+}
+
+
+def _inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    old = -2 * torch.rand(4, 6, generator=g, dtype=torch.float64)
+    logp = old + 0.3 * torch.randn(4, 6, generator=g, dtype=torch.float64)
+    mask = torch.rand(4, 6, generator=g) > 0.25
+    mask[:, 0] = True
+    adv = torch.randn(4, generator=g, dtype=torch.float64)
+    return logp, old, adv, mask
+
+
+def test_names() -> None:
+    names = L.names()
+    assert set(DOCUMENTED) <= set(names)
+    assert names == sorted(names)
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED))
+def test_get_returns_preset_equal_to_documented_policy_loss(name: str) -> None:
+    preset = L.get(name)
+    assert isinstance(preset, Preset)
+    assert preset.name == name
+    assert "arXiv" in preset.reference
+    assert preset.config == DOCUMENTED[name]
+    logp, old, adv, mask = _inputs()
+    extra = {"max_len": 6} if name == "dr_grpo" else {}
+    got = preset(logp, old, adv, mask, **extra)
+    want = policy_loss(logp, old, adv, mask, **DOCUMENTED[name], **extra)
+    torch.testing.assert_close(got.loss, want.loss)
+    torch.testing.assert_close(got.per_token, want.per_token)
+    assert got.metrics.keys() == want.metrics.keys()
+
+
+def test_presets_differ_from_each_other() -> None:
+    logp, old, adv, mask = _inputs(1)
+    losses = {n: float(L.get(n)(logp, old, adv, mask, max_len=6).loss) for n in DOCUMENTED}
+    assert len(set(losses.values())) == len(losses), losses
+
+
+def test_keyword_overrides_win() -> None:
+    logp, old, adv, mask = _inputs(2)
+    trust = PPOClip(low=0.1, high=0.1, dual=2.0)
+    got = L.get("dapo")(logp, old, adv, mask, trust=trust, agg="seq-mean-token-sum")
+    want = policy_loss(logp, old, adv, mask, ratio=TokenRatio(), trust=trust, agg="seq-mean-token-sum")
+    torch.testing.assert_close(got.loss, want.loss)
+    assert not torch.allclose(got.loss, L.get("dapo")(logp, old, adv, mask).loss)
+    # the bound config is not mutated by an override
+    assert L.get("dapo").config["trust"] == PPOClip(low=0.2, high=0.28, dual=None)
+
+
+def test_unknown_name_lists_names() -> None:
+    with pytest.raises(InputError) as e:
+        L.get("nope")
+    msg = str(e.value)
+    assert "'nope'" in msg
+    for name in DOCUMENTED:
+        assert name in msg
+
+
+def test_dr_grpo_without_max_len() -> None:
+    logp, old, adv, mask = _inputs()
+    with pytest.raises(InputError) as e:
+        L.get("dr_grpo")(logp, old, adv, mask)
+    assert e.value.argument == "max_len"
+    assert "max_len" in str(e.value)
+
+
+def test_register() -> None:
+    preset = Preset("test_presets_tmp", "arXiv 0000.00000 (test)", {"trust": None, "agg": "token-sum"})
+    assert L.register("test_presets_tmp", preset) is preset
+    try:
+        assert L.get("test_presets_tmp") is preset
+        assert "test_presets_tmp" in L.names()
+        assert L.register("test_presets_tmp", preset) is preset  # the same object again is a no-op
+        other = Preset("test_presets_tmp", "other", {})
+        with pytest.raises(InputError) as e:
+            L.register("test_presets_tmp", other)
+        assert e.value.argument == "name"
+        assert L.register("test_presets_tmp", other, overwrite=True) is other
+        logp, old, adv, mask = _inputs()
+        torch.testing.assert_close(
+            L.get("test_presets_tmp")(logp, old, adv, mask).loss, policy_loss(logp, old, adv, mask, **other.config).loss
+        )
+    finally:
+        L.PRESETS._items.pop("test_presets_tmp", None)
+
+
+def test_register_builtin_name_twice_raises() -> None:
+    with pytest.raises(InputError) as e:
+        L.register("grpo", Preset("grpo", "mine", {}))
+    assert "already" in str(e.value)
+    assert L.get("grpo").config == DOCUMENTED["grpo"]
