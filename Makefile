@@ -20,8 +20,8 @@ demo: $(STAMP)
 	$(PY) -m rolloutopt demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks docs_ext
+	$(VENV)/bin/ruff format --check src tests benchmarks docs_ext
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

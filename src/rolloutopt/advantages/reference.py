@@ -8,6 +8,8 @@ zero-variance groups, with a switch for verl's convention where it differs.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from typing import Any, Literal
 
@@ -67,13 +69,24 @@ def _finish(adv: Tensor, r: Tensor, g: Groups, valid: Tensor | None, n: Tensor, 
     return AdvantageOutput(advantages=adv, weight=w, metrics=metrics)
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _outside_package() -> int:
+    """The ``stacklevel`` of the first caller outside rolloutopt, so a warning names the user's line."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
+
+
 def _warn_singletons(g: Groups, n: Tensor, valid: Tensor | None, singleton: str) -> None:
     # A group is a singleton when it has one *valid* row (a host sync only when a valid mask is given).
     if singleton == "zero" and (g.min_size == 1 if valid is None else bool((n == 1).any())):
         warnings.warn(
             "rolloutopt: a group of size 1 gets advantage 0 (no baseline can be formed); pass singleton='raw' "
             "for verl's convention (advantage = raw reward)",
-            stacklevel=3,
+            stacklevel=_outside_package(),
         )
 
 
