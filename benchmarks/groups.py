@@ -10,9 +10,9 @@ Python loops over rows and ids) and its vectorised ones (``compute_grpo_vectoriz
 against verl's GRPO and loop RLOO, ``"zero"`` against vectorised RLOO) and the numbers are asserted equal
 within 1e-5. Our time includes the reward sum over T and ``to_tokens`` (verl returns ``[B, T]``), input
 validation (checks on, the default) and, in the "ours" column, building :class:`~rolloutopt.groups.Groups`
-from int64 ids; the "prebuilt" column passes a Groups built once per step. verl's time includes turning uid
-strings into integers (``np.unique``), which rolloutopt leaves to the trainer adapter: the "uid→int" line
-reports that cost on its own. One thread (``torch.set_num_threads(1)``) for everything; medians of several
+from the same input verl gets: ``Groups.from_labels`` on the uid strings (verl's real input,
+``str(uuid.uuid4())`` per prompt), ``Groups(ids)`` on dense int ids (verl's fast path). The "prebuilt" column
+passes a Groups built once per step and shared by every estimator of that step. One thread (``torch.set_num_threads(1)``) for everything; medians of several
 repeats after a warmup (fewer for the slow loops).
 
 Run: ``python benchmarks/groups.py``.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import platform
 import statistics
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -63,7 +64,9 @@ def make_case(case: str, gen: torch.Generator) -> dict[str, Any]:
     scores = (torch.rand(B, generator=gen) > 0.5).float() + 0.1 * torch.randn(B, generator=gen)
     tlr = torch.zeros(B, T)
     tlr[torch.arange(B), lengths - 1] = scores
-    index = np.array([f"{i:08x}-uid" for i in ids.tolist()], dtype=object)
+    # verl's uids are str(uuid.uuid4()), 36 characters; derive them from the seeded ids so runs repeat.
+    uid = {i: str(uuid.UUID(int=(i * 0x9E3779B97F4A7C15 + 1) % 2**128)) for i in set(ids.tolist())}
+    index = np.array([uid[i] for i in ids.tolist()], dtype=object)
     return {"ids": ids, "mask": mask, "mask_f": mask.float(), "tlr": tlr, "index": index}
 
 
@@ -71,14 +74,18 @@ def run_case(case: str, d: dict[str, Any], ca: Any) -> None:
     ids, mask, tlr, index = d["ids"], d["mask"], d["tlr"], d["index"]
     prebuilt = Groups(ids)
 
-    def ours_grpo(g: Any = ids) -> torch.Tensor:
-        return to_tokens(grpo(tlr.sum(-1), g, singleton="raw").advantages, mask)
+    def groups_of(idx: Any) -> Groups:
+        # Ours starts from the same input as verl: uid strings go through Groups.from_labels, int ids to Groups.
+        return Groups.from_labels(idx) if idx.dtype == object else Groups(torch.from_numpy(idx))
 
-    def ours_rloo_raw(g: Any = ids) -> torch.Tensor:
-        return to_tokens(rloo(tlr.sum(-1), g, singleton="raw").advantages, mask)
+    def ours_grpo(idx: Any, g: Groups | None = None) -> torch.Tensor:
+        return to_tokens(grpo(tlr.sum(-1), g or groups_of(idx), singleton="raw").advantages, mask)
 
-    def ours_rloo_zero(g: Any = ids) -> torch.Tensor:
-        return to_tokens(rloo(tlr.sum(-1), g).advantages, mask)
+    def ours_rloo_raw(idx: Any, g: Groups | None = None) -> torch.Tensor:
+        return to_tokens(rloo(tlr.sum(-1), g or groups_of(idx), singleton="raw").advantages, mask)
+
+    def ours_rloo_zero(idx: Any, g: Groups | None = None) -> torch.Tensor:
+        return to_tokens(rloo(tlr.sum(-1), g or groups_of(idx)).advantages, mask)
 
     # verl's fast path: integer labels skip as_torch_index's string factorisation. They must be dense (0..G-1):
     # group_mean_std allocates max(label) + 1 slots, so sparse int ids cost it a second per call.
@@ -99,19 +106,21 @@ def run_case(case: str, d: dict[str, Any], ca: Any) -> None:
         def theirs(fn: Any = fn, idx: Any = idx) -> torch.Tensor:
             return fn(token_level_rewards=tlr.clone(), response_mask=d["mask_f"], index=idx)[0]  # type: ignore[no-any-return]
 
-        diff = float((ours() - theirs()).abs().max())
+        diff = float((ours(idx) - theirs()).abs().max())
         assert diff <= 1e-5, (case, name, diff)
-        t_ours = timeit(ours, REPEATS)
-        t_pre = timeit(lambda ours=ours: ours(prebuilt), REPEATS)
+        t_ours = timeit(lambda ours=ours, idx=idx: ours(idx), REPEATS)
+        t_pre = timeit(lambda ours=ours, idx=idx: ours(idx, prebuilt), REPEATS)
         t_base = timeit(theirs, reps, warmup=1)
         print(
             f"| {case:6} | {method:5} | {name:32} | {t_ours:8.2f} | {t_pre:11.2f} | {t_base:11.2f} "
             f"| {t_base / t_ours:6.0f}x | {t_base / t_pre:13.0f}x | {diff:12.1e} |"
         )
     t_groups = timeit(lambda: Groups(ids), REPEATS)
+    t_labels = timeit(lambda: Groups.from_labels(index), 10, warmup=1)
     t_uid = timeit(lambda: np.unique(index, return_inverse=True), 5, warmup=1)
     print(
-        f"| {case:6} | Groups(ids) alone: {t_groups:.2f} ms; uid strings→int (np.unique, adapter side): {t_uid:.2f} ms |"
+        f"| {case:6} | Groups(ids): {t_groups:.2f} ms; Groups.from_labels(uids): {t_labels:.2f} ms; "
+        f"np.unique(uids) as verl does: {t_uid:.2f} ms |"
     )
 
 

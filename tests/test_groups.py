@@ -552,3 +552,40 @@ def test_broadcast_wrong_length() -> None:
         g.broadcast(f64([1.0, 2.0, 3.0]))  # a per-row tensor, not per-group
     with pytest.raises(InputError, match=r"^stat: "):
         g.broadcast(f64(1.0))
+
+
+def test_from_labels_hand_computed() -> None:
+    g = Groups.from_labels(np.array(["b", "b", "a", "c", "a"], dtype=object))
+    assert g.ids.tolist() == [0, 0, 1, 2, 1]
+    assert g.sizes.tolist() == [2, 2, 1]
+    assert g.mean(torch.tensor([1.0, 3.0, 4.0, 7.0, 6.0])).tolist() == [2.0, 5.0, 7.0]
+    blocks = Groups.from_labels(["u1"] * 3 + ["u0"] * 3)  # consecutive blocks: sorted ids, identity order
+    assert blocks.ids.tolist() == [0, 0, 0, 1, 1, 1]
+    assert blocks.dense_size == 3
+    assert blocks.order.tolist() == list(range(6))
+
+
+@given(st.lists(st.integers(-5, 5), min_size=1, max_size=40))
+def test_from_labels_same_partition_as_int_ids(labels: list[int]) -> None:
+    from_labels = Groups.from_labels([f"uid-{x}" for x in labels])
+    from_ids = Groups(torch.tensor(labels))
+    x = torch.linspace(-1, 1, len(labels))
+    # Same partition of rows: every per-row statistic agrees, whatever the numbering of the groups.
+    torch.testing.assert_close(from_labels.broadcast(from_labels.mean(x)), from_ids.broadcast(from_ids.mean(x)))
+    assert (from_labels.position == from_ids.position).all()
+    assert sorted(from_labels.sizes.tolist()) == sorted(from_ids.sizes.tolist())
+
+
+@pytest.mark.parametrize(
+    ("labels", "match"),
+    [
+        ("abc", "labels"),
+        (torch.arange(3), "labels"),
+        (np.zeros((2, 2)), "labels"),
+        ([[1], [2]], "labels"),
+        ([], "group"),
+    ],
+)
+def test_from_labels_bad_input(labels: Any, match: str) -> None:
+    with pytest.raises(InputError, match=match):
+        Groups.from_labels(labels)
