@@ -556,11 +556,11 @@ def test_broadcast_wrong_length() -> None:
 
 def test_from_labels_hand_computed() -> None:
     g = Groups.from_labels(np.array(["b", "b", "a", "c", "a"], dtype=object))
-    assert g.ids.tolist() == [0, 0, 1, 2, 1]
-    assert g.sizes.tolist() == [2, 2, 1]
-    assert g.mean(torch.tensor([1.0, 3.0, 4.0, 7.0, 6.0])).tolist() == [2.0, 5.0, 7.0]
+    assert g.ids.tolist() == [1, 1, 4, 3, 4]
+    assert g.sizes.tolist() == [2, 1, 2]
+    assert g.mean(torch.tensor([1.0, 3.0, 4.0, 7.0, 6.0])).tolist() == [2.0, 7.0, 5.0]
     blocks = Groups.from_labels(["u1"] * 3 + ["u0"] * 3)  # consecutive blocks: sorted ids, identity order
-    assert blocks.ids.tolist() == [0, 0, 0, 1, 1, 1]
+    assert blocks.ids.tolist() == [2, 2, 2, 5, 5, 5]
     assert blocks.dense_size == 3
     assert blocks.order.tolist() == list(range(6))
 
@@ -589,3 +589,8 @@ def test_from_labels_same_partition_as_int_ids(labels: list[int]) -> None:
 def test_from_labels_bad_input(labels: Any, match: str) -> None:
     with pytest.raises(InputError, match=match):
         Groups.from_labels(labels)
+
+
+def test_quantile_rejects_bool_q() -> None:
+    with pytest.raises(InputError, match="q"):
+        Groups(torch.tensor([0, 0, 1])).quantile(torch.tensor([1.0, 2.0, 3.0]), True)

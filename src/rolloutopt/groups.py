@@ -99,12 +99,12 @@ class Groups:
 
     @classmethod
     def from_labels(cls, labels: Iterable[Hashable], *, device: torch.device | str | None = None) -> Groups:
-        """Groups from arbitrary hashable labels, e.g. verl's ``uid`` strings: ids numbered by first appearance.
+        """Groups from arbitrary hashable labels, e.g. verl's ``uid`` strings (exact: labels are compared by equality).
 
-        One hash-table pass over the labels (about 5 ms for 65,536 uuid strings on one CPU core, against about
-        30 ms for the ``np.unique`` that verl's vectorised estimators run on the same strings). Labels in
-        consecutive blocks (a trainer's ``rollout.n`` repeats) give sorted ids, so the result takes the
-        identity-order fast path.
+        A label's id is the row of its last occurrence. One hash-table pass over the labels (about 4.5 ms for
+        65,536 uuid strings on one CPU core, against about 20 ms for the ``np.unique`` sort that verl's vectorised
+        estimators run on the same strings). Labels in consecutive blocks (a trainer's ``rollout.n`` repeats)
+        give increasing ids, so the result takes the identity-order fast path.
 
         Args:
             labels: one label per rollout (a list, tuple or 1-d numpy array of strings, ints, tuples...).
@@ -118,9 +118,9 @@ class Groups:
                 type(labels).__name__ + (f" of shape {labels.shape}" if hasattr(labels, "shape") else ""),
                 "pass int64 tensors of ids to Groups(ids) directly, and other labels as a list or 1-d array",
             )
-        seen: dict[Hashable, int] = {}
+        rows = list(items)
         try:
-            ids = np.fromiter((seen.setdefault(x, len(seen)) for x in items), dtype=np.int64)
+            last = dict(zip(rows, range(len(rows)), strict=True))  # label -> row of its last occurrence
         except TypeError as exc:
             raise InputError(
                 "labels",
@@ -128,6 +128,7 @@ class Groups:
                 f"an unhashable label ({exc})",
                 "convert labels to str",
             ) from None
+        ids = np.fromiter(map(last.__getitem__, rows), dtype=np.int64, count=len(rows))
         return cls(torch.from_numpy(ids).to(device))
 
     def __repr__(self) -> str:
@@ -293,7 +294,7 @@ class Groups:
     def quantile(self, x: FloatB, q: float, valid: Any = None) -> FloatG:
         """Quantile ``q`` in [0, 1] per group, ``[G]``, with linear interpolation (numpy's default ``linear``):
         position ``q·(n-1)`` between the sorted values ``floor`` and ``ceil`` of it."""
-        if not isinstance(q, (int, float)) or not 0.0 <= q <= 1.0:
+        if not isinstance(q, (int, float)) or isinstance(q, bool) or not 0.0 <= q <= 1.0:
             raise InputError("q", "a number in [0, 1]", repr(q), "pass the quantile as a fraction, e.g. 0.5")
         x = self._x(x)
         valid = self._valid(valid)

@@ -539,3 +539,14 @@ def test_gradient_is_finite_with_nan_at_invalid_rows() -> None:
     assert r.grad is not None
     assert torch.isfinite(r.grad).all()
     assert r.grad[2].item() == 0.0
+
+
+@pytest.mark.parametrize("estimator", [dr_grpo, rloo, lambda r, g: grpo(r, g, scale="batch")])
+def test_zero_variance_group_frac_without_group_std(estimator: Any) -> None:
+    # Groups: {1, 1} (zero variance), {0, 1}, {0.3, 0.3, 0.3} (zero variance), {5} (singleton, not counted).
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.3, 0.3, 0.3, 5.0])
+    group = torch.tensor([0, 0, 1, 1, 2, 2, 2, 3])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = estimator(rewards, group)
+    assert out.metrics["zero_variance_group_frac"].item() == pytest.approx(2 / 4)

@@ -201,3 +201,10 @@ def test_bad_tensors() -> None:
     with pytest.raises(InputError) as e:
         aggregate(LOSS, MASK, denominator_mask=MASK[:1])
     assert e.value.argument == "denominator_mask"
+
+
+def test_bools_are_not_counts() -> None:
+    with pytest.raises(InputError, match="world_size"):
+        Denominators(world_size=True)
+    with pytest.raises(InputError, match="max_len"):
+        aggregate(LOSS, MASK, "seq-mean-token-sum-norm", max_len=True)

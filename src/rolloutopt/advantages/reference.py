@@ -64,6 +64,10 @@ def _finish(adv: Tensor, r: Tensor, g: Groups, valid: Tensor | None, n: Tensor, 
         "singleton_group_frac": ((n == 1).sum() / groups_with_rows).detach(),
         "reward_mean": ((r * w).sum() / w.sum().clamp(min=1)).detach(),
     }
+    if std is None and adv.ndim == 1:
+        # Without a std, a group of two or more has zero variance exactly when its advantages are all 0 (the
+        # centring on a member in _shifted makes them exactly 0): such a group carries no gradient.
+        std = g.max(adv.detach().abs(), valid)
     if std is not None:
         metrics["zero_variance_group_frac"] = (((std == 0) & (n > 1)).sum() / groups_with_rows).detach()
     return AdvantageOutput(advantages=adv, weight=w, metrics=metrics)

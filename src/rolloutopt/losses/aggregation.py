@@ -57,7 +57,7 @@ class Denominators:
     world_size: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.world_size, int) or self.world_size < 1:
+        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
             raise InputError(
                 "Denominators.world_size", "an int >= 1", repr(self.world_size), "pass the data-parallel size"
             )
@@ -122,7 +122,7 @@ def aggregate(
         elif mode == "seq-mean-token-sum":
             out = seq_sum.sum() / n_seq
         else:
-            if max_len is None or not isinstance(max_len, int) or max_len < 1:
+            if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
                 raise InputError(
                     "max_len",
                     "the configured maximum response length (an int >= 1) for agg='seq-mean-token-sum-norm'",
