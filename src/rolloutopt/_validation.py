@@ -17,7 +17,17 @@ from torch import Tensor
 
 from rolloutopt.errors import InputError
 
-__all__ = ["Dims", "as_float", "as_index", "as_mask", "checks", "checks_enabled", "describe", "finite"]
+__all__ = [
+    "Dims",
+    "as_float",
+    "as_index",
+    "as_mask",
+    "as_seq_or_token",
+    "checks",
+    "checks_enabled",
+    "describe",
+    "finite",
+]
 
 _ENABLED = [True]
 
@@ -135,6 +145,16 @@ def as_float(
         _check_device(x, name, device)
     t: Tensor = x
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def as_seq_or_token(x: Any, name: str, dims: Dims, *, device: torch.device | None = None) -> Tensor:
+    """Validate a per-sequence ``[B]`` or per-token ``[B, T]`` float tensor; return it as ``[B, 1]`` or ``[B, T]``."""
+    t = as_float(x, name, device=device)
+    if t.ndim == 1:
+        dims.check(t, name, "B")
+        return t[:, None]
+    dims.check(t, name, "B T")
+    return t
 
 
 def as_mask(

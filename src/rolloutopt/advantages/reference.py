@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import Dims, as_float, as_mask, choice, finite, positive
+from rolloutopt._validation import Dims, as_float, as_mask, as_seq_or_token, choice, finite, positive
 from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
 from rolloutopt.groups import Groups, as_groups
 from rolloutopt.typing import BoolBT, FloatB, FloatBT, IntB, PerSeqOrToken
@@ -279,12 +279,7 @@ def to_tokens(advantages: PerSeqOrToken, mask: BoolBT) -> FloatBT:
     """
     dims = Dims()
     m = as_mask(mask, "mask", dims, "B T")
-    a = as_float(advantages, "advantages", device=m.device)
-    if a.ndim == 1:
-        dims.check(a, "advantages", "B")
-        a = a[:, None]
-    else:
-        dims.check(a, "advantages", "B T")
+    a = as_seq_or_token(advantages, "advantages", dims, device=m.device)
     return a * m.to(a.dtype)  # float x float: ~3x faster on the CPU than float x bool (type promotion)
 
 

@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import Dims, as_float, as_mask, choice, finite
+from rolloutopt._validation import Dims, as_float, as_mask, as_seq_or_token, choice, finite
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 from rolloutopt.losses.aggregation import AGG_MODES, AggMode, Denominators, aggregate
@@ -149,12 +149,7 @@ def policy_loss(
     lp = as_float(logp, "logp", dims, "B T")
     m = as_mask(mask, "mask", dims, "B T", device=lp.device)
     old = lp.detach() if old_logp is None else as_float(old_logp, "old_logp", dims, "B T", device=lp.device)
-    adv = as_float(advantages, "advantages", device=lp.device)
-    if adv.ndim == 1:
-        dims.check(adv, "advantages", "B")
-        adv = adv[:, None]
-    else:
-        dims.check(adv, "advantages", "B T")
+    adv = as_seq_or_token(advantages, "advantages", dims, device=lp.device)
     finite(lp, "logp", m)
     finite(old, "old_logp", m)
     finite(adv.expand_as(lp), "advantages", m)
@@ -177,12 +172,7 @@ def policy_loss(
         keep = c.keep if keep is None else (keep if c.keep is None else keep & c.keep)
         extra.update(c.metrics)
     if is_weights is not None:
-        w = as_float(is_weights, "is_weights", device=lp.device).detach()
-        if w.ndim == 1:
-            dims.check(w, "is_weights", "B")
-            w = w[:, None]
-        else:
-            dims.check(w, "is_weights", "B T")
+        w = as_seq_or_token(is_weights, "is_weights", dims, device=lp.device).detach()
         finite(w.expand_as(lp), "is_weights", m)
         pg = pg * w
 
