@@ -550,3 +550,16 @@ def test_zero_variance_group_frac_without_group_std(estimator: Any) -> None:
         warnings.simplefilter("ignore")
         out = estimator(rewards, group)
     assert out.metrics["zero_variance_group_frac"].item() == pytest.approx(2 / 4)
+
+
+@given(st.integers(1, 6), st.integers(1, 6), st.data())
+def test_to_tokens_properties(b: int, t_: int, data: st.DataObject) -> None:
+    adv = torch.tensor(data.draw(st.lists(st.floats(-1e6, 1e6), min_size=b, max_size=b)))
+    mask = torch.tensor(data.draw(st.lists(st.lists(st.booleans(), min_size=t_, max_size=t_), min_size=b, max_size=b)))
+    out = to_tokens(adv, mask)
+    assert out.shape == (b, t_)
+    assert torch.equal(out[mask], adv[:, None].expand(b, t_)[mask])  # every masked-in token carries A_i
+    assert (out[~mask] == 0).all()
+    perm = torch.randperm(b)
+    assert torch.equal(to_tokens(adv[perm], mask[perm]), out[perm])
+    assert torch.equal(to_tokens(out, mask), out)  # per-token input is returned masked: idempotent

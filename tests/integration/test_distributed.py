@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hypothesis import given
+from hypothesis import strategies as st
 
 import rolloutopt
 from rolloutopt.distributed import global_denominators
@@ -180,3 +182,24 @@ def test_bad_input() -> None:
         global_denominators(b["mask"], group=torch.tensor([1.0, 2.0, 3.0, 4.0]))
     with rolloutopt.checks(False):
         assert counts(global_denominators(b["mask"].long())) == [9.0, 3.0, None]
+
+
+@given(st.integers(1, 6), st.integers(1, 6), st.data())
+def test_local_counts_property(b: int, t_: int, data: st.DataObject) -> None:
+    mask = torch.tensor(data.draw(st.lists(st.lists(st.booleans(), min_size=t_, max_size=t_), min_size=b, max_size=b)))
+    group = torch.tensor(data.draw(st.lists(st.integers(0, 3), min_size=b, max_size=b)))
+    weight = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=b, max_size=b)))
+    d = global_denominators(mask, group=group, seq_weight=weight)
+    counted = mask & (weight != 0)[:, None]
+    rows = [i for i in range(b) if counted[i].any()]
+    assert float(d.tokens) == int(counted.sum())
+    assert float(d.sequences) == len(rows)
+    assert float(d.groups) == len({int(group[i]) for i in rows})
+    assert d.world_size == 1
+    perm = torch.randperm(b)
+    dp = global_denominators(mask[perm], group=group[perm], seq_weight=weight[perm])
+    assert (float(dp.tokens), float(dp.sequences), float(dp.groups)) == (
+        float(d.tokens),
+        float(d.sequences),
+        float(d.groups),
+    )
