@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
@@ -208,3 +212,210 @@ def test_bools_are_not_counts() -> None:
         Denominators(world_size=True)
     with pytest.raises(InputError, match="max_len"):
         aggregate(LOSS, MASK, "seq-mean-token-sum-norm", max_len=True)
+
+
+# ------------------------------------------------------------------------------------ hypothesis properties
+
+D = torch.float64
+GARBAGE = [math.inf, -math.inf, math.nan, 1e300]
+
+
+def _fl(lo: float, hi: float) -> st.SearchStrategy[float]:
+    return st.floats(lo, hi, allow_nan=False, allow_infinity=False, allow_subnormal=False)
+
+
+def _mask_rows(draw: st.DrawFn, b: int, n: int) -> list[list[bool]]:
+    rows = []
+    for _ in range(b):
+        kind = draw(st.sampled_from(["none", "all", "random", "random"]))
+        rows.append(
+            [False] * n
+            if kind == "none"
+            else [True] * n
+            if kind == "all"
+            else draw(st.lists(st.booleans(), min_size=n, max_size=n))
+        )
+    return rows
+
+
+@st.composite
+def agg_batches(draw: st.DrawFn, min_b: int = 1) -> dict[str, object]:
+    """Ragged batch: per_token [B, T] fp64, mask (with all-masked rows), group ids, max_len, optional dm."""
+    b, n = draw(st.integers(min_b, 6)), draw(st.integers(1, 8))
+    x = draw(st.lists(_fl(-100.0, 100.0), min_size=b * n, max_size=b * n))
+    labels = draw(st.lists(st.integers(-(2**40), 2**40), min_size=1, max_size=b, unique=True))
+    group = [draw(st.sampled_from(labels)) for _ in range(b)]
+    dm = draw(st.one_of(st.none(), st.just(_mask_rows(draw, b, n))))
+    return {
+        "x": torch.tensor(x, dtype=D).view(b, n),
+        "mask": torch.tensor(_mask_rows(draw, b, n)),
+        "group": torch.tensor(group),
+        "max_len": draw(st.integers(1, 16)),
+        "dm": None if dm is None else torch.tensor(dm),
+    }
+
+
+def _agg(batch: dict[str, object], mode: str, x: torch.Tensor | None = None, **kw: object) -> torch.Tensor:
+    return aggregate(
+        batch["x"] if x is None else x,  # type: ignore[arg-type]
+        batch["mask"],  # type: ignore[arg-type]
+        mode,  # type: ignore[arg-type]
+        group=batch["group"],  # type: ignore[arg-type]
+        max_len=batch["max_len"],  # type: ignore[arg-type]
+        denominator_mask=batch["dm"],  # type: ignore[arg-type]
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _loop_reference(batch: dict[str, object], mode: str) -> float:
+    """The module docstring's formulas, one Python loop per sum (math.fsum)."""
+    x, m, g = batch["x"].tolist(), batch["mask"].tolist(), batch["group"].tolist()  # type: ignore[union-attr]
+    dm = m if batch["dm"] is None else batch["dm"].tolist()  # type: ignore[union-attr]
+    b, n = len(x), len(x[0])
+    row_sum = [math.fsum(x[i][j] for j in range(n) if m[i][j]) for i in range(b)]
+    row_len = [sum(dm[i]) for i in range(b)]
+    n_tokens = max(sum(row_len), 1)
+    n_seqs = max(sum(1 for ln in row_len if ln > 0), 1)
+    if mode == "token-mean":
+        return math.fsum(row_sum) / n_tokens
+    if mode == "token-sum":
+        return math.fsum(row_sum)
+    if mode == "seq-mean-token-mean":
+        return math.fsum(row_sum[i] / max(row_len[i], 1) for i in range(b)) / n_seqs
+    if mode == "seq-mean-token-sum":
+        return math.fsum(row_sum) / n_seqs
+    if mode == "seq-mean-token-sum-norm":
+        return math.fsum(row_sum) / (n_seqs * batch["max_len"])  # type: ignore[operator]
+    assert mode == "prompt-mean"
+    per_group, n_groups = [], 0
+    for label in sorted(set(g)):
+        rows = [i for i in range(b) if g[i] == label]
+        count = sum(row_len[i] for i in rows)
+        per_group.append(math.fsum(row_sum[i] for i in rows) / max(count, 1))
+        n_groups += count > 0
+    return math.fsum(per_group) / max(n_groups, 1)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor | float, scale: float = 1.0) -> None:
+    torch.testing.assert_close(a, torch.as_tensor(b, dtype=D), rtol=1e-10, atol=1e-10 * scale)
+
+
+@given(agg_batches())
+def test_prop_matches_loop_reference(batch: dict[str, object]) -> None:
+    for mode in AGG_MODES:
+        out = _agg(batch, mode)
+        assert out.shape == () and out.dtype == D
+        _close(out, _loop_reference(batch, mode))
+
+
+@given(agg_batches(), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_prop_finite_output_and_gradient(batch: dict[str, object], dtype: torch.dtype) -> None:
+    x = batch["x"].to(dtype).requires_grad_(True)  # type: ignore[union-attr]
+    for mode in AGG_MODES:
+        x.grad = None
+        out = _agg(batch, mode, x)
+        assert out.dtype == torch.float32 and torch.isfinite(out)
+        out.backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@given(agg_batches(), st.data())
+def test_prop_row_permutation_and_group_relabelling(batch: dict[str, object], data: st.DataObject) -> None:
+    x = batch["x"]
+    assert isinstance(x, torch.Tensor)
+    perm = torch.tensor(data.draw(st.permutations(list(range(x.shape[0])))))
+    labels = sorted(set(batch["group"].tolist()))  # type: ignore[union-attr]
+    new = data.draw(st.lists(st.integers(-(2**62), 2**62), min_size=len(labels), max_size=len(labels), unique=True))
+    relabel = dict(zip(labels, new, strict=True))
+    permuted = {
+        **batch,
+        "x": x[perm],
+        "mask": batch["mask"][perm],  # type: ignore[index]
+        "group": torch.tensor([relabel[int(i)] for i in batch["group"][perm]]),  # type: ignore[index]
+        "dm": None if batch["dm"] is None else batch["dm"][perm],  # type: ignore[index]
+    }
+    scale = float(x.abs().sum()) + 1
+    for mode in AGG_MODES:
+        _close(_agg(permuted, mode), _agg(batch, mode), scale)
+
+
+@given(agg_batches(), st.data())
+def test_prop_masked_out_values_do_not_matter(batch: dict[str, object], data: st.DataObject) -> None:
+    x, mask = batch["x"], batch["mask"]
+    assert isinstance(x, torch.Tensor) and isinstance(mask, torch.Tensor)
+    junk = torch.tensor(data.draw(st.lists(st.sampled_from(GARBAGE), min_size=x.numel(), max_size=x.numel())))
+    bad = torch.where(mask, x, junk.view_as(x).to(D))
+    for mode in AGG_MODES:
+        grads = []
+        for v in (x, bad):
+            leaf = v.clone().requires_grad_(True)
+            out = _agg(batch, mode, leaf)
+            out.backward()
+            assert leaf.grad is not None
+            grads.append((out.detach(), leaf.grad))
+        assert torch.equal(grads[0][0], grads[1][0]), mode
+        assert torch.equal(grads[0][1], grads[1][1]), mode
+        assert torch.equal(grads[1][1][~mask], torch.zeros_like(grads[1][1][~mask])), mode
+
+
+@given(agg_batches(), _fl(-10.0, 10.0), st.data())
+def test_prop_linear_in_per_token(batch: dict[str, object], a: float, data: st.DataObject) -> None:
+    x = batch["x"]
+    assert isinstance(x, torch.Tensor)
+    y = torch.tensor(data.draw(st.lists(_fl(-100.0, 100.0), min_size=x.numel(), max_size=x.numel())), dtype=D)
+    y = y.view_as(x)
+    scale = 11 * (float(x.abs().sum()) + float(y.abs().sum()) + 1)
+    for mode in AGG_MODES:
+        _close(_agg(batch, mode, a * x + y), a * _agg(batch, mode) + _agg(batch, mode, y), scale)
+
+
+@given(agg_batches(min_b=2), st.data())
+def test_prop_two_ranks_with_global_denominators_average_to_whole_batch(
+    batch: dict[str, object], data: st.DataObject
+) -> None:
+    x, mask, group = batch["x"], batch["mask"], batch["group"]
+    assert isinstance(x, torch.Tensor) and isinstance(mask, torch.Tensor) and isinstance(group, torch.Tensor)
+    dm = mask if batch["dm"] is None else batch["dm"]
+    assert isinstance(dm, torch.Tensor)
+    labels = sorted(set(group.tolist()))
+    b = x.shape[0]
+    # rows to rank 0: any non-empty proper subset; for prompt-mean whole groups go to one rank
+    rows = data.draw(st.lists(st.booleans(), min_size=b, max_size=b).filter(lambda r: 0 < sum(r) < len(r)))
+    lengths = dm.sum(-1)
+    counts = {g: int(lengths[group == g].sum()) for g in labels}
+    d = Denominators(
+        tokens=dm.sum(),
+        sequences=(lengths > 0).sum(),
+        groups=sum(1 for c in counts.values() if c > 0),
+        world_size=2,
+    )
+    scale = float(x.abs().sum()) + 1
+
+    def split(sel: torch.Tensor) -> dict[str, object]:
+        return {
+            **batch,
+            "x": x[sel],
+            "mask": mask[sel],
+            "group": group[sel],
+            "dm": None if batch["dm"] is None else dm[sel],
+        }
+
+    for mode in AGG_MODES:
+        if mode == "prompt-mean":
+            if len(labels) < 2:
+                continue
+            on0 = data.draw(st.lists(st.booleans(), min_size=len(labels), max_size=len(labels)))
+            on0 = on0 if 0 < sum(on0) < len(on0) else [True] + [False] * (len(labels) - 1)
+            sel = torch.tensor([on0[labels.index(int(g))] for g in group])
+        else:
+            sel = torch.tensor(rows)
+        parts = [_agg(split(s), mode, denominators=d) for s in (sel, ~sel)]
+        _close((parts[0] + parts[1]) / 2, _agg(batch, mode), scale)
+
+
+@settings(max_examples=20)
+@given(agg_batches())
+def test_prop_gradcheck(batch: dict[str, object]) -> None:
+    x = batch["x"].clone().requires_grad_(True)  # type: ignore[union-attr]
+    for mode in AGG_MODES:
+        assert torch.autograd.gradcheck(lambda v, mode=mode: _agg(batch, mode, v), (x,))

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rolloutopt.errors import InputError
 from rolloutopt.losses import KL, kl_penalty
@@ -178,3 +180,155 @@ def test_kl_penalty_bad_inputs() -> None:
 def test_estimator_list() -> None:
     assert {"k1", "k2", "k3", "abs", "k3+", "low_var_kl+", "kl", "mse"} <= set(KL_ESTIMATORS)
     assert "full" not in KL_ESTIMATORS
+
+
+# ------------------------------------------------------------------------------------ hypothesis properties
+
+NON_NEGATIVE = [e for e in KL_ESTIMATORS if e.rstrip("+") in ("abs", "k2", "k3", "mse", "low_var_kl")]
+BASE = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+
+
+def _fl(lo: float, hi: float) -> st.SearchStrategy[float]:
+    return st.floats(lo, hi, allow_nan=False, allow_infinity=False, allow_subnormal=False)
+
+
+@st.composite
+def kl_pairs(draw: st.DrawFn, lo: float = -1e4, hi: float = 0.0, dtype: torch.dtype = D) -> tuple[torch.Tensor, ...]:
+    """(logp, ref) [B, T] with values in [lo, hi]; some positions equal, some differences tiny."""
+    b, n = draw(st.integers(1, 6)), draw(st.integers(1, 8))
+    vals = st.one_of(_fl(lo, hi), st.sampled_from([v for v in (0.0, -1.0, -20.0) if lo <= v <= hi]))
+    lp = draw(st.lists(vals, min_size=b * n, max_size=b * n))
+    kinds = st.one_of(vals, st.just("same"), _fl(-1e-6, 1e-6).map(lambda e: ("near", e)))
+    ref = []
+    for v, k in zip(lp, draw(st.lists(kinds, min_size=b * n, max_size=b * n)), strict=True):
+        ref.append(v if k == "same" else v + k[1] if isinstance(k, tuple) else k)
+    return torch.tensor(lp, dtype=dtype).view(b, n), torch.tensor(ref, dtype=dtype).view(b, n)
+
+
+def _grad(logp: torch.Tensor, ref: torch.Tensor, estimator: str, **kw: bool) -> tuple[torch.Tensor, ...]:
+    lp, rf = logp.clone().requires_grad_(True), ref.clone().requires_grad_(True)
+    out = kl_penalty(lp, rf, estimator, **kw)
+    out.sum().backward()
+    assert lp.grad is not None and rf.grad is not None
+    return out.detach(), lp.grad, rf.grad
+
+
+@given(kl_pairs(), st.sampled_from([D, torch.float32]))
+def test_prop_finite_value_and_gradient_with_clamp(pair: tuple[torch.Tensor, ...], dtype: torch.dtype) -> None:
+    logp, ref = (p.to(dtype) for p in pair)
+    for estimator in KL_ESTIMATORS:
+        out, g_lp, g_ref = _grad(logp, ref, estimator)
+        assert torch.isfinite(out).all(), estimator
+        assert torch.isfinite(g_lp).all() and torch.isfinite(g_ref).all(), estimator
+
+
+@given(kl_pairs(lo=-30.0))
+def test_prop_finite_without_clamp_on_log_prob_range(pair: tuple[torch.Tensor, ...]) -> None:
+    # unclamped k3 is exp(d): finite in fp32 for |d| <= 60 (log-probs in [-30, 0])
+    logp, ref = (p.float() for p in pair)
+    for estimator in KL_ESTIMATORS:
+        out, g_lp, g_ref = _grad(logp, ref, estimator, clamp=False)
+        assert torch.isfinite(out).all() and torch.isfinite(g_lp).all() and torch.isfinite(g_ref).all(), estimator
+
+
+@given(kl_pairs(), st.sampled_from([D, torch.float32]), st.booleans())
+def test_prop_non_negative_estimators(pair: tuple[torch.Tensor, ...], dtype: torch.dtype, clamp: bool) -> None:
+    logp, ref = (p.to(dtype) for p in pair)
+    if not clamp:  # keep exp finite
+        logp, ref = logp.clamp(min=-40.0), ref.clamp(min=-40.0)
+    for estimator in NON_NEGATIVE:
+        out = kl_penalty(logp, ref, estimator, clamp=clamp)
+        assert bool((out >= 0).all()), estimator
+
+
+@pytest.mark.parametrize(("dtype", "d"), [(torch.float32, 6.3562e-07), (D, 1e-08)])
+def test_k3_non_negative_for_tiny_differences(dtype: torch.dtype, d: float) -> None:
+    # computed as exp(d) - d - 1, k3 rounded to -5.96e-08 (fp32) here; expm1(d) - d is >= 0 and accurate
+    out = kl_penalty(torch.zeros(1, 1, dtype=dtype), torch.full((1, 1), d, dtype=dtype), "k3")
+    assert float(out) >= 0.0
+
+
+@given(kl_pairs(), st.booleans())
+def test_prop_zero_where_logp_equals_ref(pair: tuple[torch.Tensor, ...], clamp: bool) -> None:
+    logp, _ = pair
+    for estimator in KL_ESTIMATORS:
+        out, g_lp, g_ref = _grad(logp, logp.clone(), estimator, clamp=clamp)
+        assert torch.equal(out, torch.zeros_like(out)), estimator
+        if estimator.endswith("+") or estimator.rstrip("+") in ("k2", "k3", "mse", "low_var_kl"):
+            # k2's and k3's gradient vanishes at the minimum (and so does the straight-through gradient)
+            assert torch.equal(g_lp, torch.zeros_like(g_lp)), estimator
+            assert torch.equal(g_ref, torch.zeros_like(g_ref)), estimator
+
+
+@given(kl_pairs())
+def test_prop_k1_antisymmetric_k2_abs_symmetric(pair: tuple[torch.Tensor, ...]) -> None:
+    logp, ref = pair
+    for est in ("k1", "kl", "k1+"):
+        assert torch.equal(kl_penalty(ref, logp, est), -kl_penalty(logp, ref, est)), est
+    for est in ("k2", "mse", "abs", "k2+", "abs+"):
+        assert torch.equal(kl_penalty(ref, logp, est), kl_penalty(logp, ref, est)), est
+    assert torch.equal(kl_penalty(logp, ref, "abs"), kl_penalty(logp, ref, "k1").abs())
+
+
+@given(kl_pairs(lo=-50.0), st.booleans())
+def test_prop_straight_through_value_of_base_gradient_of_k2(pair: tuple[torch.Tensor, ...], clamp: bool) -> None:
+    logp, ref = pair
+    for estimator in (e for e in KL_ESTIMATORS if e.endswith("+")):
+        base = estimator[:-1]
+        value, g_lp, g_ref = _grad(logp, ref, estimator, clamp=clamp)
+        assert torch.equal(value, kl_penalty(logp, ref, base, clamp=clamp)), estimator
+        torch.testing.assert_close(g_lp, logp - ref, rtol=1e-12, atol=1e-12)  # d/dlogp 0.5 (logp - ref)^2
+        torch.testing.assert_close(g_ref, ref - logp, rtol=1e-12, atol=1e-12)
+        _, k2_lp, k2_ref = _grad(logp, ref, "k2")
+        assert torch.equal(g_lp, k2_lp) and torch.equal(g_ref, k2_ref), estimator
+
+
+@given(kl_pairs(lo=-15.0))
+def test_prop_unclamped_k3_formula(pair: tuple[torch.Tensor, ...]) -> None:
+    logp, ref = pair
+    expected = [
+        [math.expm1(r - p) - (r - p) for p, r in zip(pr, rr, strict=True)]
+        for pr, rr in zip(logp.tolist(), ref.tolist(), strict=True)
+    ]
+    for est in ("k3", "low_var_kl"):
+        out, g_lp, _ = _grad(logp, ref, est, clamp=False)
+        torch.testing.assert_close(out, torch.tensor(expected, dtype=D), rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(g_lp, 1 - (ref - logp).exp(), rtol=1e-10, atol=1e-13)  # d/dlogp (e^d - d - 1)
+
+
+@given(kl_pairs(lo=-1e4))
+def test_prop_clamped_k3_bounded_and_equal_to_unclamped_where_small(pair: tuple[torch.Tensor, ...]) -> None:
+    logp, ref = pair
+    clamped = kl_penalty(logp, ref, "k3")
+    assert bool((clamped <= 10).all()) and bool((clamped >= 0).all())
+    d = ref - logp
+    small = (d > -9.0) & (d < 2.0)  # where e^d - d - 1 < 10 and |d| < 20: the clamps do not act
+    unclamped = kl_penalty(logp, ref, "k3", clamp=False)  # inf where d is large: only `small` is read
+    assert torch.equal(clamped[small], unclamped[small])
+    # where e^d - d - 1 > 10 (d > 3 or d < -12, either before or after the ±20 clamp of d) the value is exactly 10
+    big = (d > 3.0) | (d < -12.0)
+    assert torch.equal(clamped[big], torch.full_like(clamped[big], 10.0))
+
+
+@settings(max_examples=30)
+@given(kl_pairs(lo=-5.0), st.data())
+def test_prop_gradcheck_k1_k2_k3(pair: tuple[torch.Tensor, ...], data: st.DataObject) -> None:
+    logp, ref = pair
+    d = ref - logp
+    # the clamped form too, away from the kink where e^d - d - 1 reaches the clamp 10
+    clamp = data.draw(st.booleans()) and bool(((d.exp() - d - 1 - 10).abs() > 1e-2).all())
+    lp, rf = logp.clone().requires_grad_(True), ref.clone().requires_grad_(True)
+    for est in ("k1", "k2", "k3", "abs"):
+        if est == "abs" and bool((d.abs() < 1e-3).any()):
+            continue  # |.| has a kink at 0
+        assert torch.autograd.gradcheck(lambda a, b, est=est: kl_penalty(a, b, est, clamp=clamp), (lp, rf)), est
+
+
+@given(kl_pairs(lo=-50.0), st.sampled_from(KL_ESTIMATORS), st.booleans(), st.data())
+def test_prop_kl_stage_matches_function(
+    pair: tuple[torch.Tensor, ...], estimator: str, clamp: bool, data: st.DataObject
+) -> None:
+    logp, ref = pair
+    mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=logp.numel(), max_size=logp.numel()))).view_as(logp)
+    stage = KL(estimator=estimator, coef=0.5, clamp=clamp)
+    assert torch.equal(stage.per_token(logp, ref, mask), kl_penalty(logp, ref, estimator, clamp=clamp))

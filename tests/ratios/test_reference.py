@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from rolloutopt.errors import InputError
 from rolloutopt.ratios import (
@@ -439,3 +441,403 @@ def test_stages_are_frozen() -> None:
         field = next(iter(stage.__dataclass_fields__))
         with pytest.raises(AttributeError):
             setattr(stage, field, 1.0)
+
+
+# ------------------------------------------------------------------------------------ hypothesis properties
+
+GARBAGE = [math.inf, -math.inf, math.nan, 1e300, -1e300]
+
+
+def _fl(lo: float, hi: float) -> st.SearchStrategy[float]:
+    return st.floats(lo, hi, allow_nan=False, allow_infinity=False, allow_subnormal=False)
+
+
+@st.composite
+def _masks(draw: st.DrawFn, b: int, n: int) -> torch.Tensor:
+    """A [b, n] mask whose rows are all-masked, all-kept or random (so all-masked rows are common)."""
+    rows = []
+    for _ in range(b):
+        kind = draw(st.sampled_from(["none", "all", "random", "random"]))
+        if kind == "none":
+            rows.append([False] * n)
+        elif kind == "all":
+            rows.append([True] * n)
+        else:
+            rows.append(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+@st.composite
+def pairs(draw: st.DrawFn, diff: float = 100.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, old_logp, mask) [B, T] fp64: old in [-50, 0], logp - old in [-diff, diff]."""
+    b, n = draw(st.integers(1, 6)), draw(st.integers(1, 8))
+    old = torch.tensor(draw(st.lists(_fl(-50.0, 0.0), min_size=b * n, max_size=b * n)), dtype=D).view(b, n)
+    d = torch.tensor(draw(st.lists(_fl(-diff, diff), min_size=b * n, max_size=b * n)), dtype=D).view(b, n)
+    return old + d, old, draw(_masks(b, n))
+
+
+def _like(draw: st.DrawFn, x: torch.Tensor, elements: st.SearchStrategy[float]) -> torch.Tensor:
+    return torch.tensor(draw(st.lists(elements, min_size=x.numel(), max_size=x.numel())), dtype=x.dtype).view_as(x)
+
+
+def _garble(draw: st.DrawFn, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x with every masked-out value replaced by a drawn non-finite or huge value."""
+    junk = _like(draw, x, st.sampled_from(GARBAGE))
+    return torch.where(mask, x, junk)
+
+
+CLAMPS = st.sampled_from([20.0, 5.0, 0.5])
+
+
+@given(pairs(), st.data())
+def test_prop_ratio_outputs_and_gradients_finite(batch: tuple[torch.Tensor, ...], data: st.DataObject) -> None:
+    logp, old, mask = batch
+    adv = _like(data.draw, old, _fl(-1e3, 1e3))
+    for dtype in (D, torch.float32):
+        lp = logp.to(dtype).requires_grad_(True) if dtype != D else logp.clone().requires_grad_(True)
+        o = old.to(dtype)
+        a = adv.to(dtype)
+        lr = log_ratio(lp, o, mask)
+        seq = sequence_log_ratio(lp, o, mask)
+        tok = gspo_token_log_ratio(lp, o, mask)
+        r = lr.exp()
+        terms = [
+            lr,
+            seq[:, None],
+            tok,
+            tok.exp(),
+            ppo_clip_loss(r, a)[0],
+            ppo_clip_loss(tok.exp(), a, dual=None)[0],
+            sapo_gate(r, a),
+            CISPO()(r, lr, a, lp).loss,
+        ]
+        for x in terms:
+            assert torch.isfinite(x).all()
+        total = sum(x.sum() for x in terms)
+        total.backward()  # type: ignore[union-attr]
+        assert lp.grad is not None
+        assert torch.isfinite(lp.grad).all()
+
+
+@given(pairs(), CLAMPS, st.data())
+def test_prop_masked_positions_are_neutral_and_garbage_does_not_leak(
+    batch: tuple[torch.Tensor, ...], clamp: float, data: st.DataObject
+) -> None:
+    logp, old, mask = batch
+    bad_lp, bad_old = _garble(data.draw, logp, mask), _garble(data.draw, old, mask)
+    w = _like(data.draw, old, _fl(-3.0, 3.0))
+    for fn, kw in (
+        (log_ratio, {"clamp": clamp}),
+        (sequence_log_ratio, {"clamp": clamp}),
+        (gspo_token_log_ratio, {"clamp_max": clamp}),
+    ):
+        outs, grads = [], []
+        for lp0, o in ((logp, old), (bad_lp, bad_old)):
+            lp = lp0.clone().requires_grad_(True)
+            out = fn(lp, o, mask, **kw)  # type: ignore[operator]
+            (out.exp() * (w if out.ndim == 2 else w[:, 0])).sum().backward()
+            assert lp.grad is not None
+            outs.append(out.detach())
+            grads.append(lp.grad)
+        assert torch.equal(outs[0], outs[1]), fn.__name__
+        assert torch.equal(grads[0], grads[1]), fn.__name__
+        assert torch.equal(grads[1][~mask], torch.zeros_like(grads[1][~mask])), fn.__name__
+        if outs[1].ndim == 2:  # masked-out positions: log-ratio 0, ratio 1
+            assert torch.equal(outs[1][~mask], torch.zeros_like(outs[1][~mask])), fn.__name__
+            assert torch.equal(outs[1].exp()[~mask], torch.ones_like(outs[1][~mask])), fn.__name__
+        else:  # an all-masked row has sequence log-ratio 0
+            empty = ~mask.any(-1)
+            assert torch.equal(outs[1][empty], torch.zeros_like(outs[1][empty]))
+
+
+@given(pairs(), st.data())
+def test_prop_row_permutation_equivariance(batch: tuple[torch.Tensor, ...], data: st.DataObject) -> None:
+    logp, old, mask = batch
+    perm = torch.tensor(data.draw(st.permutations(list(range(logp.shape[0])))))
+    adv = _like(data.draw, old, _fl(-10.0, 10.0))
+    # to rounding: the CPU kernels' vectorised body and scalar tail may round one element differently
+    close = {"rtol": 1e-13, "atol": 0.0}
+    for fn in (log_ratio, sequence_log_ratio, gspo_token_log_ratio):
+        torch.testing.assert_close(fn(logp[perm], old[perm], mask[perm]), fn(logp, old, mask)[perm], **close)
+    r = log_ratio(logp, old, mask).exp()
+    for loss in (
+        lambda r, a: ppo_clip_loss(r, a)[0],
+        lambda r, a: sapo_gate(r, a),
+        lambda r, a: cispo_weight(r) * a,
+    ):
+        torch.testing.assert_close(loss(r[perm], adv[perm]), loss(r, adv)[perm], **close)
+
+
+@given(pairs(), CLAMPS)
+def test_prop_log_ratio_antisymmetric_and_clamped(batch: tuple[torch.Tensor, ...], clamp: float) -> None:
+    logp, old, mask = batch
+    for m in (mask, None):
+        fwd = log_ratio(logp, old, m, clamp=clamp)
+        assert torch.equal(log_ratio(old, logp, m, clamp=clamp), -fwd)
+        assert bool((fwd.abs() <= clamp).all())
+        # within the clamp the log-ratio is the plain difference; beyond it, exactly +-clamp
+        diff = logp - old if m is None else torch.where(m, logp - old, torch.zeros_like(logp))
+        inside = diff.abs() <= clamp
+        assert torch.equal(fwd[inside], diff[inside])
+        assert torch.equal(fwd[~inside], clamp * diff[~inside].sign())
+
+
+@given(pairs(), CLAMPS)
+def test_prop_sequence_log_ratio_is_masked_mean_of_log_ratio(batch: tuple[torch.Tensor, ...], clamp: float) -> None:
+    logp, old, mask = batch
+    lr = log_ratio(logp, old, mask, clamp=clamp)
+    expected = []
+    for i in range(logp.shape[0]):
+        vals = [float(lr[i, j]) for j in range(logp.shape[1]) if mask[i, j]]
+        expected.append(math.fsum(vals) / len(vals) if vals else 0.0)
+    got = sequence_log_ratio(logp, old, mask, clamp=clamp)
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=D), rtol=1e-12, atol=1e-12)
+
+
+@given(pairs(), st.sampled_from([10.0, 1.0, 0.1]))
+def test_prop_gspo_token_value_is_clamped_sequence_log_ratio(batch: tuple[torch.Tensor, ...], cmax: float) -> None:
+    # The value uses the *unclamped* token differences (verl): compare with sequence_log_ratio without its
+    # per-token clamp (a clamp no difference reaches), then apply GSPO's upper clamp.
+    logp, old, mask = batch
+    seq = sequence_log_ratio(logp, old, mask, clamp=1e6).clamp(max=cmax)
+    out = gspo_token_log_ratio(logp, old, mask, clamp_max=cmax)
+    expected = torch.where(mask, seq[:, None].expand_as(out), torch.zeros_like(out))
+    assert torch.equal(out, expected)
+    assert bool((out <= cmax).all())
+
+
+@given(pairs(diff=20.0))
+def test_prop_gspo_token_value_equals_sequence_log_ratio_within_token_clamp(batch: tuple[torch.Tensor, ...]) -> None:
+    # token differences within sequence_log_ratio's default clamp (20): both constructions agree exactly
+    logp, old, mask = batch
+    out = gspo_token_log_ratio(logp, old, mask, clamp_max=1e6)
+    seq = sequence_log_ratio(logp, old, mask)
+    torch.testing.assert_close(out[mask], seq[:, None].expand_as(out)[mask], rtol=1e-14, atol=1e-14)
+
+
+@given(pairs(diff=15.0), st.sampled_from([10.0, 1.0, 0.2]), st.data())
+def test_prop_gspo_token_gradient_equals_gspo_with_sequence_advantages(
+    batch: tuple[torch.Tensor, ...], cmax: float, data: st.DataObject
+) -> None:
+    # With a per-sequence advantage A_i, the GSPO-token surrogate sum_i A_i/L_i sum_t m_it exp(log s_it) has the
+    # gradient of GSPO's sequence surrogate sum_i A_i exp(min(log s_i, c)) (L_i = max(|mask_i|, 1)).
+    logp, old, mask = batch
+    adv = torch.tensor(data.draw(st.lists(_fl(-5.0, 5.0), min_size=logp.shape[0], max_size=logp.shape[0])), dtype=D)
+    seq_value = sequence_log_ratio(logp, old, mask, clamp=1e6)
+    assume(bool(((seq_value - cmax).abs() > 1e-9).all()))  # the clamp's kink
+    lengths = mask.sum(-1).clamp(min=1).to(D)
+    lp_tok = logp.clone().requires_grad_(True)
+    tok = gspo_token_log_ratio(lp_tok, old, mask, clamp_max=cmax)
+    (adv[:, None] * tok.exp() * mask / lengths[:, None]).sum().backward()
+    lp_seq = logp.clone().requires_grad_(True)
+    seq = sequence_log_ratio(lp_seq, old, mask, clamp=1e6)
+    (adv * seq.clamp(max=cmax).exp() * mask.any(-1)).sum().backward()
+    assert lp_tok.grad is not None and lp_seq.grad is not None
+    torch.testing.assert_close(lp_tok.grad, lp_seq.grad, rtol=1e-10, atol=1e-12)
+
+
+@st.composite
+def clip_inputs(draw: st.DrawFn) -> dict[str, object]:
+    b, n = draw(st.integers(1, 6)), draw(st.integers(1, 8))
+    near = st.sampled_from([0.8, 1.0, 1.28, 3.0, 0.0, 1.2])
+    ratio = draw(st.lists(st.one_of(_fl(0.0, 6.0), near, _fl(0.0, 1e4)), min_size=b * n, max_size=b * n))
+    adv = draw(st.lists(st.one_of(_fl(-100.0, 100.0), st.just(0.0)), min_size=b * n, max_size=b * n))
+    low = draw(st.one_of(st.just(0.0), st.just(0.2), _fl(0.0, 0.99)))
+    high = draw(st.one_of(st.just(0.0), st.just(0.28), _fl(0.0, 3.0)))
+    dual = draw(st.one_of(st.none(), st.just(3.0), _fl(1.01, 10.0)))
+    return {
+        "ratio": torch.tensor(ratio, dtype=D).view(b, n),
+        "adv": torch.tensor(adv, dtype=D).view(b, n),
+        "low": low,
+        "high": high,
+        "dual": dual,
+    }
+
+
+@given(clip_inputs())
+def test_prop_ppo_clip_case_formulas(x: dict[str, object]) -> None:
+    r, a = x["ratio"], x["adv"]
+    low, high, dual = x["low"], x["high"], x["dual"]
+    assert isinstance(r, torch.Tensor) and isinstance(a, torch.Tensor)
+    assert isinstance(low, float) and isinstance(high, float)
+    assert dual is None or isinstance(dual, float)
+    loss_nd, ind_nd = ppo_clip_loss(r, a, low=low, high=high, dual=None)
+    loss, ind = ppo_clip_loss(r, a, low=low, high=high, dual=dual)
+    # pessimistic bound: never below the unclipped surrogate
+    assert bool((loss_nd >= -a * r).all())
+    # case formulas: A > 0 caps the ratio above, A < 0 floors it below, inside the bounds the surrogate is -A r
+    pos, neg = a > 0, a < 0
+    torch.testing.assert_close(loss_nd[pos], (-a * r.clamp(max=1 + high))[pos], rtol=1e-15, atol=0)
+    torch.testing.assert_close(loss_nd[neg], (a.abs() * r.clamp(min=1 - low))[neg], rtol=1e-15, atol=0)
+    inside = (r >= 1 - low) & (r <= 1 + high)
+    assert torch.equal(loss_nd[inside], (-a * r)[inside])
+    assert torch.equal(loss_nd[a == 0], torch.zeros_like(loss_nd[a == 0]))
+    # indicators: clipped exactly where low or high clip acts; they are 0/1 bools
+    assert torch.equal(ind_nd["clipfrac"], ind_nd["clip_low_frac"] | ind_nd["clip_high_frac"])
+    assert torch.equal(ind_nd["clip_high_frac"], pos & (r > 1 + high))
+    assert torch.equal(ind_nd["clip_low_frac"], neg & (r < 1 - low))
+    assert not bool(ind_nd["dual_clip_frac"].any())
+    if dual is None:
+        assert torch.equal(loss, loss_nd)
+        return
+    # dual clip: A < 0 losses are capped at c|A|, everything else unchanged
+    assert bool((loss[neg] <= dual * a[neg].abs() * (1 + 1e-15)).all())
+    assert torch.equal(loss[~neg], loss_nd[~neg])
+    torch.testing.assert_close(loss[neg], torch.minimum(loss_nd, dual * a.abs())[neg], rtol=1e-15, atol=0)
+    assert torch.equal(ind["dual_clip_frac"], neg & (loss_nd > -a * dual))
+    assert bool((loss <= loss_nd).all())
+    assert PPOClip(low, high, dual)(r, r.log(), a, r.log()).loss.equal(loss)
+
+
+def _off_kinks(r: torch.Tensor, low: float, high: float, dual: float | None, eps: float = 1e-3) -> bool:
+    kinks = [1 - low, 1 + high] + ([] if dual is None else [dual])
+    return all(bool(((r - k).abs() > eps).all()) for k in kinks)
+
+
+@given(clip_inputs())
+def test_prop_ppo_clip_gradient_is_zero_exactly_where_clipped(x: dict[str, object]) -> None:
+    r, a = x["ratio"], x["adv"]
+    low, high, dual = x["low"], x["high"], x["dual"]
+    assert isinstance(r, torch.Tensor) and isinstance(a, torch.Tensor)
+    assert isinstance(low, float) and isinstance(high, float)
+    assert dual is None or isinstance(dual, float)
+    assume(_off_kinks(r, low, high, dual))
+    rg = r.clone().requires_grad_(True)
+    loss, ind = ppo_clip_loss(rg, a, low=low, high=high, dual=dual)
+    loss.sum().backward()
+    assert rg.grad is not None
+    clipped = ind["clipfrac"] | ind["dual_clip_frac"]
+    assert torch.equal(rg.grad[clipped], torch.zeros_like(rg.grad[clipped]))
+    assert torch.equal(rg.grad[~clipped], -a[~clipped])
+    # on-policy (r = 1) no token is clipped and the gradient is the policy-gradient -A
+    one = torch.ones_like(r, requires_grad=True)
+    loss1, ind1 = ppo_clip_loss(one, a, low=low, high=high, dual=dual)
+    loss1.sum().backward()
+    assert one.grad is not None
+    assert torch.equal(one.grad, -a) and torch.equal(loss1, -a)
+    assert not any(bool(v.any()) for v in ind1.values())
+
+
+@settings(max_examples=30)
+@given(
+    st.lists(st.tuples(_fl(0.0, 6.0), _fl(1e-3, 100.0), st.booleans()), min_size=1, max_size=12),
+    st.one_of(st.just(0.0), _fl(0.0, 0.99)),
+    st.one_of(st.just(0.0), _fl(0.0, 3.0)),
+    st.one_of(st.none(), _fl(1.01, 10.0)),
+)
+def test_prop_ppo_clip_gradcheck_off_kinks(
+    values: list[tuple[float, float, bool]], low: float, high: float, dual: float | None
+) -> None:
+    r = torch.tensor([v[0] for v in values], dtype=D).view(1, -1)
+    a = torch.tensor([v[1] if v[2] else -v[1] for v in values], dtype=D).view(1, -1)
+    assume(_off_kinks(r, low, high, dual))
+    rg, ag = r.clone().requires_grad_(True), a.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda r_, a_: ppo_clip_loss(r_, a_, low=low, high=high, dual=dual)[0], (rg, ag))
+
+
+@given(
+    st.lists(st.one_of(_fl(0.0, 1e6), _fl(0.0, 3.0), st.sampled_from([0.0, 0.8, 1.0, 1.2])), min_size=1, max_size=48),
+    st.one_of(st.none(), _fl(0.0, 1.0)),
+    st.one_of(st.just(0.2), _fl(0.0, 5.0)),
+    st.one_of(st.none(), _fl(0.01, 10.0)),
+)
+def test_prop_cispo_weight_bounds_and_detached(
+    values: list[float], low: float | None, high: float, cap: float | None
+) -> None:
+    r = torch.tensor(values, dtype=D).view(1, -1).requires_grad_(True)
+    if cap is None:
+        w = cispo_weight(r, low=low, high=high)
+        lo = 0.0 if low is None else 1 - low
+        assert bool((w <= 1 + high).all()) and bool((w >= lo).all())
+        inside = (r >= lo) & (r <= 1 + high)
+        assert torch.equal(w[inside], r.detach()[inside])  # unclipped tokens keep their ratio exactly
+        assert torch.equal(w[r > 1 + high], torch.full_like(w[r > 1 + high], 1 + high))
+        stage = CISPO(low=low, high=high)
+    else:
+        w = cispo_weight(r, low=None, high=None, cap=cap)
+        assert torch.equal(w, r.detach().clamp(max=cap))
+        stage = CISPO(low=None, high=None, cap=cap)
+    assert not w.requires_grad
+    # CISPO's loss -sg(w) A logp: gradient -w A to logp, none to the ratio, clipfrac where w != r
+    logp = torch.full_like(r, -1.5, requires_grad=True)
+    a = torch.linspace(-2.0, 2.0, r.shape[1], dtype=D).view_as(r)
+    out = stage(r, r.log(), a, logp)
+    out.loss.sum().backward()
+    assert logp.grad is not None and r.grad is None
+    assert torch.equal(logp.grad, -w * a)
+    assert torch.equal(out.indicators["clipfrac"], w != r.detach())
+
+
+TAUS = st.one_of(st.just(1.0), st.just(1.05), _fl(0.05, 20.0))
+
+
+@given(
+    st.lists(_fl(0.0, 20.0), min_size=1, max_size=16),
+    st.lists(st.one_of(_fl(-100.0, 100.0), st.just(0.0)), min_size=1, max_size=6),
+    TAUS,
+    TAUS,
+)
+def test_prop_sapo_gate_monotone_and_bounded(ratios: list[float], advs: list[float], tp: float, tn: float) -> None:
+    # loss = -(4/tau) sigma(tau (r - 1)) A: decreasing in r for A > 0, increasing for A < 0, between 0 and -4A/tau
+    r = torch.tensor(sorted(ratios), dtype=D).expand(len(advs), -1)
+    a = torch.tensor(advs, dtype=D)[:, None].expand_as(r)
+    loss = sapo_gate(r, a, tau_pos=tp, tau_neg=tn)
+    assert torch.isfinite(loss).all()
+    step = loss[:, 1:] - loss[:, :-1]
+    pos, neg = a[:, 0] > 0, a[:, 0] < 0
+    assert bool((step[pos] <= 0).all())
+    assert bool((step[neg] >= 0).all())
+    assert torch.equal(loss[a == 0], torch.zeros_like(loss[a == 0]))
+    tau = torch.where(a > 0, torch.tensor(tp, dtype=D), torch.tensor(tn, dtype=D))
+    bound = -4 * a / tau
+    assert bool((loss.abs() <= bound.abs() * (1 + 1e-12)).all())
+    assert bool((loss * a <= 0).all())  # sign opposite to A
+    assert torch.equal(SAPO(tp, tn)(r, r.log(), a, r).loss, loss)
+
+
+@given(st.lists(st.one_of(_fl(-100.0, 100.0), st.just(0.0)), min_size=1, max_size=24), TAUS, TAUS)
+def test_prop_sapo_gate_on_policy_value_and_slope(advs: list[float], tp: float, tn: float) -> None:
+    a = torch.tensor(advs, dtype=D).view(1, -1)
+    r = torch.ones_like(a, requires_grad=True)
+    loss = sapo_gate(r, a, tau_pos=tp, tau_neg=tn)
+    tau = torch.where(a > 0, torch.tensor(tp, dtype=D), torch.tensor(tn, dtype=D))
+    torch.testing.assert_close(loss, -2 * a / tau, rtol=1e-14, atol=0)
+    loss.sum().backward()
+    assert r.grad is not None
+    torch.testing.assert_close(r.grad, -a, rtol=1e-14, atol=1e-300)  # slope -A: the unclipped surrogate's
+
+
+@settings(max_examples=30)
+@given(
+    st.lists(st.tuples(_fl(0.0, 5.0), _fl(-10.0, 10.0)), min_size=1, max_size=12),
+    TAUS,
+    TAUS,
+)
+def test_prop_sapo_gate_gradcheck(pairs_: list[tuple[float, float]], tp: float, tn: float) -> None:
+    assume(all(abs(a) > 1e-3 for _, a in pairs_))  # tau switches with the sign of A
+    r = torch.tensor([p[0] for p in pairs_], dtype=D).view(1, -1).requires_grad_(True)
+    a = torch.tensor([p[1] for p in pairs_], dtype=D).view(1, -1).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda r_, a_: sapo_gate(r_, a_, tau_pos=tp, tau_neg=tn), (r, a))
+
+
+@settings(max_examples=30)
+@given(pairs(diff=3.0), st.data())
+def test_prop_ratio_constructions_gradcheck(batch: tuple[torch.Tensor, ...], data: st.DataObject) -> None:
+    logp, old, mask = batch
+    clamp = data.draw(st.sampled_from([20.0, 1.0]))
+    assume(bool((((logp - old).abs() - clamp).abs() > 1e-3).all()))
+    seq = sequence_log_ratio(logp, old, mask, clamp=1e6)
+    assume(bool(((seq - clamp).abs() > 1e-3).all()))
+    lp = logp.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x: log_ratio(x, old, mask, clamp=clamp), (lp,))
+    assert torch.autograd.gradcheck(lambda x: sequence_log_ratio(x, old, mask, clamp=clamp), (lp,))
+    # GSPO-token's value is not its own antiderivative (stop-gradients); the per-sequence surrogate is
+    lengths = mask.sum(-1).clamp(min=1).to(D)
+
+    def gspo_surrogate(x: torch.Tensor) -> torch.Tensor:
+        return (gspo_token_log_ratio(x, old, mask, clamp_max=clamp).exp() * mask).sum(-1) / lengths
+
+    assert torch.autograd.gradcheck(gspo_surrogate, (lp,))
+    stage_tok, stage_gspo = TokenRatio(clamp), GSPORatio(clamp)
+    assert torch.equal(stage_tok.log_ratio(logp, old, mask), log_ratio(logp, old, mask, clamp=clamp))
+    assert torch.equal(stage_gspo.log_ratio(logp, old, mask), gspo_token_log_ratio(logp, old, mask, clamp_max=clamp))

@@ -28,7 +28,7 @@ def _base(logp: Tensor, ref: Tensor, name: str, clamp: bool) -> Tensor:
     d = ref - logp
     if clamp:
         d = d.clamp(-20.0, 20.0)
-    k3 = torch.exp(d) - d - 1
+    k3 = torch.expm1(d) - d  # = e^d - d - 1 without the cancellation that rounds tiny values below 0
     return k3.clamp(-10.0, 10.0) if clamp else k3
 
 

@@ -77,7 +77,9 @@ def gspo_token_log_ratio(logp: FloatBT, old_logp: FloatBT, mask: BoolBT, *, clam
 
     .. math::  \log s_{i,t} = \min\big(\operatorname{sg}(\log s_i) + \ell^\theta_{i,t} - \operatorname{sg}(\ell^\theta_{i,t}),\ c\big)
 
-    Its value is the sequence log-ratio :math:`\log s_i` at every token; its gradient flows through each
+    Its value is the sequence log-ratio :math:`\log s_i` at every token, the mean of the *unclamped* token
+    differences as in verl (so it equals :func:`sequence_log_ratio`, which clamps each token at ±20 first, only
+    while every token difference is within ±20); its gradient flows through each
     token's log-prob, so per-token advantages are possible, and with per-sequence advantages the gradient
     equals GSPO's. ``clamp_max`` is verl's upper clamp (10, no lower clamp). Masked-out positions are 0.
     Reference: GSPO, arXiv 2507.18071 (GSPO-token, §4.3); verl ``compute_policy_loss_gspo``.
