@@ -563,3 +563,8 @@ def test_to_tokens_properties(b: int, t_: int, data: st.DataObject) -> None:
     perm = torch.randperm(b)
     assert torch.equal(to_tokens(adv[perm], mask[perm]), out[perm])
     assert torch.equal(to_tokens(out, mask), out)  # per-token input is returned masked: idempotent
+
+
+def test_grpo_eps_zero_gives_zero_not_nan_on_zero_variance_groups() -> None:
+    out = grpo(torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]), eps=0.0)
+    torch.testing.assert_close(out.advantages, torch.tensor([0.0, 0.0, -(0.5**0.5), 0.5**0.5]))

@@ -165,7 +165,8 @@ def grpo(
         if scale == "group" and std is not None:
             std = torch.where(single, torch.ones_like(std), std)
     if std is not None:
-        adv = adv / (g.broadcast(std) + eps)
+        denom = g.broadcast(std) + eps
+        adv = adv / torch.where(denom > 0, denom, torch.ones_like(denom))  # eps=0: a zero-variance group gives 0
     if singleton == "zero":
         adv = torch.where(g.broadcast(single), torch.zeros_like(adv), adv)
     return _finish(adv, r, g, valid, n, std if scale == "group" else None)

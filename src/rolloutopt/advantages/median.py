@@ -1,0 +1,343 @@
+"""Robust-baseline advantage estimators: MC-GRPO (median baseline, pivot excluded) and GAPO (densest interval).
+
+Both replace GRPO's group mean by a robust location, so that one outlying reward (a heavy-tailed partial-credit
+or format term, a mis-scored rollout) cannot flip the sign of its siblings' advantages:
+
+- :func:`mc_grpo` (arXiv 2601.22582) samples G + 1 rollouts per prompt, centres on the group median and scales
+  by the median absolute deviation; the rollout at the median (the *pivot*) gets weight 0, so G rollouts per
+  prompt carry gradient.
+- :func:`gapo` (arXiv 2510.21830) centres each group on the median of its shortest interval covering a fraction
+  ``tau`` of the rewards (the highest-density interval), and scales by the root-mean-square deviation around it.
+
+Both run on ragged groups with no Python loop over groups or rows: one stable segment sort
+(:meth:`rolloutopt.groups.Groups.sort`) and scatter reductions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from rolloutopt._validation import checks_enabled, choice, positive
+from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
+from rolloutopt.advantages.reference import _prepare, _warn_singletons, _weight
+from rolloutopt.errors import InputError
+from rolloutopt.groups import Groups
+from rolloutopt.typing import FloatB, IntB
+
+__all__ = ["gapo", "mc_grpo"]
+
+MCScale = Literal["mad", "std", "mad_or_std"]
+
+
+def _frac(num: Tensor, den: Tensor) -> Tensor:
+    return (num.sum() / den.sum().clamp(min=1)).detach()
+
+
+def _safe_sqrt(x: Tensor) -> Tensor:
+    """``sqrt(x)`` with a zero (not NaN/inf) gradient where ``x`` is 0."""
+    pos = x > 0
+    return torch.where(pos, x, torch.ones_like(x)).sqrt() * pos
+
+
+def _segment_sort(g: Groups, x: Tensor, valid: Tensor | None) -> Tensor:
+    """The permutation of :meth:`Groups.sort` (group by group, valid values ascending, ties in row order).
+
+    Equal-sized groups without a mask take one ``[G, n]`` row-wise sort instead of two global argsorts.
+    """
+    if valid is None and g.dense_size is not None:
+        rows = g.order.view(g.num_groups, g.dense_size)
+        within = x.detach()[rows].argsort(dim=1, stable=True)
+        return rows.gather(1, within).reshape(-1)
+    perm, _ = g.sort(x, valid)
+    return perm
+
+
+def _lower_median(g: Groups, x: Tensor, valid: Tensor | None, n: Tensor) -> Tensor:
+    """Lower median per group (rank ``(n - 1) // 2``, ``torch.median``'s convention), 0 for empty groups."""
+    perm = _segment_sort(g, x, valid)
+    rank = torch.div(n - 1, 2, rounding_mode="floor").clamp(min=0)
+    out = x[perm[(g.offsets[:-1] + rank).clamp(max=g.num_rows - 1)]]
+    return torch.where(n > 0, out, torch.zeros_like(out))
+
+
+def mc_grpo(
+    rewards: FloatB,
+    group: Groups | IntB,
+    *,
+    scale: MCScale | None = "mad",
+    eps: float = 1e-3,
+    unbiased: bool = True,
+    singleton: Literal["raise", "pivot"] = "raise",
+    valid: Any = None,
+) -> AdvantageOutput:
+    r"""MC-GRPO advantage: median-centred, MAD-scaled, with the median rollout (the pivot) excluded.
+
+    .. math::  A_i = \frac{r_i - \dot m_g}{\operatorname{MAD}_g + \varepsilon}, \qquad
+               \dot m_g = \operatorname{median}^{\downarrow}_{j\in g} r_j, \quad
+               \operatorname{MAD}_g = \operatorname{median}^{\downarrow}_{j\in g} |r_j - \dot m_g|
+
+    where :math:`\operatorname{median}^{\downarrow}` is the lower median (``torch.median``'s convention: rank
+    :math:`\lfloor (n-1)/2 \rfloor` of :math:`n` sorted values). Sample G + 1 rollouts per prompt; the pivot
+    (the rollout at the median, :math:`A = 0` by construction) gets ``weight`` 0, so
+    ``policy_loss(seq_weight=out.weight)`` trains on G rollouts per prompt, as the reference code does by
+    deleting the pivot's rows. The GRPO std division is skipped (the reference's training mode).
+
+    Reference: MC-GRPO, arXiv 2601.22582; code ``lotusroot-kim/MC-GRPO@da07745``
+    (``grpo_trainer_math.py::_generate_and_score_completions``).
+
+    Args:
+        rewards: scalar reward per rollout ``[B]``, G + 1 rollouts per prompt.
+        group: group ids ``[B]`` (any int64 values, any order) or a prebuilt :class:`~rolloutopt.groups.Groups`.
+            Groups may be ragged.
+        scale: ``"mad"`` (default, the paper's code): divide by MAD + ``eps``. ``"std"``: divide by the group
+            std over all G + 1 rollouts (pivot included) + ``eps``. ``"mad_or_std"``: the MAD, or the std where
+            the MAD is 0 (avoids the ±1/eps advantages of binary rewards; not in the paper). ``None``: no
+            scaling, :math:`A_i = r_i - \dot m_g`.
+        eps: added to the scale. Default 1e-3 is the paper code's MAD epsilon (additive, not a floor); it must
+            be positive with ``scale="mad"`` (a MAD of 0 beside a non-zero deviation), may be 0 otherwise.
+        unbiased: Bessel-corrected std (n - 1) for ``scale="std"``/``"mad_or_std"``, as ``torch.std``.
+        singleton: a group with one valid rollout (G = 0) has no baseline. ``"raise"`` (default) raises
+            :class:`~rolloutopt.errors.InputError` (the paper's method needs G ≥ 1; the check runs while
+            :func:`rolloutopt.checks` is on); ``"pivot"`` makes the lone rollout its own pivot (advantage 0,
+            weight 0), which is also what happens with checks off.
+        valid: optional mask ``[B]`` of the rows that enter the group statistics; other rows get advantage 0
+            and weight 0 and are never the pivot.
+
+    Returns:
+        :class:`AdvantageOutput` with ``advantages [B]`` and ``weight [B]`` (0 for the pivot and invalid rows).
+        Metrics: ``pivot_frac`` (pivots over valid rows: the fraction this estimator excludes),
+        ``zero_mad_group_frac`` (groups of two or more whose MAD is 0: their non-zero advantages are
+        :math:`\pm|r_i - \dot m|/\varepsilon`), ``median_tie_group_frac`` (groups where more than one rollout
+        equals the median), ``zero_variance_group_frac``, ``singleton_group_frac``, ``reward_mean``.
+
+    Pivot rule (deterministic; torch leaves the index of tied medians unspecified): the pivot is the valid
+    row with the **lowest row index** among the rows of its group equal to the median. Advantages do not
+    depend on the rule (every row tied with the median has :math:`A = 0`); only which tied row gets weight 0.
+
+    Edge cases:
+        - Binary rewards: for 3 binary values the MAD is 0, so with ``scale="mad"`` non-zero advantages are
+          :math:`\pm 1/\varepsilon = \pm 1000`; with Adam and gradient clipping this acts like a sign update.
+          This reproduces the paper's code; ``scale="mad_or_std"`` or ``"std"`` avoids it. For continuous
+          rewards the MAD is usually positive.
+        - All-equal rewards: every advantage is exactly 0 and the pivot still gets weight 0.
+        - Even group sizes (G odd, or ragged groups): the lower middle value is the median and the pivot, as
+          in ``torch.median``; the MAD is also the lower median of the deviations. A group of two gives the
+          larger reward :math:`(r_{max} - r_{min})/\varepsilon` (its MAD is 0) and the smaller one is the pivot.
+        - All-masked groups contribute nothing (advantage 0, weight 0) and are left out of the metrics.
+    """
+    if scale is not None:
+        choice(scale, "scale", ("mad", "std", "mad_or_std"))
+    choice(singleton, "singleton", ("raise", "pivot"))
+    positive(eps, "eps", strict=scale == "mad")  # MAD = 0 with a non-zero deviation needs eps > 0
+    r, g, v, _ = _prepare(rewards, group, valid)
+    n = g.count(v)
+    if singleton == "raise" and checks_enabled() and (g.min_size == 1 if v is None else bool((n == 1).any())):
+        raise InputError(
+            "group",
+            "G + 1 >= 2 valid rollouts per prompt (MC-GRPO samples one extra rollout; G = 0 is meaningless)",
+            "a group with a single valid rollout",
+            "sample G + 1 rollouts per prompt with G >= 1, or pass singleton='pivot' to give lone rollouts "
+            "advantage 0 and weight 0",
+        )
+    rows = torch.arange(g.num_rows, device=r.device)
+    med = _lower_median(g, r, v, n)
+    dev = r - g.broadcast(med)
+    at_median = dev.detach() == 0
+    if v is not None:
+        at_median = at_median & v
+    # lowest row index among the rows equal to the median (groups without a valid row get num_rows: no pivot)
+    candidates = torch.where(at_median, rows, torch.full_like(rows, g.num_rows))
+    pivot_row = torch.full((g.num_groups,), g.num_rows, dtype=torch.long, device=r.device)
+    pivot_row = pivot_row.scatter_reduce(0, g.inverse, candidates, reduce="amin", include_self=True)
+    pivot = rows == g.broadcast(pivot_row)
+
+    mad = _lower_median(g, dev.abs(), v, n)
+    std: Tensor | None = None
+    if scale in ("std", "mad_or_std"):
+        std = g.std(dev, v, unbiased=unbiased)
+    if scale == "mad":
+        s = mad + eps
+    elif scale == "std":
+        assert std is not None
+        s = std + eps
+    elif scale == "mad_or_std":
+        assert std is not None
+        s = torch.where(mad > 0, mad, std) + eps
+    else:
+        s = torch.ones_like(mad)
+    # a zero scale (eps = 0 with std 0) means every deviation of the group is 0: divide by 1 instead of 0/0
+    adv = dev / g.broadcast(torch.where(s > 0, s, torch.ones_like(s)))
+    if v is not None:
+        adv = torch.where(v, adv, torch.zeros_like(adv))
+
+    valid_w = _weight(r, v)
+    weight = valid_w * (~pivot).to(r.dtype)
+    has_rows = n > 0
+    big = n > 1
+    ties = g.sum(at_median.to(r.dtype)) > 1
+    spread = g.max(dev.detach().abs(), v)
+    metrics = {
+        "pivot_frac": _frac(pivot.to(r.dtype), valid_w),
+        "zero_mad_group_frac": _frac(big & (mad.detach() == 0), has_rows),
+        "median_tie_group_frac": _frac(ties, has_rows),
+        "zero_variance_group_frac": _frac(big & (spread == 0), has_rows),
+        "singleton_group_frac": _frac(n == 1, has_rows),
+        "reward_mean": ((r * valid_w).sum() / valid_w.sum().clamp(min=1)).detach(),
+    }
+    return AdvantageOutput(advantages=adv, weight=weight, metrics=metrics)
+
+
+def _covering_size(n: Tensor, tau: float) -> Tensor:
+    """``k = ceil(n · tau)`` computed as the GAPO code does, ``ceil(n * (100 tau) / 100)`` in float64.
+
+    The two differ where the rounding of ``100 tau`` pushes an integer product up: for n = 20, tau = 0.55,
+    ``ceil(20 * 0.55) = 11`` but the code's ``20 * 55.00000000000001 / 100 = 11.000000000000002`` gives 12.
+    """
+    k = torch.ceil(n.to(torch.float64) * (tau * 100) / 100).to(torch.long)
+    return torch.minimum(k.clamp(min=1), n.clamp(min=1))
+
+
+def gapo(
+    rewards: FloatB,
+    group: Groups | IntB,
+    *,
+    tau: float = 0.5,
+    center: Literal["median", "mean"] = "median",
+    normalize: bool = True,
+    unbiased: bool = True,
+    eps: float = 1e-6,
+    singleton: Literal["zero", "raw"] = "zero",
+    valid: Any = None,
+) -> AdvantageOutput:
+    r"""GAPO advantage: the median of the group's densest interval as the baseline, RMS deviation around it as scale.
+
+    .. math::  A_i = \frac{r_i - Q_g}{d_g + \varepsilon}, \qquad
+               d_g = \sqrt{\tfrac{1}{n_g - 1}\textstyle\sum_{j\in g}(r_j - Q_g)^2}
+
+    :math:`Q_g` is the median of the shortest window of :math:`k = \lceil n_g \tau \rceil` consecutive sorted
+    rewards :math:`s_{(j)}, \dots, s_{(j+k-1)}` (smallest range :math:`s_{(j+k-1)} - s_{(j)}`; ties keep the
+    lowest window), the average of the two middle values when :math:`k` is even. :math:`d_g` is a
+    root-mean-square deviation around :math:`Q_g`, not the std. Without ``normalize``, :math:`A_i = r_i - Q_g`.
+
+    Reference: GAPO, arXiv 2510.21830 ("the interval with the highest SNR"; v1–v3: "highest-density interval");
+    code ``TsingZ0/verl-GAPO@58f42b55`` (``core_algos.compute_grpo_outcome_advantage`` with
+    ``find_method``, ``rollout_utils.find_shortest_covering_subarray``), whose behaviour this reproduces.
+
+    Args:
+        rewards: scalar reward per rollout ``[B]``.
+        group: group ids ``[B]`` (any int64 values, any order) or a prebuilt :class:`~rolloutopt.groups.Groups`.
+        tau: fraction of a group's rewards the interval must cover, in (0, 1] (``find_target_fraction``,
+            default 0.5). ``k`` is computed as the code does (``ceil(n * (100 tau) / 100)`` in float64), which
+            differs from ``ceil(n * tau)`` for e.g. n = 20, tau = 0.55 (12, not 11).
+        center: ``"median"`` (default, the paper's method) or ``"mean"`` (``find_method=mean``: the window mean).
+        normalize: divide by :math:`d_g + \varepsilon` (``norm_adv_by_std_in_grpo``, default True).
+        unbiased: divide the squared deviations by n - 1 (the code) or, when False, by n.
+        eps: added to :math:`d_g` (verl's 1e-6).
+        singleton: a group with one valid rollout. ``"zero"`` (default, the library's convention, §0.5) gives
+            advantage 0 and warns; ``"raw"`` is the GAPO code's (verl's) convention, :math:`Q = 0, d = 1`, so
+            :math:`A = r/(1 + \varepsilon)` (``A = r`` without ``normalize``).
+        valid: optional mask ``[B]`` of rows that enter the statistics; other rows get advantage 0 and weight 0.
+
+    Returns:
+        :class:`AdvantageOutput` with ``advantages [B]`` and ``weight [B]`` (1 for valid rows: GAPO excludes no
+        rollout). Metrics: ``excluded_frac`` (0: nothing is excluded), ``interval_frac`` (fraction of valid
+        rollouts inside the chosen interval), ``interval_width_mean`` (mean range of the chosen interval over
+        groups of two or more), ``baseline_shift_mean`` (mean of :math:`Q_g - \mu_g` over those groups),
+        ``zero_variance_group_frac``, ``singleton_group_frac``, ``reward_mean``.
+
+    Edge cases: all-equal rewards give window range 0, :math:`Q = r`, :math:`d = 0` and advantages exactly 0.
+    Advantages are not zero-mean: they can all be ≤ 0 when the dense cluster sits at the top. Windows are
+    compared in float64 (as the code compares Python floats), so near-ties resolve as in the code. All-masked
+    groups contribute nothing. Implementation: one segment sort; window ranges, the first minimal window,
+    the window median (two gathers) and the window mean (a segment sum over the window's rows, shifted by its
+    first value so that an all-equal window is exact) are vectorised over groups and windows, with no loop.
+    """
+    if not isinstance(tau, (int, float)) or isinstance(tau, bool) or not 0.0 < tau <= 1.0:
+        raise InputError("tau", "a fraction in (0, 1]", repr(tau), "pass the covered fraction, e.g. tau=0.5")
+    choice(center, "center", ("median", "mean"))
+    choice(normalize, "normalize", (True, False))
+    choice(singleton, "singleton", ("zero", "raw"))
+    positive(eps, "eps", strict=False)
+    r, g, v, _ = _prepare(rewards, group, valid)
+    n = g.count(v)
+    _warn_singletons(g, n, v, singleton)
+    num_rows = g.num_rows
+    last = num_rows - 1
+
+    perm = _segment_sort(g, r, v)
+    srt = r[perm]  # group by group, valid values ascending (carries the gradient)
+    srt64 = srt.detach().to(torch.float64)
+    grp = g.inverse[perm]
+    start_of = g.offsets[:-1]
+    pos = torch.arange(num_rows, device=r.device)
+    j = pos - start_of.index_select(0, grp)  # position inside the group's sorted valid values
+    k = _covering_size(n, tau)
+    k_row = k.index_select(0, grp)
+    is_start = j + k_row <= n.index_select(0, grp)  # a window of k values starts here
+    width = srt64[(pos + k_row - 1).clamp(max=last)] - srt64
+    width = torch.where(is_start, width, torch.full_like(width, float("inf")))
+    best = torch.full((g.num_groups,), float("inf"), dtype=torch.float64, device=r.device)
+    best = best.scatter_reduce(0, grp, width, reduce="amin", include_self=True)
+    first = torch.where(is_start & (width == best.index_select(0, grp)), j, torch.full_like(j, num_rows))
+    win = torch.full((g.num_groups,), num_rows, dtype=torch.long, device=r.device)
+    win = win.scatter_reduce(0, grp, first, reduce="amin", include_self=True)
+    win = torch.where(n > 0, win, torch.zeros_like(win))
+    origin = start_of + win  # sorted position of each group's window start
+    win_row = win.index_select(0, grp)
+    in_win = (j >= win_row) & (j < win_row + k_row)  # sorted rows inside the chosen window
+    if center == "median":
+        lo = srt[(origin + torch.div(k - 1, 2, rounding_mode="floor")).clamp(max=last)]
+        hi = srt[(origin + torch.div(k, 2, rounding_mode="floor")).clamp(max=last)]
+        q = (lo + hi) / 2
+    else:
+        base = srt[origin.clamp(max=last)]
+        shifted = torch.where(in_win, srt - base.index_select(0, grp), torch.zeros_like(srt))
+        total = torch.zeros(g.num_groups, dtype=r.dtype, device=r.device).index_add(0, grp, shifted)
+        q = base + total / k.to(r.dtype)
+    single = n == 1
+    keep_q = (n > 0) & ~single if singleton == "raw" else n > 0  # verl: a group of one has Q = 0
+    q = torch.where(keep_q, q, torch.zeros_like(q))
+
+    dev = r - g.broadcast(q)
+    d: Tensor | None = None
+    if normalize:
+        denom = (n - (1 if unbiased else 0)).clamp(min=1).to(r.dtype)
+        d = _safe_sqrt(g.sum(dev * dev, v) / denom)
+        if singleton == "raw":
+            d = torch.where(single, torch.ones_like(d), d)
+        scale = d + eps  # 0 only when eps = 0 and every deviation is 0: divide by 1 instead of 0/0
+        adv = dev / g.broadcast(torch.where(scale > 0, scale, torch.ones_like(scale)))
+    else:
+        adv = dev
+    if singleton == "zero":
+        adv = torch.where(g.broadcast(single), torch.zeros_like(adv), adv)
+    if v is not None:
+        adv = torch.where(v, adv, torch.zeros_like(adv))
+
+    w = _weight(r, v)
+    has_rows = n > 0
+    big = n > 1
+    big_f = big.to(r.dtype)
+    in_interval = torch.zeros_like(w)
+    in_interval[perm] = in_win.to(r.dtype)
+    in_interval = in_interval * w
+    mean = g.mean(r, v)
+    spread = g.max(dev.detach().abs(), v)
+    interval_width = torch.where(big, best, torch.zeros_like(best)).to(r.dtype)
+    metrics = {
+        "excluded_frac": torch.zeros((), dtype=r.dtype, device=r.device),
+        "interval_frac": _frac(in_interval, w),
+        "interval_width_mean": _frac(interval_width, big_f),
+        "baseline_shift_mean": _frac((q.detach() - mean.detach()) * big_f, big_f),
+        "zero_variance_group_frac": _frac(big & (spread == 0), has_rows),
+        "singleton_group_frac": _frac(single, has_rows),
+        "reward_mean": ((r * w).sum() / w.sum().clamp(min=1)).detach(),
+    }
+    return AdvantageOutput(advantages=adv, weight=w, metrics=metrics)
+
+
+REGISTRY.register("mc_grpo", mc_grpo)
+REGISTRY.register("gapo", gapo)

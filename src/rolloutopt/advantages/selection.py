@@ -1,0 +1,513 @@
+"""Which rollouts and tokens enter the loss: D³S down-sampling, NAT token subsampling, Latent-GRPO masking.
+
+Three selectors that sit between an advantage estimator and the policy loss:
+
+- :func:`d3s` (Dynamic Dual-level Down-Sampling, arXiv 2509.22115) keeps, per group, the rollouts whose
+  advantages have the largest variance and, within them, the tokens with the largest ``|A|·H``; a linear
+  curriculum relaxes both budgets over training.
+- :func:`nat_weights` (NAT, "Not All Tokens Are Needed", arXiv 2603.06619) subsamples tokens at random and
+  returns Horvitz–Thompson weights (one over the inclusion probability), so the subsampled loss is an unbiased
+  estimate of the full-token loss.
+- :func:`latent_mask` (Latent-GRPO's invalid-sample advantage masking, arXiv 2604.27998) gives invalid
+  rollouts (truncated, unparsable, tool errors) advantage 0 and weight 0 and leaves them out of their group's
+  statistics.
+
+Every excluded rollout gets weight 0 in the returned ``weight`` and every excluded token is False in the
+returned token mask; the metrics report the fractions, so nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from rolloutopt._validation import Dims, as_float, as_mask, checks_enabled, choice, describe, finite, positive
+from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
+from rolloutopt.advantages.reference import grpo
+from rolloutopt.errors import InputError
+from rolloutopt.groups import Groups, as_groups
+from rolloutopt.typing import BoolBT, FloatB, FloatBT, IntB, PerSeqOrToken
+
+__all__ = ["D3SOutput", "TokenSubsample", "d3s", "d3s_schedule", "latent_mask", "nat_weights"]
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _fraction(value: Any, name: str, *, open_low: bool = True) -> float:
+    """A number in (0, 1] (or [0, 1] with ``open_low=False``), else an InputError naming ``name``."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (0.0 < value <= 1.0) if open_low else (0.0 <= value <= 1.0)
+    if not ok:
+        interval = "(0, 1]" if open_low else "[0, 1]"
+        raise InputError(name, f"a number in {interval}", describe(value), f"pass {name} as a fraction in {interval}")
+    return float(value)
+
+
+def _pair(value: Any, name: str) -> tuple[float, float]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise InputError(name, "a pair (init, final) of fractions in (0, 1]", describe(value), f"pass {name}=(a, b)")
+    return _fraction(value[0], f"{name}[0]"), _fraction(value[1], f"{name}[1]")
+
+
+def _round_half_up(x: Tensor) -> Tensor:
+    return torch.floor(x + 0.5).long()
+
+
+# --------------------------------------------------------------------------------------------------- D³S
+
+
+@dataclass(frozen=True, kw_only=True)
+class D3SOutput(AdvantageOutput):
+    """What :func:`d3s` returns: an :class:`AdvantageOutput` plus the token mask of the token level.
+
+    Attributes:
+        advantages: the input advantages, unchanged (``[B]`` or ``[B, T]``): D³S normalises on the *full*
+            group and does not re-normalise the selected subset.
+        weight: ``[B]``, 1 for a rollout the sample level keeps, 0 for one it drops (and for invalid rows).
+        token_mask: bool ``[B, T]``, True for the tokens the token level keeps (always inside ``mask`` and
+            inside the kept rollouts). Pass it as the loss mask, with the full mask's token count as the
+            denominator if the loss should keep its scale.
+        metrics: ``sample_keep_frac``, ``excluded_frac`` (valid rollouts dropped), ``token_keep_frac`` (kept
+            tokens over the masked-in tokens of valid rollouts), ``sample_frac`` and ``token_frac`` (the
+            schedule's values at this progress) and ``selected_adv_var`` (mean over groups of the population
+            variance of the kept advantages).
+    """
+
+    token_mask: Tensor
+
+
+def d3s_schedule(
+    progress: float, *, sample_frac: tuple[float, float] = (0.5, 1.0), token_frac: tuple[float, float] = (0.2, 1.0)
+) -> tuple[float, float]:
+    r"""The D³S curriculum: sample and token budgets at training progress ``p`` in [0, 1].
+
+    .. math::  [N_s(p), K(p)] = (1-p)\,[N_\text{init}, K_\text{init}] + p\,[N_\text{final}, K_\text{final}]
+
+    Reference: arXiv 2509.22115 (linear schedule, aggressive early, relaxed late). The budgets are fractions
+    here (of each group's valid rollouts, and of the kept rollouts' tokens); the default values are ours (the
+    paper's are not public): half the rollouts and 20% of their tokens at the start (the paper reports < 20%
+    token usage early), everything at the end.
+
+    Returns:
+        ``(sample_frac, token_frac)`` at ``progress``.
+    """
+    p = _fraction(progress, "progress", open_low=False)
+    s0, s1 = _pair(sample_frac, "sample_frac")
+    k0, k1 = _pair(token_frac, "token_frac")
+    return (1 - p) * s0 + p * s1, (1 - p) * k0 + p * k1
+
+
+def _progress(progress: float | None, step: int | None, total_steps: int | None) -> float:
+    if progress is not None:
+        if step is not None or total_steps is not None:
+            raise InputError("progress", "either progress or step/total_steps", "both", "pass only one of them")
+        return _fraction(progress, "progress", open_low=False)
+    if step is None and total_steps is None:
+        return 0.0
+    if not isinstance(total_steps, int) or isinstance(total_steps, bool) or total_steps < 1:
+        raise InputError("total_steps", "a positive int", describe(total_steps), "pass the number of training steps")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise InputError("step", "a non-negative int", describe(step), "pass the current training step (0-based)")
+    return min(step / total_steps, 1.0)
+
+
+def _split_budget(budget: Tensor, n_pos: Tensor, n_neg: Tensor, pos_frac: float) -> tuple[Tensor, Tensor]:
+    """Positive and negative counts ``[G]``: the balanced split, topped up from the other side when one side
+    has too few rows (zero-advantage rows are never taken)."""
+    want_pos = _round_half_up(budget.to(torch.float64) * pos_frac)
+    q = torch.minimum(budget - want_pos, n_neg)
+    p = torch.minimum(n_pos, budget - q)  # leftover negative slots go to the positives ...
+    q = torch.minimum(n_neg, budget - p)  # ... and leftover positive slots to the negatives
+    return p, q
+
+
+def _select_balanced(a: Tensor, g: Groups, budget: Tensor, valid: Tensor, pos_frac: float) -> Tensor:
+    pos, neg = valid & (a > 0), valid & (a < 0)
+    p, q = _split_budget(budget, g.count(pos), g.count(neg), pos_frac)
+    top = g.rank(a, pos, descending=True)  # -1 outside pos
+    bottom = g.rank(a, neg)
+    return (pos & (top < g.broadcast(p))) | (neg & (bottom < g.broadcast(q)))
+
+
+def _select_optimal(a: Tensor, g: Groups, budget: Tensor, valid: Tensor) -> Tensor:
+    """The exact maximiser of the subset's population variance among the non-zero advantages.
+
+    A maximum-variance k-subset of reals always consists of the j smallest and the k - j largest values for
+    some j (moving an interior point outward never lowers the variance), so it suffices to scan j = 0..k with
+    prefix sums of the sorted values: O(G · max group size), vectorised.
+    """
+    nz = valid & (a != 0)
+    n = g.count(nz)
+    k = torch.minimum(budget, n)
+    rank = g.rank(a, nz)  # ascending position among the group's non-zero values, -1 elsewhere
+    width = g.max_size
+    x = a.detach().to(torch.float64)
+    srt = torch.zeros(g.num_groups, width, dtype=torch.float64, device=a.device)
+    # rows outside nz add an exact 0 at position 0 (no host sync from nonzero())
+    srt.index_put_((g.inverse, rank.clamp(min=0)), torch.where(nz, x, torch.zeros_like(x)), accumulate=True)
+    zero = torch.zeros(g.num_groups, 1, dtype=torch.float64, device=a.device)
+    s1 = torch.cat([zero, srt.cumsum(1)], 1)  # [G, width + 1]
+    s2 = torch.cat([zero, (srt * srt).cumsum(1)], 1)
+    j = torch.arange(width + 1, device=a.device)[None, :]  # number taken from the bottom
+    top_start = (n[:, None] - (k[:, None] - j)).clamp(0, width)
+    jj = j.clamp(max=width).expand(g.num_groups, -1)
+    total = s1.gather(1, jj) + s1.gather(1, n[:, None].expand_as(jj)) - s1.gather(1, top_start)
+    sq = s2.gather(1, jj) + s2.gather(1, n[:, None].expand_as(jj)) - s2.gather(1, top_start)
+    kf = k[:, None].clamp(min=1).to(torch.float64)
+    var = sq / kf - (total / kf) ** 2
+    var = torch.where(j <= k[:, None], var, torch.full_like(var, -1.0))
+    best = var.argmax(1)  # first maximiser: fewest taken from the bottom
+    jb, kb, nb = g.broadcast(best), g.broadcast(k), g.broadcast(n)
+    return nz & ((rank < jb) | (rank >= nb - (kb - jb)))
+
+
+def _token_keep(key: Tensor, eligible: Tensor, frac: float, level: str) -> Tensor:
+    """The top ``frac`` of the eligible tokens by ``key``: over the whole batch or within each row."""
+    neg_inf = torch.full_like(key, float("-inf"))
+    k_masked = torch.where(eligible, key, neg_inf)
+    if level == "batch":
+        flat = k_masked.reshape(-1)
+        count = eligible.sum()
+        budget = torch.where(count > 0, _round_half_up(count.to(torch.float64) * frac).clamp(min=1), count)
+        order = torch.argsort(flat, descending=True, stable=True)
+        ranks = torch.empty_like(order)
+        ranks[order] = torch.arange(flat.numel(), device=key.device)
+        return eligible & (ranks.reshape(key.shape) < budget)
+    count = eligible.sum(1)
+    budget = torch.where(count > 0, _round_half_up(count.to(torch.float64) * frac).clamp(min=1), count)
+    order = torch.argsort(k_masked, dim=1, descending=True, stable=True)
+    ranks = torch.empty_like(order).scatter_(1, order, torch.arange(key.shape[1], device=key.device).expand_as(order))
+    return eligible & (ranks < budget[:, None])
+
+
+def d3s(
+    advantages: PerSeqOrToken,
+    group: Groups | IntB,
+    entropy: FloatBT,
+    mask: BoolBT,
+    *,
+    progress: float | None = None,
+    step: int | None = None,
+    total_steps: int | None = None,
+    sample_frac: tuple[float, float] = (0.5, 1.0),
+    token_frac: tuple[float, float] = (0.2, 1.0),
+    sample_level: Literal["group", "batch"] = "group",
+    split: Literal["balanced", "optimal"] = "balanced",
+    pos_frac: float = 0.5,
+    token_level: Literal["batch", "sequence"] = "batch",
+    valid: Any = None,
+) -> D3SOutput:
+    r"""D³S: keep the rollouts that maximise advantage variance and, in them, the tokens with the largest |A|·H.
+
+    Sample level: in each group choose a subset :math:`S` of :math:`N_s` rollouts maximising
+    :math:`\operatorname{Var}(A_S)`, by taking the :math:`N_\text{pos}` largest positive and the
+    :math:`N_\text{neg}` most negative advantages. Token level: within the kept rollouts keep the top
+    :math:`K` fraction of tokens by
+
+    .. math::  \kappa_{i,t} = |A_{i,t}|\cdot H_{i,t},
+
+    and the budgets follow the linear curriculum of :func:`d3s_schedule`,
+    :math:`[N_s, K](p) = (1-p)[N_\text{init}, K_\text{init}] + p[N_\text{final}, K_\text{final}]`.
+
+    Reference: "Learning More with Less: A Dynamic Dual-Level Down-Sampling Framework for Efficient Policy
+    Optimization", arXiv 2509.22115 (ICLR 2026). The rules above and the cross-group variant are the paper's;
+    its code is not public, so the following are our choices, each a keyword: budgets as fractions (of the
+    group's valid rollouts, of the kept tokens), their defaults, the balanced split with top-up, rounding
+    half up with at least one rollout per non-empty group and one token per non-empty pool, tie-breaking by
+    row (and position) order, and the batch-wide token pool.
+
+    Args:
+        advantages: advantages normalised on the *full* group, ``[B]`` or per-token ``[B, T]``, e.g.
+            ``grpo(r, g).advantages``; they are not re-normalised after selection. For per-token advantages
+            the sample level ranks rollouts by their masked mean advantage.
+        group: group ids ``[B]`` or a :class:`~rolloutopt.groups.Groups`.
+        entropy: full-vocabulary policy entropy per position ``[B, T]`` (non-negative; detached).
+        mask: response mask ``[B, T]``.
+        progress: training progress in [0, 1]; or give ``step`` and ``total_steps`` (``progress =
+            step / total_steps``, capped at 1). Default 0 (the most aggressive budgets).
+        sample_frac, token_frac: ``(init, final)`` budgets in (0, 1] for the schedule. Defaults ours: (0.5, 1)
+            and (0.2, 1). The per-group sample budget is ``round(frac · n_valid)``, at least 1.
+        sample_level: ``"group"`` (D³S-I, selection within each group) or ``"batch"`` (the cross-group
+            variant: one selection over the whole batch with the same total budget; advantages stay
+            normalised within groups, so zero-advantage groups drop out automatically).
+        split: ``"balanced"`` (the spec's rule: ``round(pos_frac · N_s)`` largest positives and the rest most
+            negative, topping up from the other side when one side runs out) or ``"optimal"`` (the exact
+            maximiser of the subset's population variance, j smallest and k - j largest for the best j).
+        pos_frac: share of the budget given to positive advantages under ``split="balanced"`` (default 0.5).
+        token_level: ``"batch"`` (default: one top-K pool over all tokens of the kept rollouts, so with
+            sequence-level advantages rollouts compete by |A| and tokens within one by entropy) or
+            ``"sequence"`` (top-K fraction within each kept rollout).
+        valid: optional mask ``[B]``; invalid rows are never kept and do not count in the budgets.
+
+    Returns:
+        :class:`D3SOutput` with ``weight [B]`` (kept rollouts) and ``token_mask [B, T]`` (kept tokens).
+
+    Edge cases: zero-advantage rollouts (all-equal groups, singletons under ``singleton="zero"``) are never
+    kept, so a group with fewer non-zero rollouts than its budget keeps all of them and an all-zero group
+    none; all-masked rows keep no token; with ``(1, 1)`` budgets every non-zero-advantage rollout and all its
+    tokens are kept. Scaling the advantages by a positive constant changes neither selection.
+    """
+    choice(sample_level, "sample_level", ("group", "batch"))
+    choice(split, "split", ("balanced", "optimal"))
+    choice(token_level, "token_level", ("batch", "sequence"))
+    pf = _fraction(pos_frac, "pos_frac", open_low=False)
+    p = _progress(progress, step, total_steps)
+    s_frac, k_frac = d3s_schedule(p, sample_frac=sample_frac, token_frac=token_frac)
+
+    dims = Dims()
+    m = as_mask(mask, "mask", dims, "B T")
+    h = as_float(entropy, "entropy", dims, "B T", device=m.device).detach()
+    a_in = as_float(advantages, "advantages", device=m.device)
+    if checks_enabled() and a_in.ndim not in (1, 2):
+        raise InputError("advantages", "a tensor of shape [B] or [B, T]", describe(a_in), "pass one row per rollout")
+    dims.check(a_in, "advantages", "B" if a_in.ndim == 1 else "B T")
+    g = as_groups(group, dims)
+    v = torch.ones(g.num_rows, dtype=torch.bool, device=m.device)
+    if valid is not None:
+        v = as_mask(valid, "valid", dims, "B", device=m.device)
+    finite(h, "entropy", m & v[:, None])
+    if checks_enabled() and bool(((h < 0) & m).any()):
+        raise InputError("entropy", "non-negative entropies", "negative values", "pass the policy entropy H >= 0")
+    a = a_in.detach()
+    finite(a, "advantages", v if a.ndim == 1 else m & v[:, None])
+    if a.ndim == 2:
+        a = torch.where(m, a, torch.zeros_like(a))
+        seq = a.sum(1) / m.sum(1).clamp(min=1).to(a.dtype)
+    else:
+        seq = torch.where(v, a, torch.zeros_like(a))
+    seq = torch.where(v, seq, torch.zeros_like(seq))
+
+    n_valid = g.count(v)
+    budget = torch.where(n_valid > 0, _round_half_up(n_valid.to(torch.float64) * s_frac).clamp(min=1), n_valid)
+    sel_groups = g
+    if sample_level == "batch":
+        sel_groups = Groups(torch.zeros(g.num_rows, dtype=torch.long, device=m.device))
+        budget = budget.sum().reshape(1)
+    if split == "balanced":
+        keep = _select_balanced(seq, sel_groups, budget, v, pf)
+    else:
+        keep = _select_optimal(seq, sel_groups, budget, v)
+
+    key = (a.abs() if a.ndim == 2 else a.abs()[:, None]) * h
+    eligible = m & keep[:, None]
+    token_mask = _token_keep(key, eligible, k_frac, token_level)
+
+    w = keep.to(seq.dtype)
+    valid_tokens = (m & v[:, None]).sum()
+    kept_adv = torch.where(keep, seq, torch.zeros_like(seq))
+    n_kept = g.count(keep)
+    mean_k = g.sum(kept_adv) / n_kept.clamp(min=1).to(seq.dtype)
+    var_k = g.sum(torch.where(keep, (seq - g.broadcast(mean_k)) ** 2, torch.zeros_like(seq))) / n_kept.clamp(min=1).to(
+        seq.dtype
+    )
+    groups_kept = (n_kept > 0).sum()
+    sample_keep = keep.sum() / v.sum().clamp(min=1)
+    metrics = {
+        "sample_keep_frac": sample_keep.to(seq.dtype).detach(),
+        "excluded_frac": (1 - sample_keep).to(seq.dtype).detach(),
+        "token_keep_frac": (token_mask.sum() / valid_tokens.clamp(min=1)).to(seq.dtype).detach(),
+        "sample_frac": torch.tensor(s_frac, dtype=seq.dtype, device=m.device),
+        "token_frac": torch.tensor(k_frac, dtype=seq.dtype, device=m.device),
+        "selected_adv_var": (var_k.sum() / groups_kept.clamp(min=1)).to(seq.dtype).detach(),
+    }
+    return D3SOutput(advantages=a_in, weight=w, token_mask=token_mask, metrics=metrics)
+
+
+# --------------------------------------------------------------------------------------------------- NAT
+
+
+@dataclass(frozen=True)
+class TokenSubsample:
+    """What :func:`nat_weights` returns.
+
+    Attributes:
+        mask: bool ``[B, T]``, the subsampled tokens (a subset of the input mask).
+        weight: ``[B, T]``, ``1/π`` on kept tokens and 0 elsewhere (Horvitz–Thompson weights): multiply the
+            per-token loss by it, keep the *full* mask's denominator, and the loss is unbiased.
+        inclusion: ``[B, T]``, the inclusion probability π of every masked-in token (0 outside the mask).
+        metrics: ``token_keep_frac`` (kept over masked-in tokens), ``excluded_frac`` (its complement),
+            ``expected_keep_frac`` (Σπ over the count
+            of masked-in tokens), ``weight_max`` and ``weight_mean`` (over kept tokens).
+    """
+
+    mask: Tensor
+    weight: Tensor
+    inclusion: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+def nat_weights(
+    mask: BoolBT,
+    *,
+    generator: torch.Generator,
+    scheme: Literal["uniform", "prefix"] = "uniform",
+    keep_prob: float = 0.5,
+    min_frac: float = 0.0,
+) -> TokenSubsample:
+    r"""NAT token subsampling with Horvitz–Thompson weights: an unbiased partial-token policy gradient.
+
+    Each masked-in token :math:`t` of rollout :math:`i` is kept with a known probability :math:`\pi_{i,t} > 0`
+    and, when kept, weighted by :math:`1/\pi_{i,t}`:
+
+    .. math::  \hat g = \sum_{i,t} \frac{\mathbb 1[t \in S_i]}{\pi_{i,t}}\, g_{i,t}, \qquad
+               \mathbb E[\hat g] = \sum_{i,t} m_{i,t}\, g_{i,t}
+
+    for any per-token terms :math:`g_{i,t}` (policy-gradient terms, clipped surrogates, KL terms), because
+    :math:`\mathbb E[\mathbb 1[t \in S_i]] = \pi_{i,t}`.
+
+    - ``scheme="uniform"`` (URS, uniform random sampling): every token independently with probability
+      ``keep_prob``; :math:`\pi = p`.
+    - ``scheme="prefix"`` (RPC, random prefix cutting): each rollout keeps its first :math:`\lceil u L_i\rceil`
+      tokens, :math:`u \sim \mathcal U(a, 1]` with :math:`a` = ``min_frac``; the token at (0-based) position
+      :math:`t` among the rollout's :math:`L_i` tokens is kept iff :math:`t < uL_i`, so
+      :math:`\pi_{i,t} = \min\{1, (1 - t/L_i)/(1 - a)\}`. The expected kept fraction is about :math:`(1+a)/2`
+      (one half at the default :math:`a=0`). The kept tokens are contiguous, which is what saves the
+      forward/backward compute, at the price of weights up to :math:`(1-a)L_i` on the last tokens.
+
+    Reference: "Not All Tokens Are Needed (NAT): token efficient reinforcement learning", arXiv 2603.06619
+    (Horvitz–Thompson reweighting, URS and RPC, as few as 50% of tokens). Only its abstract was available to
+    us; the exact sampling laws above (Bernoulli URS; uniform cut fraction for RPC, with ``min_frac``) are our
+    reconstruction, and their weights are exact for the laws we sample, so unbiasedness holds by construction.
+
+    Args:
+        mask: response mask ``[B, T]``; positions count among a row's masked-in tokens, so holes are allowed.
+        generator: an explicit :class:`torch.Generator` on the mask's device (the global RNG is never used).
+        scheme: ``"uniform"`` (URS) or ``"prefix"`` (RPC).
+        keep_prob: URS keep probability in (0, 1] (default 0.5, the paper's headline token budget).
+        min_frac: RPC lower end of the cut fraction, in [0, 1] (default 0; 1 keeps everything).
+
+    Returns:
+        :class:`TokenSubsample` with the subsampled ``mask``, the ``weight`` and the ``inclusion`` probabilities.
+
+    Edge cases: all-masked rows keep nothing and get weight 0; ``keep_prob=1`` (URS) and ``min_frac=1``
+    (RPC) return the input mask with weight 1. Aggregate with the full mask's token count: dividing by the
+    subsampled count (a plain token-mean over the new mask) is a ratio estimator and is biased.
+    """
+    choice(scheme, "scheme", ("uniform", "prefix"))
+    if not isinstance(generator, torch.Generator):
+        raise InputError(
+            "generator", "a torch.Generator", describe(generator), "pass generator=torch.Generator().manual_seed(s)"
+        )
+    m = as_mask(mask, "mask", Dims(), "B T")
+    if checks_enabled() and generator.device.type != m.device.type:
+        raise InputError(
+            "generator", f"a generator on {m.device}", f"a generator on {generator.device}", "create it on that device"
+        )
+    mf = m.to(torch.float32)
+    if scheme == "uniform":
+        p = _fraction(keep_prob, "keep_prob")
+        u = torch.rand(m.shape, generator=generator, device=m.device)
+        kept = m & (u < p)
+        pi = mf * p
+    else:
+        a = _fraction(min_frac, "min_frac", open_low=False)
+        length = mf.sum(1, keepdim=True)
+        pos = mf.cumsum(1) - 1  # 0-based position among the row's masked-in tokens
+        frac_pos = pos / length.clamp(min=1)
+        cut = a + (1 - a) * (1 - torch.rand((m.shape[0], 1), generator=generator, device=m.device))  # (a, 1]
+        kept = m & (pos < cut * length)
+        tail = (1 - frac_pos) / max(1 - a, 1e-12)
+        pi = torch.where(frac_pos <= a, torch.ones_like(mf), tail.clamp(max=1)) * mf
+    w = torch.where(kept, 1 / pi.clamp(min=1e-30), torch.zeros_like(pi))
+    n_tok = mf.sum().clamp(min=1)
+    n_kept = kept.sum()
+    metrics = {
+        "token_keep_frac": (n_kept / n_tok).detach(),
+        "excluded_frac": (1 - n_kept / n_tok).detach(),
+        "expected_keep_frac": (pi.sum() / n_tok).detach(),
+        "weight_max": w.amax().detach() if w.numel() else torch.zeros((), device=m.device),
+        "weight_mean": (w.sum() / n_kept.clamp(min=1)).detach(),
+    }
+    return TokenSubsample(mask=kept, weight=w, inclusion=pi, metrics=metrics)
+
+
+# ------------------------------------------------------------------------------------------ Latent-GRPO
+
+
+def latent_mask(
+    rewards: FloatB,
+    group: Groups | IntB,
+    *,
+    invalid: Any = None,
+    mask: Any = None,
+    max_len: int | None = None,
+    scale: Literal["group", "batch"] | None = "group",
+    unbiased: bool = True,
+    eps: float = 1e-6,
+    singleton: Literal["zero", "raw"] = "zero",
+) -> AdvantageOutput:
+    r"""Invalid-sample advantage masking: invalid rollouts get advantage 0 and leave their group's statistics.
+
+    With :math:`V_g` the valid rollouts of group :math:`g`,
+
+    .. math::  A_i = \begin{cases} \dfrac{r_i - \mu_{V_g}}{\sigma_{V_g} + \varepsilon} & i \text{ valid} \\
+               0 & i \text{ invalid} \end{cases}
+
+    and invalid rollouts get weight 0, so they neither train nor shift the baseline of their siblings.
+
+    Reference: Latent-GRPO, arXiv 2604.27998 ("invalid-sample advantage masking"). Its code
+    (``compute_latent_grpo_outcome_advantage_firstmask_best_exclude_advantage``, a verl 0.4 fork) flags a
+    rollout invalid when its response length equals the maximum response length, computes the group mean and
+    std over the others, and gives invalid rollouts advantage 0; that is ``latent_mask(r, g, mask=m,
+    max_len=T, singleton="raw")``. We generalise "invalid" to any flag (truncated, unparsable answer, tool
+    error) through ``invalid``; the paper's other two components (one-sided noise sampling, correct-path
+    first-token selection) are not part of this function.
+
+    Args:
+        rewards: reward per rollout ``[B]``; values of invalid rows are ignored (they may be NaN).
+        group: group ids ``[B]`` or a :class:`~rolloutopt.groups.Groups`.
+        invalid: optional bool ``[B]``, True for invalid rollouts.
+        mask, max_len: optional response mask ``[B, T]`` and maximum response length; rollouts with
+            ``mask.sum(-1) >= max_len`` are truncated and invalid (the paper's rule). At least one of
+            ``invalid`` and ``max_len`` must be given; both are combined with "or".
+        scale, unbiased, eps, singleton: as in :func:`~rolloutopt.advantages.grpo`. ``singleton="zero"`` (the
+            library's default) gives a group left with one valid rollout advantage 0 and warns; the paper's
+            code follows verl (``"raw"``: mean 0, std 1).
+
+    Returns:
+        :class:`AdvantageOutput` with ``advantages [B]`` and ``weight [B]`` (0 for invalid rollouts); metrics
+        of :func:`grpo` plus ``invalid_frac`` and ``truncated_frac``.
+
+    Edge cases: a group whose rollouts are all invalid gets advantage 0 everywhere; all-equal valid rewards
+    give exactly 0; a non-binary reward is normalised like GRPO over the valid rows only.
+    """
+    dims = Dims()
+    r = as_float(rewards, "rewards", dims, "B")
+    if mask is not None and max_len is None:
+        raise InputError("max_len", "the maximum response length when mask is given", "None", "pass max_len=T")
+    if invalid is None and max_len is None:
+        raise InputError(
+            "invalid",
+            "invalid flags [B], or mask and max_len (truncation)",
+            "neither",
+            "pass invalid=flags and/or mask=response_mask, max_len=max_response_length",
+        )
+    bad = torch.zeros(r.shape, dtype=torch.bool, device=r.device)
+    truncated = bad
+    if max_len is not None:
+        if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
+            raise InputError("max_len", "a positive int", describe(max_len), "pass the maximum response length")
+        if mask is None:
+            raise InputError("mask", "the response mask [B, T] when max_len is given", "None", "pass mask=...")
+        m = as_mask(mask, "mask", dims, "B T", device=r.device)
+        truncated = m.sum(-1) >= max_len
+        bad = bad | truncated
+    if invalid is not None:
+        bad = bad | as_mask(invalid, "invalid", dims, "B", device=r.device)
+    positive(eps, "eps", strict=False)
+    out = grpo(r, group, scale=scale, unbiased=unbiased, eps=eps, singleton=singleton, valid=~bad)
+    metrics = dict(out.metrics)
+    metrics["invalid_frac"] = bad.to(out.weight.dtype).mean().detach()
+    metrics["truncated_frac"] = truncated.to(out.weight.dtype).mean().detach()
+    return AdvantageOutput(advantages=out.advantages, weight=out.weight, metrics=metrics)
+
+
+REGISTRY.register("d3s", d3s)
+REGISTRY.register("nat_weights", nat_weights)
+REGISTRY.register("latent_mask", latent_mask)

@@ -1,0 +1,521 @@
+"""Length- and process-aware reward shaping: DRPO, FAPO, and DLER's batch normalisation and truncation penalty.
+
+These methods change *what* a rollout is rewarded for (a short correct answer, a flaw-free derivation, a
+response inside the length budget) rather than the baseline:
+
+- :func:`drpo` — Decoupled Reward Policy Optimization (arXiv 2510.04474): a length reward on the correct
+  rollouts only, turned into closed-form weights of the positive group, and the DisCO discriminative objective.
+  It is a loss; :func:`drpo` returns its exact per-sequence gradient coefficients as advantages, which the
+  standard :func:`rolloutopt.losses.policy_loss` consumes, and :func:`drpo_trust_penalty` its KL hinge.
+- :func:`fapo_penalty` — FAPO's flawed-positive penalty (arXiv 2510.22543).
+- :func:`dler_normalise` and :func:`truncation_penalty` — DLER's batch-wise reward normalisation and truncation
+  length penalty (arXiv 2510.15110).
+
+Reward shapers return :class:`ShapedRewards`; feed ``.rewards`` to any estimator (``grpo``, ``dr_grpo``,
+:func:`dler_normalise`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from rolloutopt._validation import Dims, as_float, as_mask, checks_enabled, choice, describe, finite, positive
+from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
+from rolloutopt.errors import InputError
+from rolloutopt.groups import Groups, as_groups
+from rolloutopt.typing import BoolBT, FloatB, FloatBT, IntB, Scalar
+
+__all__ = ["ShapedRewards", "dler_normalise", "drpo", "drpo_trust_penalty", "fapo_penalty", "truncation_penalty"]
+
+
+@dataclass(frozen=True)
+class ShapedRewards:
+    """What a reward-shaping function returns.
+
+    Attributes:
+        rewards: the shaped per-sequence rewards ``[B]`` (fp32; fp64 for fp64 input), to be passed to an
+            advantage estimator.
+        metrics: detached 0-d tensors (fraction of rollouts the shaping changed, mean shaped reward).
+    """
+
+    rewards: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+def _frac(x: Tensor, over: Tensor | None = None) -> Tensor:
+    """Fraction of True in ``x`` (among ``over``), as a detached float 0-d tensor; 0 for an empty set."""
+    xf = x.float() if over is None else (x & over).float()
+    n = torch.tensor(float(x.numel()), device=x.device) if over is None else over.float().sum()
+    return (xf.sum() / n.clamp(min=1)).detach()
+
+
+def _number(value: Any, name: str, *, allow_inf: bool = False) -> None:
+    """Raise unless ``value`` is a positive number (``inf`` allowed with ``allow_inf``)."""
+    positive(value, name)
+    if not allow_inf and not math.isfinite(value):
+        raise InputError(name, "a finite positive number", describe(value), f"set {name} to a finite value")
+
+
+# ---------------------------------------------------------------------------------------------------- DRPO
+
+
+def drpo(
+    rewards: FloatB,
+    group: Groups | IntB,
+    logp: FloatBT,
+    mask: BoolBT,
+    *,
+    max_len: int,
+    lam: float = 0.1,
+    tau: float = 10.0,
+    threshold: float | None = None,
+    valid: Any = None,
+) -> AdvantageOutput:
+    r"""DRPO: length-weighted positives against a log-sum-exp of negatives, as per-sequence gradient coefficients.
+
+    Decoupled Reward Policy Optimization (arXiv 2510.04474, ICLR 2026; code ``Optimization-AI/DRPO@405f702``,
+    ``compute_policy_loss_drpo``) maximises, per prompt :math:`q` with at least one correct and one incorrect
+    rollout,
+
+    .. math::
+        J_q = \sum_{i \in +} w_i\, s_i \;-\; \tau \log \frac{1}{|-|}\sum_{j \in -} e^{s_j / \tau}, \qquad
+        s_i = \frac{1}{L_i}\sum_t m_{i,t}\,\ell^\theta_{i,t}, \qquad
+        w_i = \frac{e^{u_i/\lambda}}{\sum_{k \in +} e^{u_k/\lambda}}, \quad u_i = 1 - \frac{L_i}{L_{max}}
+
+    and the objective :math:`\sum_q J_q / N_q` (:math:`N_q` = questions in the batch, valid or not). The
+    weights :math:`w` are the closed-form optimum :math:`P^*(y) \propto \pi_{old}(y \mid q, +)\, e^{u(y)/\lambda}`
+    of the positive distribution under a KL regulariser with temperature :math:`\lambda`, self-normalised over
+    the correct rollouts of the group: the length signal is normalised within the positive group only and never
+    touches the incorrect rollouts (whose term is not re-weighted, since :math:`\sum w = 1`).
+
+    This function returns :math:`A_i = \partial J_q / \partial s_i` (detached):
+
+    .. math::  A_i = w_i \ \ (i \in +), \qquad
+               A_j = -\operatorname{softmax}_{k \in -}(s_k/\tau)_j \ \ (j \in -), \qquad \sum_{i \in q} A_i = 0
+
+    so that the standard surrogate reproduces DRPO's gradient exactly (the paper's code also only uses the
+    gradient of its log-mean-exp term, through a value-1 surrogate)::
+
+        out = drpo(rewards, group, logp.detach(), mask, max_len=L_max)
+        loss = policy_loss(logp, None, out.advantages, mask, trust=None, agg="seq-mean-token-mean",
+                           denominators=Denominators(sequences=num_questions)).loss
+        loss = loss + drpo_trust_penalty(logp, old_logp, mask)
+
+    ``old_logp=None`` makes the ratio :math:`e^{\ell^\theta - sg(\ell^\theta)} \equiv 1` with gradient
+    :math:`\nabla \ell^\theta`, as in DRPO's score; ``seq-mean-token-mean`` supplies the :math:`1/L_i` of
+    :math:`s_i` and ``sequences=num_questions`` the :math:`1/N_q` (``out.metrics["num_questions"]`` locally; the
+    global count under data parallelism). The negative coefficients depend on the current :math:`\ell^\theta`:
+    call :func:`drpo` again at every optimiser step of a multi-epoch update (it costs one pass over ``[B, T]``).
+    :math:`\lambda = \infty` gives uniform positive weights: DisCO (arXiv 2505.12366).
+
+    Args:
+        rewards: correctness ``[B]``: a bool tensor, or floats exactly 0/1 (the paper's code: 1 positive, 0
+            negative; other values raise unless ``threshold`` is given).
+        group: group ids ``[B]`` or a :class:`~rolloutopt.groups.Groups`.
+        logp: current-policy log-probs ``[B, T]``; only their value is used (the score :math:`s_i`).
+        mask: response mask ``[B, T]``; :math:`L_i = \sum_t m_{i,t}`.
+        max_len: the configured maximum response length :math:`L_{max}` (the paper's code uses the padded width,
+            which changes from batch to batch; pass the rollout engine's max new tokens). ``L_i > max_len`` raises.
+        lam: length temperature :math:`\lambda` (script default ``Lambda=0.1``); ``float("inf")`` is DisCO.
+        tau: temperature :math:`\tau` of the negatives' log-mean-exp (script default 10).
+        threshold: for non-binary rewards: ``rewards >= threshold`` is correct, every other row incorrect. The
+            default ``None`` requires exactly 0/1 (the code silently ignores other values; we raise instead).
+        valid: optional mask ``[B]``; invalid rows are neither positive nor negative, get advantage and weight 0.
+
+    Returns:
+        :class:`AdvantageOutput`: ``advantages [B]`` as above; ``weight [B]`` 1 for a rollout of a valid group,
+        0 for rollouts that carry no gradient (all-correct or all-wrong group, invalid or all-masked row);
+        metrics ``excluded_frac`` (rollouts with weight 0), ``skipped_group_frac``, ``num_questions``,
+        ``positive_ess_frac`` (mean over valid groups of the effective sample size of :math:`w` over the
+        number of positives: 1 = uniform, small = a few short answers dominate), ``length_reward_mean``.
+
+    Edge cases: all-correct and all-wrong groups (so also singleton groups) contribute exactly 0 but still count
+    in :math:`N_q`; a batch without a valid group gives all-zero advantages (a zero loss that keeps the graph).
+    Rows with no token have no score and are excluded (weight 0). Positive weights are computed with the group
+    maximum subtracted, so tiny :math:`\lambda` cannot overflow.
+    """
+    if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
+        raise InputError(
+            "max_len",
+            "the configured maximum response length, an int >= 1",
+            describe(max_len),
+            "pass max_len=<max new tokens of the rollout engine>",
+        )
+    _number(lam, "lam", allow_inf=True)
+    _number(tau, "tau")
+    if threshold is not None and (
+        not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not math.isfinite(threshold)
+    ):
+        raise InputError("threshold", "a finite number or None", describe(threshold), "pass e.g. threshold=0.5")
+    dims = Dims()
+    lp = as_float(logp, "logp", dims, "B T")
+    m = as_mask(mask, "mask", dims, "B T", device=lp.device)
+    if checks_enabled() and not isinstance(rewards, Tensor):
+        raise InputError("rewards", "a torch.Tensor", describe(rewards), "pass rewards as a tensor")
+    if isinstance(rewards, Tensor) and rewards.dtype == torch.bool:
+        if checks_enabled():
+            dims.check(rewards, "rewards", "B")
+        r = rewards.to(device=lp.device, dtype=lp.dtype)
+    else:
+        r = as_float(rewards, "rewards", dims, "B", device=lp.device).to(lp.dtype)
+    g = as_groups(group, dims)
+    v = None if valid is None else as_mask(valid, "valid", dims, "B", device=lp.device)
+    finite(r, "rewards", v)
+    lengths = m.sum(-1).to(lp.dtype)
+    active = lengths > 0 if v is None else (lengths > 0) & v
+    finite(lp, "logp", m & active[:, None])
+    if threshold is None:
+        if checks_enabled() and bool((((r != 0) & (r != 1)) & active).any()):
+            raise InputError(
+                "rewards",
+                "binary correctness: exactly 0 or 1 (or a bool tensor)",
+                "values other than 0 and 1",
+                "binarise the rewards, or pass threshold=... (rewards >= threshold count as correct)",
+            )
+        pos, neg = active & (r == 1), active & (r == 0)
+    else:
+        pos, neg = active & (r >= threshold), active & (r < threshold)
+    if checks_enabled() and bool(((lengths > max_len) & active).any()):
+        raise InputError(
+            "max_len",
+            f"at least every response length (max_len={max_len})",
+            f"a response of {int(lengths.max())} tokens",
+            "pass the configured maximum length",
+        )
+
+    with torch.no_grad():
+        n_pos, n_neg = g.count(pos), g.count(neg)
+        ok = (n_pos > 0) & (n_neg > 0)
+        # positives: closed-form weights of the length reward, normalised within the positive group only
+        u = 1.0 - lengths / max_len
+        z = torch.zeros_like(u) if math.isinf(lam) else u / lam
+        z = z - g.broadcast(g.max(z, pos))
+        e = torch.where(pos, torch.exp(torch.where(pos, z, torch.zeros_like(z))), torch.zeros_like(z))
+        w = e / g.broadcast(g.sum(e)).clamp(min=torch.finfo(e.dtype).tiny)
+        # negatives: gradient of tau * log-mean-exp(s / tau) is the softmax of s / tau over the negatives
+        s = torch.where(m, lp.detach(), torch.zeros_like(lp)).sum(-1) / lengths.clamp(min=1)
+        y = s / tau
+        y = y - g.broadcast(g.max(y, neg))
+        en = torch.where(neg, torch.exp(torch.where(neg, y, torch.zeros_like(y))), torch.zeros_like(y))
+        q = en / g.broadcast(g.sum(en)).clamp(min=torch.finfo(en.dtype).tiny)
+        keep = g.broadcast(ok) & (pos | neg)
+        adv = torch.where(keep, w - q, torch.zeros_like(w))
+        weight = keep.to(lp.dtype)
+
+        has_rows = g.count(active) > 0
+        n_ok = ok.sum()
+        ess = 1.0 / g.sum(w * w).clamp(min=torch.finfo(w.dtype).tiny) / n_pos.clamp(min=1).to(w.dtype)
+        metrics = {
+            "excluded_frac": (1.0 - weight.mean()).detach(),
+            "skipped_group_frac": ((has_rows & ~ok).sum() / has_rows.sum().clamp(min=1)).to(lp.dtype),
+            "num_questions": torch.tensor(float(g.num_groups), dtype=lp.dtype, device=lp.device),
+            "positive_ess_frac": (torch.where(ok, ess, torch.zeros_like(ess)).sum() / n_ok.clamp(min=1)),
+            "length_reward_mean": (
+                torch.where(pos & keep, u, torch.zeros_like(u)).sum() / (pos & keep).sum().clamp(min=1)
+            ),
+        }
+    return AdvantageOutput(advantages=adv, weight=weight, metrics=metrics)
+
+
+def drpo_trust_penalty(
+    logp: FloatBT,
+    old_logp: FloatBT,
+    mask: BoolBT,
+    *,
+    delta: float = 1e-4,
+    beta: float = 1e3,
+    kl_type: Literal["kl", "low_var_kl"] = "kl",
+    tokens: float | Tensor | None = None,
+) -> Scalar:
+    r"""DisCO/DRPO trust region: a squared-hinge penalty on the batch KL to the proximal policy.
+
+    .. math::  P = sg\big(\beta \max(\widehat{KL} - \delta, 0)\big)\, \widehat{KL}, \qquad
+               \widehat{KL} = \frac{1}{N_{tok}} \sum_{i,t} m_{i,t}\, k(\ell^\theta_{i,t} - \ell^{old}_{i,t})
+
+    with :math:`k(x) = -x` (``"kl"``) or :math:`e^{x} - 1 - x` (``"low_var_kl"``, k3). Its gradient is that of
+    :math:`\tfrac{\beta}{2}\max(\widehat{KL}-\delta, 0)^2`. Add it to the loss of the :func:`drpo` composition.
+    Reference: DisCO arXiv 2505.12366, DRPO arXiv 2510.04474 (code ``compute_policy_loss_drpo``); defaults from
+    ``run_drpo_1.5b_8k.sh``: ``delta=1e-4``, ``beta=1e3``, ``ppo_kl_type=kl`` (the function's own default is
+    ``low_var_kl``).
+
+    Args:
+        logp, old_logp: current and proximal log-probs ``[B, T]``.
+        mask: response mask ``[B, T]``.
+        delta: KL budget :math:`\delta`. beta: hinge coefficient :math:`\beta`.
+        kl_type: ``"kl"`` or ``"low_var_kl"``.
+        tokens: global number of loss tokens :math:`N_{tok}` under data parallelism (default: the local count).
+
+    Edge cases: no token gives 0; the log-ratio is clamped to ±20 before ``exp``, so finite inputs stay finite.
+    Returns a 0-d tensor; ``KL > delta`` (the code's ``pg_clipfrac``) means the hinge is active.
+    """
+    positive(delta, "delta", strict=False)
+    positive(beta, "beta", strict=False)
+    choice(kl_type, "kl_type", ("kl", "low_var_kl"))
+    dims = Dims()
+    lp = as_float(logp, "logp", dims, "B T")
+    old = as_float(old_logp, "old_logp", dims, "B T", device=lp.device)
+    m = as_mask(mask, "mask", dims, "B T", device=lp.device)
+    finite(lp, "logp", m)
+    finite(old, "old_logp", m)
+    x = torch.where(m, lp - old, torch.zeros_like(lp)).clamp(-20.0, 20.0)
+    k = -x if kl_type == "kl" else torch.expm1(x) - x
+    n = m.sum().to(lp.dtype) if tokens is None else torch.as_tensor(tokens, dtype=lp.dtype, device=lp.device)
+    kl = torch.where(m, k, torch.zeros_like(k)).sum() / n.clamp(min=1)
+    return (beta * (kl - delta)).clamp(min=0).detach() * kl
+
+
+# ---------------------------------------------------------------------------------------------------- FAPO
+
+
+def fapo_penalty(
+    rewards: FloatB,
+    is_flawed: Tensor,
+    *,
+    lam: float = 1.0,
+    correct_above: float = 0.0,
+    valid: Any = None,
+) -> ShapedRewards:
+    r"""FAPO flawed-positive penalty: a correct rollout whose reasoning has an error loses :math:`\lambda`.
+
+    .. math::  \tilde r_i = r_i - \lambda\, \mathbb 1[r_i > c]\, \mathbb 1[\text{flawed}_i]
+
+    Reference: FAPO, arXiv 2510.22543; code ``volcengine/verl recipe/fapo/reward_fn_reasoning.py@dfc9b534``
+    (``FLAWED_REWARD_PENALTY = 1.0``): the base reward is +1 for a matching boxed answer and −1 otherwise, a
+    generative reward model returns the index of the first erroneous step of a *correct* rollout (−1 = none),
+    and a flawed positive gets :math:`1 - \lambda = 0`. Advantages then come from the usual estimator: with
+    ``dr_grpo``, a 0-reward flawed positive is reinforced while most of its group is wrong (group mean < 0)
+    and suppressed once clean positives dominate — FAPO's "parameter-free" exploit-then-suppress schedule.
+    The spec (``specs/advantages.md`` §A12) calls this ``flawed_positive_penalty``.
+
+    Args:
+        rewards: outcome rewards ``[B]`` (FAPO: ±1; any finite values).
+        is_flawed: per-rollout flaw flag ``[B]``: a bool tensor, or the GenRM's integer first-error index
+            (−1 = no error; parse failures should be passed as −1/False, as the code counts them not flawed).
+        lam: penalty :math:`\lambda` (code default 1.0). Do not apply FAPO to evaluation rollouts (the code
+            never penalises the test split).
+        correct_above: :math:`c`; only rollouts with ``rewards > c`` are positives that can be penalised
+            (default 0, between FAPO's −1 and +1). Flags on incorrect rollouts are ignored.
+        valid: optional mask ``[B]``; invalid rows are left unchanged and out of the metrics.
+
+    Returns:
+        :class:`ShapedRewards` with the shaped ``rewards [B]``; metrics ``flawed_positive_frac`` (penalised
+        rollouts among correct valid ones, the paper reports 20–40 %), ``penalised_frac`` (among all valid
+        rollouts) and ``reward_mean``.
+
+    Edge cases: nothing is dropped (a penalised rollout keeps weight 1 downstream); no correct rollout gives
+    the rewards unchanged; ``lam=0`` is the identity.
+    """
+    positive(lam, "lam", strict=False)
+    if (
+        not isinstance(correct_above, (int, float))
+        or isinstance(correct_above, bool)
+        or not math.isfinite(correct_above)
+    ):
+        raise InputError("correct_above", "a finite number", describe(correct_above), "pass e.g. correct_above=0.0")
+    dims = Dims()
+    r = as_float(rewards, "rewards", dims, "B")
+    if checks_enabled():
+        if not isinstance(is_flawed, Tensor):
+            raise InputError("is_flawed", "a bool or int tensor [B]", describe(is_flawed), "pass a tensor")
+        if is_flawed.is_floating_point() or is_flawed.is_complex():
+            raise InputError(
+                "is_flawed",
+                "a bool tensor, or int first-error indices (-1 = none)",
+                describe(is_flawed),
+                "pass is_flawed.bool() or the GenRM's integer step index",
+            )
+        dims.check(is_flawed, "is_flawed", "B")
+        if is_flawed.device != r.device:
+            raise InputError("is_flawed", f"a tensor on {r.device}", describe(is_flawed), f"move it to {r.device}")
+        if is_flawed.dtype != torch.bool and bool((is_flawed < -1).any()):
+            raise InputError(
+                "is_flawed", "first-error indices >= -1 (-1 = no error)", "values below -1", "map parse failures to -1"
+            )
+    flawed = is_flawed if is_flawed.dtype == torch.bool else is_flawed != -1
+    v = None if valid is None else as_mask(valid, "valid", dims, "B", device=r.device)
+    finite(r, "rewards", v)
+    correct = r > correct_above
+    if v is not None:
+        correct = correct & v
+    hit = correct & flawed
+    out = r - lam * hit.to(r.dtype)
+    over = torch.ones_like(hit) if v is None else v
+    w = over.to(r.dtype)
+    metrics = {
+        "flawed_positive_frac": _frac(hit, correct),
+        "penalised_frac": _frac(hit, over),
+        "reward_mean": ((torch.where(over, out, torch.zeros_like(out)) * w).sum() / w.sum().clamp(min=1)).detach(),
+    }
+    return ShapedRewards(rewards=out, metrics=metrics)
+
+
+# ---------------------------------------------------------------------------------------------------- DLER
+
+
+def dler_normalise(
+    rewards: FloatB,
+    group: Groups | IntB,
+    *,
+    std_of: Literal["advantages", "rewards"] = "advantages",
+    batch: Literal["all", "informative"] = "all",
+    unbiased: bool = True,
+    eps: float = 1e-6,
+    valid: Any = None,
+) -> AdvantageOutput:
+    r"""DLER batch-wise reward normalisation: centre on the group mean, then whiten over the whole batch.
+
+    .. math::  \tilde A_i = r_i - \mu_{g(i)}, \qquad
+               A_i = \frac{\tilde A_i - \operatorname{mean}_{batch}(\tilde A)}{\operatorname{std}_{batch}(\tilde A)
+               + \varepsilon}
+
+    Reference: DLER, "Doing Length pEnalty Right", arXiv 2510.15110 (NVIDIA, 2025). From the paper (abstract
+    and project page): DLER swaps GRPO's group-wise std normalisation for a *batch-wise* one, because a strict
+    truncation penalty makes many rewards 0 and the per-group std of small groups then gives a biased, high-
+    variance advantage. Reconstructed (we could not read the paper's equation or code here; kept configurable):
+    the exact form above — group-mean centring followed by batch mean/std of the centred advantages, the
+    REINFORCE++-baseline / Lite PPO scheme the paper builds on — with ``std_of="rewards"`` for the Lite PPO
+    (arXiv 2508.08221) / TRL ``scale_rewards="batch"`` variant that divides by the batch std of the raw
+    rewards; Bessel's correction and ``eps`` added to the std (verl GRPO's 1e-6) are our choices.
+
+    Args:
+        rewards: rewards ``[B]`` (DLER: correctness after :func:`truncation_penalty`).
+        group: group ids ``[B]`` or :class:`~rolloutopt.groups.Groups`.
+        std_of: ``"advantages"`` (default) standardises the group-centred advantages over the batch;
+            ``"rewards"`` divides the centred advantages by the batch std of the raw rewards, without the batch
+            mean shift (Lite PPO, TRL ``scale_rewards="batch"``).
+        batch: which rows enter the batch statistics: ``"all"`` valid rows (default), or ``"informative"``,
+            only rows of groups with at least two distinct rewards — what DLER's dynamic sampling (DAPO-style
+            filtering of all-correct/all-wrong groups) leaves in the batch, without dropping the other rows.
+        unbiased: Bessel-corrected batch std (n−1, torch's default); False for the population std.
+        eps: added to the batch std.
+        valid: optional mask ``[B]`` of rows that enter the statistics; other rows get advantage and weight 0.
+
+    Returns:
+        :class:`AdvantageOutput` with ``advantages [B]``; metrics ``batch_std``, ``zero_variance_group_frac``,
+        ``singleton_group_frac``, ``excluded_frac`` (rows with weight 0) and ``reward_mean``.
+
+    Edge cases: a singleton group and an all-equal group have :math:`\tilde A = 0` exactly (centring on a
+    member), so with ``std_of="advantages"`` their advantage is :math:`-\operatorname{mean}_{batch}(\tilde A)
+    /(\sigma + \varepsilon)`, 0 when every row is valid (the batch mean of group-centred values is 0) — no
+    singleton warning is needed. A batch whose centred advantages are all 0 gives 0 everywhere. Advantages are
+    invariant to a per-group shift of the rewards and (up to ``eps``) to a positive scale of all rewards.
+    """
+    choice(std_of, "std_of", ("advantages", "rewards"))
+    choice(batch, "batch", ("all", "informative"))
+    positive(eps, "eps", strict=False)
+    dims = Dims()
+    r = as_float(rewards, "rewards", dims, "B")
+    g = as_groups(group, dims)
+    v = None if valid is None else as_mask(valid, "valid", dims, "B", device=r.device)
+    finite(r, "rewards", v)
+    if v is not None:
+        r = torch.where(v, r, torch.zeros_like(r))
+    n = g.count(v)
+    ref = r.detach()[g.order[g.offsets[:-1]]] if v is None else g.max(r.detach(), v)
+    rs = r - g.broadcast(ref)  # centred on a member: all-equal groups are exactly 0
+    centred = rs - g.broadcast(g.mean(rs, v))
+    spread = g.max(rs.detach(), v) - g.min(rs.detach(), v)
+    informative = (spread > 0) & (n > 1)
+    stat = torch.ones_like(r, dtype=torch.bool) if v is None else v
+    if batch == "informative":
+        stat = stat & g.broadcast(informative)
+    sw = stat.to(r.dtype)
+    count = sw.sum()
+    x = centred if std_of == "advantages" else r
+    mu = (x * sw).sum() / count.clamp(min=1)
+    var = ((x - mu) ** 2 * sw).sum() / (count - (1 if unbiased else 0)).clamp(min=1)
+    std = torch.where(var > 0, var, torch.ones_like(var)).sqrt() * (var > 0)
+    shift = mu if std_of == "advantages" else torch.zeros_like(mu)
+    adv = (centred - shift) / (std + eps)
+    w = torch.ones_like(r) if v is None else v.to(r.dtype)
+    if v is not None:
+        adv = torch.where(v, adv, torch.zeros_like(adv))
+    groups_with_rows = (n > 0).sum().clamp(min=1)
+    metrics = {
+        "batch_std": std.detach(),
+        "zero_variance_group_frac": (((n > 1) & ~informative).sum() / groups_with_rows).detach(),
+        "singleton_group_frac": ((n == 1).sum() / groups_with_rows).detach(),
+        "excluded_frac": (1.0 - w.mean()).detach(),
+        "reward_mean": ((r * w).sum() / w.sum().clamp(min=1)).detach(),
+    }
+    return AdvantageOutput(advantages=adv, weight=w, metrics=metrics)
+
+
+def truncation_penalty(
+    rewards: FloatB,
+    lengths: Tensor,
+    *,
+    budget: int | Tensor,
+    truncated_reward: float = 0.0,
+) -> ShapedRewards:
+    r"""DLER truncation length penalty: a response longer than the length budget gets reward 0.
+
+    .. math::  \tilde r_i = \begin{cases} r_i & L_i \le B_{len} \\ r_{trunc} = 0 & L_i > B_{len} \end{cases}
+
+    Reference: DLER, arXiv 2510.15110 (from the paper: the "simplest length penalty — truncation": a response
+    that exceeds the target length is cut and earns zero reward, whatever its answer; DLER's recipe makes this
+    penalty work through batch-wise normalisation, :func:`dler_normalise`). Reconstructed details: a response of
+    exactly ``budget`` tokens fits (``<=``); the zero is a keyword, ``truncated_reward``; a per-rollout budget
+    ``[B]`` serves Difficulty-Aware DLER, which tightens the budget on easier prompts.
+
+    Args:
+        rewards: rewards ``[B]`` (DLER: 1 correct, 0 incorrect).
+        lengths: response lengths ``[B]`` in tokens (int or float), e.g. ``mask.sum(-1)``.
+        budget: the truncation length, an int >= 1 or a tensor ``[B]`` of per-rollout budgets.
+        truncated_reward: the reward of a truncated response (paper: 0).
+
+    Returns:
+        :class:`ShapedRewards`; metrics ``truncated_frac`` (rollouts whose reward was replaced; nothing is
+        dropped downstream), ``truncated_correct_frac`` (among rollouts with a positive reward) and
+        ``reward_mean``.
+    """
+    dims = Dims()
+    r = as_float(rewards, "rewards", dims, "B")
+    finite(r, "rewards")
+    if (
+        not isinstance(truncated_reward, (int, float))
+        or isinstance(truncated_reward, bool)
+        or not math.isfinite(truncated_reward)
+    ):
+        raise InputError("truncated_reward", "a finite number", describe(truncated_reward), "pass e.g. 0.0")
+    if checks_enabled():
+        if not isinstance(lengths, Tensor) or lengths.dtype == torch.bool or lengths.is_complex():
+            raise InputError(
+                "lengths", "an int or float tensor [B] of response lengths", describe(lengths), "pass mask.sum(-1)"
+            )
+        dims.check(lengths, "lengths", "B")
+        if lengths.device != r.device:
+            raise InputError("lengths", f"a tensor on {r.device}", describe(lengths), f"move it to {r.device}")
+        if bool((~torch.isfinite(lengths) | (lengths < 0)).any()):
+            raise InputError("lengths", "finite, non-negative lengths", describe(lengths), "pass token counts")
+    if isinstance(budget, Tensor):
+        if checks_enabled():
+            if budget.dtype == torch.bool or budget.is_complex():
+                raise InputError("budget", "an int >= 1 or a numeric tensor [B]", describe(budget), "pass lengths")
+            dims.check(budget, "budget", "B")
+            if bool((~torch.isfinite(budget) | (budget < 1)).any()):
+                raise InputError("budget", "per-rollout budgets >= 1", describe(budget), "pass positive lengths")
+        cap = budget.to(device=r.device)
+    elif isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1:
+        cap = torch.tensor(budget, device=r.device)
+    else:
+        raise InputError("budget", "an int >= 1 or a tensor [B]", describe(budget), "pass the truncation length")
+    over = lengths.to(r.device) > cap
+    out = torch.where(over, torch.full_like(r, float(truncated_reward)), r)
+    metrics = {
+        "truncated_frac": _frac(over),
+        "truncated_correct_frac": _frac(over, r > 0),
+        "reward_mean": out.mean().detach(),
+    }
+    return ShapedRewards(rewards=out, metrics=metrics)
+
+
+REGISTRY.register("drpo", drpo)
+REGISTRY.register("fapo_penalty", fapo_penalty)
+REGISTRY.register("dler_normalise", dler_normalise)
+REGISTRY.register("truncation_penalty", truncation_penalty)
