@@ -404,7 +404,7 @@ def test_dense_fast_path_equals_general_path(batch: tuple[np.ndarray, np.ndarray
 def test_dense_path_is_taken_and_agrees_on_shuffled_rows() -> None:
     g = Groups(i64([2, 9, 2, 9, 9, 2]))
     x = f64([4.0, -1.0, 0.5, 3.0, 2.0, 8.0])
-    assert g.dense_size == 3 and not g._identity_order
+    assert g.dense_size == 3 and not g.rows_sorted
     everyone = torch.ones(6, dtype=torch.bool)
     close(g.median(x), [4.0, 2.0])
     close(g.median(x), g.median(x, everyone))

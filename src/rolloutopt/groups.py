@@ -50,6 +50,8 @@ class Groups:
         position: index of each row inside its group (in row order), int64 ``[B]``.
         num_rows, num_groups: ``B`` and ``G``.
         dense_size: the common group size when every group has the same size, else None.
+        rows_sorted: whether the rows are already in group order (``order`` is the identity), so that a dense
+            batch reshapes to ``[G, n]`` without a gather.
         min_size, max_size: smallest and largest group size.
 
     Construction costs one sort (skipped when ids are already sorted) and one host synchronisation; build it
@@ -95,7 +97,7 @@ class Groups:
         self.min_size = int(min_size)
         self.max_size = int(max_size)
         self.dense_size: int | None = self.max_size if self.min_size == self.max_size else None
-        self._identity_order = already_sorted
+        self.rows_sorted = already_sorted
 
     @classmethod
     def from_labels(cls, labels: Iterable[Hashable], *, device: torch.device | str | None = None) -> Groups:
@@ -161,7 +163,7 @@ class Groups:
     def _dense(self, x: Tensor) -> Tensor:
         """``x`` as a ``[G, n]`` view (a gather when rows are not sorted by group)."""
         assert self.dense_size is not None
-        if not self._identity_order:
+        if not self.rows_sorted:
             x = x.index_select(0, self.order)
         return x.reshape(self.num_groups, self.dense_size)
 

@@ -517,3 +517,20 @@ def test_gradcheck(seed: int) -> None:
         + xrpo_sharpen(r, g, lpg, mask=mask).advantages.sum()
     ).backward()
     assert lpg.grad is None
+
+
+def test_finiteness_certificate_on_per_token_input() -> None:
+    # Row sums certify finiteness: NaN outside the mask and a finite row whose sum overflows must not raise; a
+    # non-finite masked-in value still raises, naming the argument.
+    r = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    g = torch.tensor([0, 0, 1, 1])
+    mask = torch.tensor([[True, True], [True, False], [True, True], [True, True]])
+    logp = torch.tensor([[-1.0, -2.0], [-1.5, math.nan], [-3e38, -3e38], [-0.5, -0.5]])
+    ace(r, g, logp, logp * 0.5, mask=mask, experimental=True)
+    xrpo_sharpen(r, g, logp, mask=mask)
+    bad = logp.clone()
+    bad[3, 1] = math.inf
+    with pytest.raises(InputError, match="ref_logp"):
+        ace(r, g, logp, bad, mask=mask, experimental=True)
+    with pytest.raises(InputError, match="logp"):
+        xrpo_sharpen(r, g, bad, mask=mask)

@@ -513,3 +513,63 @@ def test_gradcheck(seed: int) -> None:
     assert torch.autograd.gradcheck(lambda x, ww: gdpo(x, g, weights=ww, valid=valid).advantages, (r, w))
     assert torch.autograd.gradcheck(lambda x: gdpo(x, g, final="token", mask=mask).advantages, (r,))
     assert torch.autograd.gradcheck(lambda x: gd2po(x, g, mask, singleton="raw").advantages, (r,))
+
+
+# ------------------------------------------------------------------------------ fast paths (no valid mask)
+
+
+def _run_rows(method: str, batch: dict[str, Any], final: str, **kw: Any) -> Any:
+    """As :func:`_run`, with an all-true ``[B]`` row mask."""
+    r = torch.tensor(batch["rewards"], dtype=D)
+    mask = torch.arange(4)[None, :] < torch.tensor(batch["lengths"])[:, None] if final == "token" else None
+    fn = gdpo if method == "gdpo" else gd2po
+    rows = torch.ones(len(batch["rewards"]), dtype=torch.bool)
+    return fn(r, torch.tensor(batch["group"]), mask=mask, final=final, valid=rows, weights=batch["weights"], **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.filterwarnings(SINGLETON_WARNING)
+@settings(max_examples=40)
+@given(batch=batches())
+def test_no_valid_mask_equals_all_valid_on_ragged_groups(batch: dict[str, Any]) -> None:
+    # Without a valid mask the estimators skip every all-true mask and centre on a group's first row; with one
+    # they take the masked path. Ragged groups include singletons (the "zero" / "raw" special cases).
+    batch = {**batch, "valid": None}
+    entries = {**batch, "valid": [[True] * len(batch["rewards"][0])] * len(batch["rewards"])}
+    for method, final, kw in CONFIGS:
+        base = _run(method, batch, final, **kw)
+        for other in (_run(method, entries, final, **kw), _run_rows(method, batch, final, **kw)):
+            torch.testing.assert_close(other.advantages, base.advantages, atol=1e-10, rtol=1e-10)
+            assert torch.equal(other.weight, base.weight)
+            for name, value in base.metrics.items():
+                torch.testing.assert_close(other.metrics[name], value, atol=1e-10, rtol=1e-10, msg=name)
+
+
+@pytest.mark.filterwarnings(SINGLETON_WARNING)
+def test_token_output_with_and_without_autograd_and_mask_layouts() -> None:
+    gen = torch.Generator().manual_seed(3)
+    r = torch.randn(40, 3, generator=gen)
+    g = torch.randint(0, 9, (40,), generator=gen)
+    mask_t = torch.rand(6, 40, generator=gen) > 0.4
+    mask = mask_t.t()  # a non-contiguous bool mask
+    before = mask.clone()
+    for fn in (lambda x, mm: gdpo(x, g, final="token", mask=mm), lambda x, mm: gd2po(x, g, mm)):
+        plain = fn(r, mask).advantages
+        assert torch.equal(mask, before)  # the caller's mask is never written
+        graded = fn(r.clone().requires_grad_(True), mask).advantages
+        assert graded.requires_grad
+        assert torch.equal(graded.detach(), plain)
+        assert torch.equal(fn(r, mask.contiguous()).advantages, plain)
+        assert torch.equal(fn(r, mask.float()).advantages, plain)  # 0/1 float mask
+        assert torch.equal(plain * ~mask, torch.zeros_like(plain))
+
+
+def test_large_finite_rewards_pass_the_finiteness_check() -> None:
+    # the sum overflows to inf although every entry is finite: the check must fall back to the entrywise test
+    r = torch.full((8, 2), 3e38)
+    g = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    assert torch.equal(gdpo(r, g).advantages, torch.zeros(8))  # constant components: exactly 0
+    assert torch.equal(gd2po(r, g, final="sequence").advantages, torch.zeros(8))
+    # NaN only where valid is False passes; NaN at a valid entry raises
+    r2 = torch.tensor([[1.0, math.nan], [0.0, 1.0], [1.0, 0.0], [0.0, 0.0]])
+    gdpo(r2, G, valid=~r2.isnan())
+    _raises("rewards", lambda: gdpo(r2, G, valid=torch.ones(4, dtype=torch.bool)))

@@ -542,3 +542,46 @@ def test_checks_off_gives_the_same_numbers() -> None:
         off = [c() for c in calls]
     for a, b in zip(on, off, strict=True):
         close(a, b)
+
+
+def test_drpo_finiteness_certificate_and_unsorted_dense_groups() -> None:
+    # The fast check certifies finiteness from the row sums; non-finite values outside the mask, or a finite row
+    # whose sum overflows, must not raise, and a non-finite masked-in value still raises, naming logp.
+    r = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    mask = torch.tensor([[True, True], [True, False], [True, True], [True, True]])
+    logp = torch.tensor([[-1.0, -2.0], [-1.5, math.nan], [-3e38, -3e38], [-0.5, -0.5]])
+    out = drpo(r, torch.tensor([7, 7, 3, 3]), logp, mask, max_len=2)
+    assert torch.isfinite(out.advantages[:2]).all()
+    bad = logp.clone()
+    bad[3, 1] = math.inf
+    with pytest.raises(InputError, match="logp"):
+        drpo(r, torch.tensor([7, 7, 3, 3]), bad, mask, max_len=2)
+    # equal-sized groups in shuffled row order take the gather path of the local dense reductions
+    ids = torch.tensor([5, 2, 5, 2, 9, 9])
+    r6 = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    lp6 = -torch.rand(6, 3, generator=torch.Generator().manual_seed(0))
+    m6 = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    dense = drpo(r6, Groups(ids), lp6, m6, max_len=3)
+    perm = torch.argsort(ids, stable=True)
+    ref = drpo(r6[perm], Groups(ids[perm]), lp6[perm], m6[perm], max_len=3)
+    torch.testing.assert_close(dense.advantages[perm], ref.advantages)
+    torch.testing.assert_close(dense.weight[perm], ref.weight)
+
+
+def test_drpo_checks_of_rows_without_tokens() -> None:
+    # A row without tokens is neither positive nor negative: a non-binary reward there is accepted (the combined
+    # check sends it to the exact checks, which pass), a non-finite one still raises, as does any at a valid row.
+    mask = torch.tensor([[True, True], [True, False], [False, False]])
+    logp = torch.tensor([[-1.0, -2.0], [-1.5, 0.0], [0.0, 0.0]])
+    g = torch.tensor([0, 0, 0])
+    out = drpo(torch.tensor([1.0, 0.0, 0.5]), g, logp, mask, max_len=2)
+    assert out.weight.tolist() == [1.0, 1.0, 0.0]
+    with pytest.raises(InputError, match="rewards"):
+        drpo(torch.tensor([1.0, 0.0, math.inf]), g, logp, mask, max_len=2)
+    with pytest.raises(InputError, match="rewards"):
+        drpo(torch.tensor([1.0, 0.5, 0.0]), g, logp, mask, max_len=2)
+    with pytest.raises(InputError, match="max_len"):
+        drpo(torch.tensor([1.0, 0.0, 0.0]), g, logp, mask, max_len=1)
+    # invalid rows are not checked at all
+    valid = torch.tensor([True, True, False])
+    drpo(torch.tensor([1.0, 0.0, math.nan]), g, logp, mask, max_len=2, valid=valid)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rolloutopt._validation import Dims, as_float, as_mask, choice, describe, finite, positive
+from rolloutopt._validation import Dims, as_float, as_mask, checks_enabled, choice, describe, finite, positive
 from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
 from rolloutopt.advantages.reference import grpo
 from rolloutopt.errors import InputError
@@ -69,9 +69,16 @@ def _base_advantages(
     return a, g, v, w, {}
 
 
-def _sequence_logp(x: Any, name: str, dims: Dims, mask: Any, valid: Tensor | None, reduce: Reduce) -> Tensor:
-    """Sequence log-likelihood ``[B]`` from ``[B]`` or masked ``[B, T]`` log-probs, detached, 0 at invalid rows."""
+def _sequence_logp(
+    x: Any, name: str, dims: Dims, mask: Any, valid: Tensor | None, reduce: Reduce, *, need_lengths: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """Sequence log-likelihood ``[B]`` from ``[B]`` or masked ``[B, T]`` log-probs, detached, 0 at invalid rows.
+
+    Also returns the response lengths (int32 ``[B]``) for per-token input when ``reduce="mean"`` or
+    ``need_lengths``, else None.
+    """
     t = as_float(x, name)
+    lengths: Tensor | None = None
     if t.ndim == 1:
         dims.check(t, name, "B")
         finite(t, name, valid)
@@ -86,12 +93,18 @@ def _sequence_logp(x: Any, name: str, dims: Dims, mask: Any, valid: Tensor | Non
                 "pass mask= (True where a token counts)",
             )
         m = as_mask(mask, "mask", dims, "B T", device=t.device)
-        keep = m if valid is None else m & valid[:, None]
-        finite(t, name, keep)
-        tok = torch.where(keep, t.detach(), torch.zeros_like(t))
-        s = tok.sum(-1)
+        # One pass over [B, T]; invalid rows are zeroed below, on [B]. The row sums certify finiteness (a sum
+        # with a non-finite term is non-finite), so the exact [B, T] check runs only when a sum is not finite.
+        s = torch.where(m, t.detach(), 0.0).sum(-1)
+        if checks_enabled():
+            bad = ~torch.isfinite(s)
+            if bool((bad if valid is None else bad & valid).any()):
+                finite(t, name, m if valid is None else m & valid[:, None])
+        if reduce == "mean" or need_lengths:
+            lengths = m.sum(-1, dtype=torch.int32)
         if reduce == "mean":
-            s = s / m.sum(-1).clamp(min=1).to(s.dtype)
+            assert lengths is not None
+            s = s / lengths.clamp(min=1).to(s.dtype)
     else:
         raise InputError(
             name,
@@ -99,7 +112,7 @@ def _sequence_logp(x: Any, name: str, dims: Dims, mask: Any, valid: Tensor | Non
             describe(t),
             f"pass {name} as [B] (summed over the response) or [B, T] with mask=",
         )
-    return s if valid is None else torch.where(valid, s, torch.zeros_like(s))
+    return (s if valid is None else torch.where(valid, s, 0.0)), lengths
 
 
 def _frac(x: Tensor, n: int | Tensor) -> Tensor:
@@ -210,8 +223,8 @@ def ace(
     dims = Dims()
     grpo_kwargs = {"scale": scale, "eps": eps, "unbiased": unbiased, "singleton": singleton}
     a, g, v, w, metrics = _base_advantages(rewards, group, advantages, valid, dims, grpo_kwargs)
-    s = _sequence_logp(logp, "logp", dims, mask, v, confidence)
-    s_ref = _sequence_logp(ref_logp, "ref_logp", dims, mask, v, confidence)
+    s, _ = _sequence_logp(logp, "logp", dims, mask, v, confidence)
+    s_ref, _ = _sequence_logp(ref_logp, "ref_logp", dims, mask, v, confidence)
     c = (s - s_ref).to(a.dtype)
     z = c / tau
     if penalty == "relu":
@@ -229,13 +242,19 @@ def ace(
     adv = torch.where(neg, a * mult, a)
 
     n_rows = g.num_rows
-    ok = torch.ones_like(neg) if v is None else v
-    n_valid = ok.sum()
+    if v is None:  # every row valid: the masked reductions below reduce to plain ones (same values)
+        n_valid = torch.tensor(n_rows, device=c.device)
+        c_sum, c_max, excluded = c.sum(), c.max(), torch.zeros((), device=c.device)
+    else:
+        n_valid = v.sum()
+        c_sum = (c * v).sum()
+        c_max = torch.where(v, c, torch.full_like(c, -torch.inf)).max()
+        excluded = _frac(~v, n_rows)
     metrics.update(
         penalized_frac=_frac(neg & (mult != 1), n_rows),
-        excluded_frac=_frac(~ok, n_rows),
-        confidence_mean=((c * ok).sum() / n_valid.clamp(min=1)).detach(),
-        confidence_max=torch.where(ok, c, torch.full_like(c, -torch.inf)).max().nan_to_num(neginf=0.0).detach(),
+        excluded_frac=excluded,
+        confidence_mean=(c_sum / n_valid.clamp(min=1)).detach(),
+        confidence_max=c_max.nan_to_num(neginf=0.0).detach(),
         penalty_scale_mean=((mult * neg).sum() / neg.sum().clamp(min=1)).detach(),
     )
     if max_scale is not None:
@@ -320,15 +339,17 @@ def xrpo_sharpen(
     dims = Dims()
     grpo_kwargs = {"scale": scale, "eps": eps, "unbiased": unbiased, "singleton": singleton}
     a, g, v, w, metrics = _base_advantages(rewards, group, advantages, valid, dims, grpo_kwargs)
-    s = _sequence_logp(logp, "logp", dims, mask, v, score).to(a.dtype)
+    s, lengths = _sequence_logp(logp, "logp", dims, mask, v, score, need_lengths=True)
+    s = s.to(a.dtype)
     ok = torch.ones_like(a, dtype=torch.bool) if v is None else v
     is_correct = a.detach() > 0
     if correct is not None:
         is_correct = is_correct & as_mask(correct, "correct", dims, "B", device=a.device)
-    is_correct = is_correct & ok
+    if v is not None:
+        is_correct = is_correct & v
     scored = ok
-    if logp.ndim == 2:  # an all-masked response has no likelihood: it stays out of s_bar and gets no bonus
-        scored = ok & as_mask(mask, "mask").any(-1)
+    if lengths is not None:  # an all-masked response has no likelihood: it stays out of s_bar and gets no bonus
+        scored = lengths > 0 if v is None else v & (lengths > 0)
         is_correct = is_correct & scored
     members = scored if baseline == "group" else is_correct
     s_bar = g.broadcast(g.mean(s, members))
@@ -345,7 +366,7 @@ def xrpo_sharpen(
     metrics.update(
         sharpened_frac=_frac(sharpened, n_rows),
         capped_frac=_frac(on_cap & sharpened, n_rows),
-        bonus_mean=((bonus * sharpened).sum() / sharpened.sum().clamp(min=1)).detach(),
+        bonus_mean=(bonus.sum() / sharpened.sum().clamp(min=1)).detach(),  # bonus >= 0: 0 unless sharpened
         novelty_mean=((eta * scored).sum() / scored.sum().clamp(min=1)).detach(),
         excluded_frac=_frac(~ok, n_rows),
     )

@@ -15,6 +15,7 @@ Both run on ragged groups with no Python loop over groups or rows: one stable se
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import torch
@@ -42,25 +43,57 @@ def _safe_sqrt(x: Tensor) -> Tensor:
     return torch.where(pos, x, torch.ones_like(x)).sqrt() * pos
 
 
-def _segment_sort(g: Groups, x: Tensor, valid: Tensor | None) -> Tensor:
-    """The permutation of :meth:`Groups.sort` (group by group, valid values ascending, ties in row order).
+def _ordered_bits(key: Tensor, *, nonneg: bool = False) -> Tensor:
+    """Signed integers in the order of the float values ``key`` (float32 -> int32, float64 -> int64).
 
-    Equal-sized groups without a mask take one ``[G, n]`` row-wise sort instead of two global argsorts.
+    Equal floats give equal integers: ``-0.0`` is folded into ``+0.0`` first and, while checks are off (the only
+    way a NaN gets here: with checks on the rewards were checked finite), every NaN into one NaN above ``+inf``,
+    which is where :func:`torch.sort` puts NaNs. Flipping the 31 (63) low bits of the negative floats turns their
+    sign-magnitude bits into two's-complement order. ``nonneg``: ``key`` holds no negative float and no ``-0.0``
+    (an ``abs``), whose bits are already in order.
     """
+    if not nonneg:
+        key = key + 0.0  # -0.0 + 0.0 = +0.0
+    if not checks_enabled():
+        key = torch.where(key.isnan(), torch.full_like(key, float("nan")), key)
+    if key.dtype == torch.float32:
+        bits = key.view(torch.int32)
+        return bits if nonneg else bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    bits = key.view(torch.int64)
+    return bits if nonneg else bits ^ ((bits >> 63) & 0x7FFFFFFFFFFFFFFF)
+
+
+def _segment_sort(g: Groups, x: Tensor, valid: Tensor | None, *, nonneg: bool = False) -> tuple[Tensor, Tensor]:
+    """The permutation of :meth:`Groups.sort` (group by group, valid values ascending, ties in row order) and
+    the sort key (``x`` detached, ``+inf`` at invalid rows, as :meth:`Groups.sort` keys them).
+
+    Equal-sized groups without a mask take one ``[G, n]`` row-wise sort. Otherwise the values are mapped to
+    integers of the same order and sorted as integers (a radix sort on the CPU, several times faster than a
+    float sort): a float32 value and its group index fit one int64 key, ``group · 2^32 + bits``, so one stable
+    integer sort gives the permutation; float64 values take two (by value, then stably by group), as
+    :meth:`Groups.sort` does with float keys.
+    """
+    key = x.detach()
     if valid is None and g.dense_size is not None:
-        rows = g.order.view(g.num_groups, g.dense_size)
-        within = x.detach()[rows].argsort(dim=1, stable=True)
-        return rows.gather(1, within).reshape(-1)
-    perm, _ = g.sort(x, valid)
-    return perm
-
-
-def _lower_median(g: Groups, x: Tensor, valid: Tensor | None, n: Tensor) -> Tensor:
-    """Lower median per group (rank ``(n - 1) // 2``, ``torch.median``'s convention), 0 for empty groups."""
-    perm = _segment_sort(g, x, valid)
-    rank = torch.div(n - 1, 2, rounding_mode="floor").clamp(min=0)
-    out = x[perm[(g.offsets[:-1] + rank).clamp(max=g.num_rows - 1)]]
-    return torch.where(n > 0, out, torch.zeros_like(out))
+        m = g.dense_size
+        rows = g.order.view(g.num_groups, m)  # each group's rows in increasing row order
+        by_group = key.index_select(0, g.order).view_as(rows)
+        if key.dtype == torch.float32:
+            # distinct int64 keys (value bits, then column) give the stable order from a faster unstable sort
+            cols = torch.arange(m, device=key.device)
+            within = _ordered_bits(by_group, nonneg=nonneg).long().mul_(m).add_(cols).sort(dim=1).indices
+        else:
+            within = by_group.argsort(dim=1, stable=True)
+        return rows.gather(1, within).reshape(-1), key
+    if valid is not None:
+        key = torch.where(valid, key, torch.full_like(key, float("inf")))
+    bits = _ordered_bits(key, nonneg=nonneg)
+    if bits.dtype == torch.int32:
+        # bits lie in [-2^31, 2^31): group g's keys fill [g·2^32 - 2^31, g·2^32 + 2^31), below group g + 1's
+        return torch.sort(bits.long().add_(g.inverse, alpha=1 << 32), stable=True).indices, key
+    by_value = torch.sort(bits, stable=True).indices
+    by_group = torch.sort(g.inverse.index_select(0, by_value), stable=True).indices
+    return by_value.index_select(0, by_group), key
 
 
 def mc_grpo(
@@ -142,19 +175,28 @@ def mc_grpo(
             "sample G + 1 rollouts per prompt with G >= 1, or pass singleton='pivot' to give lone rollouts "
             "advantage 0 and weight 0",
         )
-    rows = torch.arange(g.num_rows, device=r.device)
-    med = _lower_median(g, r, v, n)
+    # lower medians: rank h = (n - 1) // 2 of the valid values (torch.median's convention), 0 for empty groups
+    last = g.num_rows - 1
+    start = g.offsets[:-1]
+    at_h = (start + torch.div(n - 1, 2, rounding_mode="floor").clamp(min=0)).clamp(max=last)
+    has_rows = n > 0
+    perm, _ = _segment_sort(g, r, v)
+    med = r[perm[at_h]]
+    med = torch.where(has_rows, med, torch.zeros_like(med))
     dev = r - g.broadcast(med)
-    at_median = dev.detach() == 0
-    if v is not None:
-        at_median = at_median & v
-    # lowest row index among the rows equal to the median (groups without a valid row get num_rows: no pivot)
-    candidates = torch.where(at_median, rows, torch.full_like(rows, g.num_rows))
-    pivot_row = torch.full((g.num_groups,), g.num_rows, dtype=torch.long, device=r.device)
-    pivot_row = pivot_row.scatter_reduce(0, g.inverse, candidates, reduce="amin", include_self=True)
-    pivot = rows == g.broadcast(pivot_row)
+    abs_dev = dev.abs()
+    # sorted by |dev|, a group's rows at the median (|dev| = 0, the smallest key) come first, in row order: the
+    # first is the pivot (the lowest row index among them), and the group has ties / zero variance when the
+    # second / last valid key is 0 (invalid rows have key +inf and sort last)
+    perm, key = _segment_sort(g, abs_dev, v, nonneg=True)
+    mad = abs_dev[perm[at_h]]
+    mad = torch.where(has_rows, mad, torch.zeros_like(mad))
+    first = perm.index_select(0, start)
+    has_pivot = key.index_select(0, first) == 0  # no pivot in a group without a valid row
+    big = n > 1
+    ties = big & (key.index_select(0, perm.index_select(0, (start + 1).clamp(max=last))) == 0)
+    flat = big & (key.index_select(0, perm.index_select(0, (start + n - 1).clamp(min=0))) == 0)
 
-    mad = _lower_median(g, dev.abs(), v, n)
     std: Tensor | None = None
     if scale in ("std", "mad_or_std"):
         std = g.std(dev, v, unbiased=unbiased)
@@ -174,16 +216,13 @@ def mc_grpo(
         adv = torch.where(v, adv, torch.zeros_like(adv))
 
     valid_w = _weight(r, v)
-    weight = valid_w * (~pivot).to(r.dtype)
-    has_rows = n > 0
-    big = n > 1
-    ties = g.sum(at_median.to(r.dtype)) > 1
-    spread = g.max(dev.detach().abs(), v)
+    not_pivot = torch.ones_like(r).index_copy_(0, first, (~has_pivot).to(r.dtype))
+    weight = not_pivot if v is None else valid_w * not_pivot
     metrics = {
-        "pivot_frac": _frac(pivot.to(r.dtype), valid_w),
+        "pivot_frac": _frac(has_pivot.to(r.dtype), valid_w),
         "zero_mad_group_frac": _frac(big & (mad.detach() == 0), has_rows),
         "median_tie_group_frac": _frac(ties, has_rows),
-        "zero_variance_group_frac": _frac(big & (spread == 0), has_rows),
+        "zero_variance_group_frac": _frac(flat, has_rows),
         "singleton_group_frac": _frac(n == 1, has_rows),
         "reward_mean": ((r * valid_w).sum() / valid_w.sum().clamp(min=1)).detach(),
     }
@@ -267,32 +306,51 @@ def gapo(
     num_rows = g.num_rows
     last = num_rows - 1
 
-    perm = _segment_sort(g, r, v)
-    srt = r[perm]  # group by group, valid values ascending (carries the gradient)
+    perm, _ = _segment_sort(g, r, v)
+    srt = r.index_select(0, perm)  # group by group, valid values ascending (carries the gradient)
     srt64 = srt.detach().to(torch.float64)
-    grp = g.inverse[perm]
     start_of = g.offsets[:-1]
-    pos = torch.arange(num_rows, device=r.device)
-    j = pos - start_of.index_select(0, grp)  # position inside the group's sorted valid values
     k = _covering_size(n, tau)
-    k_row = k.index_select(0, grp)
-    is_start = j + k_row <= n.index_select(0, grp)  # a window of k values starts here
-    width = srt64[(pos + k_row - 1).clamp(max=last)] - srt64
-    width = torch.where(is_start, width, torch.full_like(width, float("inf")))
-    best = torch.full((g.num_groups,), float("inf"), dtype=torch.float64, device=r.device)
-    best = best.scatter_reduce(0, grp, width, reduce="amin", include_self=True)
-    first = torch.where(is_start & (width == best.index_select(0, grp)), j, torch.full_like(j, num_rows))
-    win = torch.full((g.num_groups,), num_rows, dtype=torch.long, device=r.device)
-    win = win.scatter_reduce(0, grp, first, reduce="amin", include_self=True)
-    win = torch.where(n > 0, win, torch.zeros_like(win))
-    origin = start_of + win  # sorted position of each group's window start
-    win_row = win.index_select(0, grp)
-    in_win = (j >= win_row) & (j < win_row + k_row)  # sorted rows inside the chosen window
+    has_rows = n > 0
+    dense = v is None and g.dense_size is not None
+    if dense:
+        # equal groups: the sorted values as [G, m]; the window widths of all groups in one subtraction, and the
+        # first shortest window from min(dim=1), which returns the first index of the minimum
+        assert g.dense_size is not None
+        m = g.dense_size
+        k_int = min(max(math.ceil(m * (tau * 100) / 100), 1), m)  # _covering_size in Python floats (float64)
+        by_group = srt64.view(g.num_groups, m)
+        best, win = (by_group[:, k_int - 1 :] - by_group[:, : m - k_int + 1]).min(dim=1)
+        found = best == best  # False for a NaN width (non-finite rewards with checks off): no window
+        origin = torch.where(found, start_of + win, torch.full_like(win, num_rows))
+    else:
+        grp = g.inverse.index_select(0, perm)
+        pos = torch.arange(num_rows, device=r.device)  # sorted position
+        k_row = k.index_select(0, grp)
+        # a window of k values starts at sorted position p of group g when p - offsets[g] + k <= n[g]
+        is_start = pos <= (start_of + n - k).index_select(0, grp)
+        width = srt64.index_select(0, (pos + k_row).sub_(1).clamp_(max=last)) - srt64
+        width = torch.where(is_start, width, torch.full_like(width, float("inf")))
+        best = torch.full((g.num_groups,), float("inf"), dtype=torch.float64, device=r.device)
+        best = best.scatter_reduce(0, grp, width, reduce="amin", include_self=True)
+        # the first row of each group with the minimal width: a window start (other rows have width +inf, and
+        # the group's first row is a start, so a minimum of +inf picks it, as the first start)
+        first = torch.where(width == best.index_select(0, grp), pos, torch.full_like(pos, num_rows))
+        origin = torch.full((g.num_groups,), num_rows, dtype=torch.long, device=r.device)
+        origin = origin.scatter_reduce(0, grp, first, reduce="amin", include_self=True)
+        found = has_rows & (origin < num_rows)  # no window without a valid row (or, checks off, for a NaN width)
+        origin = torch.where(has_rows, origin, start_of)  # sorted position of each group's window start
     if center == "median":
         lo = srt[(origin + torch.div(k - 1, 2, rounding_mode="floor")).clamp(max=last)]
         hi = srt[(origin + torch.div(k, 2, rounding_mode="floor")).clamp(max=last)]
         q = (lo + hi) / 2
     else:
+        if dense:
+            grp = g.inverse.index_select(0, perm)
+            pos = torch.arange(num_rows, device=r.device)
+            k_row = k.index_select(0, grp)
+        win_row = origin.index_select(0, grp)
+        in_win = (pos >= win_row) & (pos < win_row + k_row)  # sorted rows inside the chosen window
         base = srt[origin.clamp(max=last)]
         shifted = torch.where(in_win, srt - base.index_select(0, grp), torch.zeros_like(srt))
         total = torch.zeros(g.num_groups, dtype=r.dtype, device=r.device).index_add(0, grp, shifted)
@@ -318,21 +376,32 @@ def gapo(
         adv = torch.where(v, adv, torch.zeros_like(adv))
 
     w = _weight(r, v)
-    has_rows = n > 0
     big = n > 1
     big_f = big.to(r.dtype)
-    in_interval = torch.zeros_like(w)
-    in_interval[perm] = in_win.to(r.dtype)
-    in_interval = in_interval * w
+    if v is None or checks_enabled():  # (v is None on the dense path)
+        # The sorted positions offsets[g] .. offsets[g] + n[g] - 1 hold the group's valid values (with checks on
+        # they are finite and sort before the invalid rows' +inf keys; without a mask every row is valid and a
+        # NaN sorts last). A group's window holds k of them (none if no window was found): the count is exact,
+        # as the sum of 0/1 row flags is. And as r - q is monotone in r, every |r - q| is 0 (zero variance)
+        # exactly when it is 0 at the smallest and the largest valid value.
+        in_interval = torch.where(found, k, torch.zeros_like(k)).to(r.dtype)
+        q_d = q.detach()
+        lowest = srt.detach().index_select(0, start_of)
+        highest = srt.detach().index_select(0, (start_of + n - 1).clamp(min=0))
+        no_spread = (lowest - q_d == 0) & (highest - q_d == 0)
+    else:  # checks off: a valid NaN/inf reward may sort among the invalid rows
+        start_row = origin.index_select(0, grp)
+        in_win_sorted = (pos >= start_row) & (pos < start_row + k_row)
+        in_interval = torch.where(in_win_sorted, w.index_select(0, perm), torch.zeros_like(w))
+        no_spread = g.max(dev.detach().abs(), v) == 0
     mean = g.mean(r, v)
-    spread = g.max(dev.detach().abs(), v)
     interval_width = torch.where(big, best, torch.zeros_like(best)).to(r.dtype)
     metrics = {
         "excluded_frac": torch.zeros((), dtype=r.dtype, device=r.device),
         "interval_frac": _frac(in_interval, w),
         "interval_width_mean": _frac(interval_width, big_f),
         "baseline_shift_mean": _frac((q.detach() - mean.detach()) * big_f, big_f),
-        "zero_variance_group_frac": _frac(big & (spread == 0), has_rows),
+        "zero_variance_group_frac": _frac(big & no_spread, has_rows),
         "singleton_group_frac": _frac(single, has_rows),
         "reward_mean": ((r * w).sum() / w.sum().clamp(min=1)).detach(),
     }

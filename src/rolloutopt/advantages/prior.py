@@ -318,6 +318,32 @@ class DAREOutput:
     bonus: Tensor
 
 
+_DIRECT_CELLS = 4  # a direct (group, answer) table up to this many cells per row; a sort beyond it
+_INT64_SAFE = 2**62
+
+
+def _cells(g: Groups, a: Tensor) -> tuple[Tensor, int]:
+    """A cell index ``[B]`` per distinct (group, answer) pair, and the number of cells (some may be empty).
+
+    The key ``group * span + (answer - min)`` is unique per pair. When the table ``G * span`` is small it is
+    the cell itself (no sort); otherwise one 1-d sort compacts it. Answers whose range would overflow int64
+    are compacted first. The cells' numbering differs from a ``torch.unique`` over the stacked pairs, but
+    each cell holds the same rows in the same order, so index_add gives the same sums.
+    """
+    lo_hi = torch.stack([a.min(), a.max()]).tolist()
+    lo, span = int(lo_hi[0]), int(lo_hi[1]) - int(lo_hi[0]) + 1
+    if g.num_groups * span >= _INT64_SAFE:
+        a_dense = torch.unique(a, return_inverse=True)[1]
+        lo, span = 0, int(a_dense.max()) + 1
+        a = a_dense
+    key = g.inverse * span + (a - lo if lo != 0 else a)
+    cells = g.num_groups * span
+    if cells <= _DIRECT_CELLS * g.num_rows:
+        return key, cells
+    uniq, cell = torch.unique(key, return_inverse=True)
+    return cell, int(uniq.numel())
+
+
 def dare_rewards(
     answers: IntB,
     group: Groups | IntB,
@@ -418,14 +444,14 @@ def dare_rewards(
     has_answer = torch.ones_like(a, dtype=torch.bool) if null_answer is None else a != null_answer
     if v is not None:
         has_answer = has_answer & v
-    # One (group, answer) cell per distinct pair: a unique over the stacked keys, no loop over groups.
-    _, cell = torch.unique(torch.stack([g.inverse, a]), dim=1, return_inverse=True)
-    num_cells = int(cell.max()) + 1
+    # One (group, answer) cell per distinct pair, no loop over groups.
+    cell, num_cells = _cells(g, a)
     cell_mass = torch.zeros(num_cells, dtype=dtype, device=a.device).index_add(0, cell, mass)
     total = g.broadcast(g.sum(mass))
     share = cell_mass.index_select(0, cell) / torch.where(total > 0, total, torch.ones_like(total))
     share = torch.where(has_answer & (total > 0), share, torch.zeros_like(share))
-    top = g.max(share, has_answer)
+    # every row has an answer without null_answer and valid: the unmasked (dense when sizes agree) max
+    top = g.max(share, None if null_answer is None and v is None else has_answer)
     majority = has_answer & (share == g.broadcast(top)) & (share > 0)
     pruned = has_answer & (share < prune)
     kept = torch.where(pruned, torch.zeros_like(share), share)
