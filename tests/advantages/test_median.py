@@ -665,3 +665,57 @@ def test_mc_grpo_pivot_is_the_lowest_tied_row(batch: dict[str, Any]) -> None:
         0, groups.inverse, torch.where(tied, rows, len(r)), "amin"
     )
     assert sorted(rows[pivot].tolist()) == sorted(first[n > 0].tolist())
+
+
+# ------------------------------------------------------------------------- the integer segment sort
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("equal", [False, True])
+def test_segment_sort_is_groups_sort(dtype: torch.dtype, masked: bool, equal: bool) -> None:
+    # The sort behind both estimators (integer keys: a radix sort from 32,768 rows on) gives exactly the
+    # permutation of Groups.sort: ties (many, and -0.0 against 0.0) in row order, invalid rows last.
+    from rolloutopt.advantages.median import _segment_sort
+
+    gen = torch.Generator().manual_seed(7)
+    b = 40_000
+    ids = torch.arange(b // 8).repeat_interleave(8) if equal else torch.randint(-50, 5000, (b,), generator=gen)
+    ids = ids[torch.randperm(b, generator=gen)]
+    values = torch.tensor([-2.5, -1.0, -0.0, 0.0, 0.5, 3.0, -3e38, 3e38], dtype=dtype)
+    x = torch.where(
+        torch.rand(b, generator=gen) < 0.5,
+        values[torch.randint(0, 8, (b,), generator=gen)],
+        torch.randn(b, generator=gen, dtype=dtype),
+    )
+    valid = torch.rand(b, generator=gen) > 0.2 if masked else None
+    g = Groups(ids)
+    perm, key = _segment_sort(g, x, valid)
+    assert torch.equal(perm, g.sort(x, valid)[0])
+    assert torch.equal(key, x if valid is None else torch.where(valid, x, math.inf))
+    with rolloutopt.checks(False):  # NaNs (of either sign) sort last, as torch.sort puts them, ties in row order
+        y = torch.where(torch.rand(b, generator=gen) < 0.1, torch.tensor(-math.nan, dtype=dtype), x)
+        y = torch.where(torch.rand(b, generator=gen) < 0.1, torch.tensor(math.nan, dtype=dtype), y)
+        assert torch.equal(_segment_sort(g, y, valid)[0], g.sort(y, valid)[0])
+        assert torch.equal(_segment_sort(g, y.abs(), valid, nonneg=True)[0], g.sort(y.abs(), valid)[0])
+
+
+def test_large_batch_matches_small_batches() -> None:
+    # 40,000 rollouts (radix-sorted) give the same outputs as each group computed on its own (comparison-sorted).
+    gen = torch.Generator().manual_seed(11)
+    sizes = torch.randint(1, 20, (4000,), generator=gen)
+    ids = torch.repeat_interleave(torch.arange(4000), sizes)
+    b = ids.numel()
+    r = torch.randint(-4, 5, (b,), generator=gen).float() / 4  # ties
+    order = torch.randperm(b, generator=gen)
+    ids, r = ids[order], r[order]
+    big = mc_grpo(r, ids, singleton="pivot")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        big_gapo = gapo(r, ids)
+        for gid in (0, 1, 2, 3, 1234, 3999):
+            rows = (ids == gid).nonzero().squeeze(1)
+            small = mc_grpo(r[rows], ids[rows], singleton="pivot")
+            assert torch.equal(big.advantages[rows], small.advantages)
+            assert torch.equal(big.weight[rows], small.weight)
+            assert torch.equal(big_gapo.advantages[rows], gapo(r[rows], ids[rows]).advantages)

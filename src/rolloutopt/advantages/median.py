@@ -9,8 +9,10 @@ or format term, a mis-scored rollout) cannot flip the sign of its siblings' adva
 - :func:`gapo` (arXiv 2510.21830) centres each group on the median of its shortest interval covering a fraction
   ``tau`` of the rewards (the highest-density interval), and scales by the root-mean-square deviation around it.
 
-Both run on ragged groups with no Python loop over groups or rows: one stable segment sort
-(:meth:`rolloutopt.groups.Groups.sort`) and scatter reductions.
+Both run on ragged groups with no Python loop over groups or rows: stable segment sorts (the order of
+:meth:`rolloutopt.groups.Groups.sort`, computed as one integer sort, see :func:`_segment_sort`; MC-GRPO sorts
+twice, by reward and by absolute deviation, GAPO once) and scatter reductions. On 65,536 rollouts (one CPU
+thread) each takes 2-3x the time of :func:`~rolloutopt.advantages.grpo`; the sort is about half of it.
 """
 
 from __future__ import annotations
