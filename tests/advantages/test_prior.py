@@ -624,3 +624,12 @@ def test_gradcheck(seed: int) -> None:
     conf = (torch.rand(10, dtype=D, generator=gen) + 0.1).requires_grad_(True)
     answers = ids([1, 1, 2, 3, 3, 1, 5, 5, 6, 5])
     assert torch.autograd.gradcheck(lambda c: R(answers, g, confidence=c, prune=0.0).rewards, (conf,))
+
+
+def test_dare_cells_for_any_answer_range() -> None:
+    # small ranges use a direct (group, answer) table, wide ones a sort, int64-overflowing ones a compaction
+    g = torch.tensor([0, 0, 0, 1, 1, 2], dtype=torch.long)
+    base = torch.tensor([5, 5, 7, 5, 9, 5], dtype=torch.long)
+    expected = dare_rewards(base, g, experimental=True, prune=0.0).rewards
+    for answers in (base * 10**6, base * 2**59 - 2**62, torch.where(base == 5, -(2**63), 2**63 - 1)):
+        torch.testing.assert_close(dare_rewards(answers, g, experimental=True, prune=0.0).rewards, expected)

@@ -584,3 +584,61 @@ G4 = ids([0, 0, 1, 1])
 )
 def test_bad_input_names_the_argument(argument: str, call: Callable[[], Any]) -> None:
     _raises(argument, call)
+
+
+def _reference_token_keep(key: torch.Tensor, eligible: torch.Tensor, frac: float) -> torch.Tensor:
+    """The batch-level top-K by a full stable descending argsort (the implementation before the radix select)."""
+    k_masked = torch.where(eligible, key, torch.full_like(key, float("-inf"))).reshape(-1)
+    count = eligible.sum()
+    budget = torch.where(count > 0, torch.floor(count.to(torch.float64) * frac + 0.5).long().clamp(min=1), count)
+    order = torch.argsort(k_masked, descending=True, stable=True)
+    ranks = torch.empty_like(order)
+    ranks[order] = torch.arange(k_masked.numel())
+    return eligible & (ranks.reshape(key.shape) < budget)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_d3s_fast_token_selection_equals_full_sort(dtype: torch.dtype, seed: int) -> None:
+    from rolloutopt.advantages.selection import _token_keep, _token_keep_nonnegative
+
+    g = gen(seed)
+    b, t_ = 300, 7
+    scale = torch.rand(b, 1, generator=g, dtype=dtype).round(decimals=1)  # ties between rows
+    scale[::17] = 0.0
+    h = torch.rand(b, t_, generator=g, dtype=dtype).round(decimals=2)  # ties within the bucket
+    h[::5, 0] = -0.0
+    h[3, 2] = 1e30 if dtype == torch.float32 else 1e300  # huge finite keys stay eligible
+    m = torch.rand(b, t_, generator=g) > 0.3
+    keep = torch.rand(b, generator=g) > 0.4
+    h_garbage = h.clone()
+    h_garbage[~m] = float("nan")  # masked-out entropies are never read
+    for frac in (0.0001, 0.2, 0.5, 1.0):
+        expected = _reference_token_keep(scale * h, m & keep[:, None], frac)
+        assert torch.equal(_token_keep_nonnegative(scale, h_garbage, m, keep, frac), expected)
+        assert torch.equal(_token_keep(scale * h, m & keep[:, None], frac, "batch"), expected)
+    nan_key = scale * h
+    nan_key[0, :3] = float("nan")
+    nan_key[1, :2] = float("-inf")
+    expected = _reference_token_keep(nan_key, m & keep[:, None], 0.3)
+    assert torch.equal(_token_keep(nan_key, m & keep[:, None], 0.3, "batch"), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_d3s_one_sort_selection_equals_group_ranks(dtype: torch.dtype, seed: int) -> None:
+    from rolloutopt.advantages.selection import _select_balanced, _split_budget
+
+    g = gen(seed)
+    ids_ = torch.randint(0, 40, (400,), generator=g)
+    a = torch.randn(400, generator=g, dtype=dtype).round(decimals=1)  # ties and zeros
+    valid = torch.rand(400, generator=g) > 0.2
+    groups = Groups(ids_)
+    for v in (None, valid):
+        vv = torch.ones(400, dtype=torch.bool) if v is None else v
+        budget = torch.floor(groups.count(vv).to(torch.float64) * 0.6 + 0.5).long().clamp(min=1)
+        pos, neg = vv & (a > 0), vv & (a < 0)
+        p, q = _split_budget(budget, groups.count(pos), groups.count(neg), 0.5)
+        top, bottom = groups.rank(a, pos, descending=True), groups.rank(a, neg)
+        expected = (pos & (top < groups.broadcast(p))) | (neg & (bottom < groups.broadcast(q)))
+        assert torch.equal(_select_balanced(a, groups, budget, v, 0.5), expected)

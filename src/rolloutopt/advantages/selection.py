@@ -19,6 +19,7 @@ returned token mask; the metrics report the fractions, so nothing is dropped sil
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -144,8 +145,8 @@ def _ordered_bits(x: Tensor) -> Tensor:
     """An integer tensor with the order of the floats ``x`` (same width; -0.0 and 0.0 both map to 0).
 
     Sign-magnitude to two's complement: ``sign(x) · |bits(x)|``. Exact for every non-NaN value, including
-    infinities and subnormals, so comparisons and stable sorts of the result agree with those of ``x``, and
-    ``_ordered_bits(-x) == -_ordered_bits(x)``. NaNs map beyond the infinities (by payload and sign).
+    infinities and subnormals, so comparisons and stable sorts of the result agree with those of ``x``.
+    NaNs map beyond the infinities (by payload and sign).
     """
     bits = x.contiguous().view(torch.int32 if x.dtype == torch.float32 else torch.int64)
     width = bits.element_size() * 8
@@ -156,32 +157,35 @@ def _ordered_bits(x: Tensor) -> Tensor:
 def _select_balanced(a: Tensor, g: Groups, budget: Tensor, valid: Tensor | None, pos_frac: float) -> Tensor:
     """The ``p`` largest positives and ``q`` most negative advantages of each group, ties in row order.
 
-    One stable sort by (group, side, value) replaces four: in each group the positives come first by
-    decreasing value, then the negatives by increasing value, then the rest, so a row's rank on its side is
-    its position in the group minus the rows of the sides before it (the ranks of ``Groups.rank``). Integer
-    keys (the floats' ordered bits) sort several times faster than floats on the CPU.
+    The ranks of ``Groups.rank`` from one stable sort instead of four: rows sorted by (group, side, -|A|),
+    with side 0 for the positives, 1 for the negatives and 2 for the rest, list each group's positives by
+    decreasing value, then its negatives by increasing value; a row's rank on its side is its position minus
+    the start of its (group, side) run. The key is the floats' bits (``|A|`` of one sign is ordered as its
+    bits), since integers sort several times faster than floats on the CPU.
     """
     pos, neg = a > 0, a < 0
     if valid is not None:
         pos, neg = valid & pos, valid & neg
-    n_pos = g.count(pos)
-    p, q = _split_budget(budget, n_pos, g.count(neg), pos_frac)
-    o = _ordered_bits(a).long()
-    side = torch.where(pos, 0, torch.where(neg, 1, 2))
-    value = torch.where(pos, -o, torch.where(neg, o, torch.zeros_like(o)))
-    group_side = g.inverse * 3 + side
-    if a.dtype == torch.float32 and g.num_groups < 2**29:
-        # value + 2^31 in [1, 2^32): one int64 key (group, side, value)
-        perm = torch.sort((group_side << 32) | (value + 2**31), stable=True).indices
+    num_groups = g.num_groups
+    side = 2 - (pos.view(torch.uint8) * 2 + neg.view(torch.uint8))  # 0, 1, 2 (arithmetic: no slow where)
+    cell = g.inverse * 3 + side  # (group, side)
+    counts = torch.bincount(cell, minlength=3 * num_groups)
+    per_group = counts.view(num_groups, 3)
+    p, q = _split_budget(budget, per_group[:, 0], per_group[:, 1], pos_frac)
+    int_type = torch.int32 if a.dtype == torch.float32 else torch.int64
+    # -|A| as a non-negative integer, increasing as |A| decreases (rows of side 2 get arbitrary values)
+    value = torch.iinfo(int_type).max - a.abs().view(int_type).long()
+    if int_type == torch.int32 and 3 * num_groups <= 2**31:
+        sorted_key, perm = torch.sort((cell << 31) | value, stable=True)  # value < 2^31: one int64 key
+        sorted_cell = sorted_key >> 31
     else:
         by_value = torch.sort(value, stable=True).indices
-        perm = by_value.index_select(0, torch.sort(group_side.index_select(0, by_value), stable=True).indices)
-    inv = g.inverse.index_select(0, perm)
-    position = torch.arange(g.num_rows, device=a.device) - g.offsets.index_select(0, inv)
-    start = n_pos.index_select(0, inv)
-    kept_sorted = (position < p.index_select(0, inv)) | (
-        (position >= start) & (position < start + q.index_select(0, inv))
-    )
+        sorted_cell, by_cell = torch.sort(cell.index_select(0, by_value), stable=True)
+        perm = by_value.index_select(0, by_cell)
+    # a run of (group, side) starts at its exclusive cumulative count; its first p (q, 0) rows are kept
+    limit = torch.stack([p, q, torch.zeros_like(p)], 1).view(-1)
+    end = counts.cumsum(0) - counts + limit
+    kept_sorted = torch.arange(g.num_rows, device=a.device) < end.index_select(0, sorted_cell)
     return torch.empty_like(kept_sorted).scatter_(0, perm, kept_sorted)
 
 
@@ -217,55 +221,91 @@ def _select_optimal(a: Tensor, g: Groups, budget: Tensor, valid: Tensor) -> Tens
     return nz & ((rank < jb) | (rank >= nb - (kb - jb)))
 
 
-def _top_by_rank(digit: Tensor, values: Tensor, budget: Tensor, *, sign_bit: bool = False) -> Tensor:
-    """Bool mask of the ``budget`` largest entries of a 1-d int tensor, ties in index order.
+def _flat_nonzero(mask: Tensor) -> Tensor:
+    """``torch.nonzero(mask).squeeze(1)`` for a sparse 1-d bool mask, several times faster on the CPU: a
+    first pass over the mask read as int64 words (8 flags each) finds the words with a True flag."""
+    if mask.numel() % 8 or not mask.is_contiguous() or mask.storage_offset() % 8:
+        return torch.nonzero(mask).squeeze(1)
+    words = torch.nonzero(mask.view(torch.int64)).squeeze(1)
+    candidates = (words[:, None] * 8 + torch.arange(8, device=mask.device)).view(-1)
+    return candidates[mask.index_select(0, candidates)]
 
-    Exactly ``rank < budget`` for the ranks of a stable descending argsort of ``values``, without sorting
-    them: ``digit`` (in ``[0, 2^16)``) must be non-decreasing in ``values`` (e.g. their top 16 bits). A
+
+def _top_by_rank(
+    digit: Tensor, budget: Tensor, tie_values: Callable[[Tensor], Tensor], scratch: Tensor | None = None
+) -> Tensor:
+    """Bool mask of the ``budget`` largest entries of a 1-d tensor of values, ties in index order.
+
+    Exactly ``rank < budget`` for the ranks of a stable descending argsort of the values, without sorting
+    them: ``digit`` (ints in ``[0, 2^16)``) must be non-decreasing in the values (e.g. their top 16 bits). A
     histogram of the digits finds the bucket that holds the ``budget``-th largest value; every entry of a
-    higher bucket is kept, and only the entries of that bucket are sorted (one host synchronisation, to
-    gather them). ``sign_bit``: clear the sign bit of the gathered values first (non-negative floats' bits,
-    where -0.0 must tie with 0.0).
+    higher bucket is kept, and only the entries of that bucket are sorted by ``tie_values(indices)`` (one
+    host synchronisation, to gather them). ``scratch``: a uint8 buffer like ``digit`` that may be overwritten.
     """
     radix = 1 << 16
     hist = torch.bincount(digit, minlength=radix)
-    zero = torch.zeros(1, dtype=hist.dtype, device=digit.device)
-    at_least = torch.cat([hist.flip(0).cumsum(0).flip(0), zero])  # [b]: entries whose digit is >= b
-    b = (at_least[:radix] >= budget).sum() - 1  # the highest bucket whose tail holds budget entries
-    rem = budget - at_least[b + 1]  # entries still to take from bucket b (0 when budget is 0)
-    out = digit > b
-    tied = torch.nonzero(digit == b).squeeze(1)  # in increasing index order
-    tied_values = values.index_select(0, tied)
-    if sign_bit:
-        tied_values = tied_values & torch.iinfo(values.dtype).max
-    order = torch.sort(tied_values, descending=True, stable=True).indices
+    prefix = hist.cumsum(0)  # [b]: entries whose digit is <= b; the tail from b holds total - prefix[b - 1]
+    total = prefix[-1]
+    # the highest bucket b whose tail holds budget entries: the number of b' < radix - 1 with
+    # prefix[b'] <= total - budget
+    b = torch.searchsorted(prefix[:-1], (total - budget).reshape(1), right=True).reshape(())
+    rem = budget - (total - prefix[b])  # entries still to take from bucket b (0 when budget is 0)
+    # comparisons into uint8 buffers (viewed as bool) run several times faster than into bool ones; one
+    # buffer serves both (the tied entries first, then the output)
+    buffer = scratch if scratch is not None else torch.empty(digit.shape, dtype=torch.uint8, device=digit.device)
+    tied = _flat_nonzero(torch.eq(digit, b, out=buffer).view(torch.bool))
+    out = torch.gt(digit, b, out=buffer).view(torch.bool)
+    order = torch.sort(tie_values(tied), descending=True, stable=True).indices  # tied is in index order
     take = torch.empty(tied.numel(), dtype=torch.bool, device=digit.device)
     take.scatter_(0, order, torch.arange(tied.numel(), device=digit.device) < rem)
     return out.index_put_((tied,), take)
 
 
-def _token_keep(key: Tensor, eligible: Tensor, frac: float, level: str, *, nonnegative: bool = False) -> Tensor:
-    """The top ``frac`` of the eligible tokens by ``key``: over the whole batch or within each row.
+def _batch_budget(count: Tensor, frac: float) -> Tensor:
+    return torch.where(count > 0, _round_half_up(count.to(torch.float64) * frac).clamp(min=1), count)
 
-    ``nonnegative``: the caller guarantees that every eligible key is >= 0 (or -0.0) and not NaN.
+
+def _token_keep_nonnegative(scale: Tensor, h: Tensor, m: Tensor, keep: Tensor, frac: float) -> Tensor:
+    """``_token_keep(scale * h, m & keep[:, None], frac, "batch")`` where every key ``scale * h`` on a token of
+    ``m & keep`` is >= 0 (or -0.0) and not NaN (``scale`` is ``[B, 1]`` or ``[B, T]``).
+
+    The bits of such keys are ordered, so their top 16 bits (less the sign bit, set only by -0.0) are the
+    digits of :func:`_top_by_rank`, shifted up past 0; digit 0 marks the ineligible tokens, all
+    tied below every eligible key (as the -inf of the masked sort), so none is kept. Rows outside ``keep``
+    get a NaN scale: a NaN product (whatever ``h`` holds) is quiet, so its top bits are at least those of
+    the quiet NaN (0x7FC0 in fp32, 0x7FF8 in fp64), which the clamp and shift map to 0. Every ``[B, T]`` buffer is reused in place,
+    since on the CPU a fresh one costs more (page faults) than the arithmetic on it, and there is no
+    ``where`` or ``masked_fill`` on ``[B, T]`` (several times slower than the arithmetic).
     """
+    nan = torch.full((), float("nan"), dtype=scale.dtype, device=scale.device)
+    scale_kept = torch.where(keep[:, None], scale, nan)
+    key = scale_kept * h
+    int_type = torch.int32 if key.dtype == torch.float32 else torch.int64
+    digit = key.view(-1).view(int_type)
+    digit.bitwise_right_shift_(torch.iinfo(int_type).bits - 16).bitwise_and_(0x7FFF)
+    quiet_nan = 0x7FC0 if int_type == torch.int32 else 0x7FF8  # the top 16 bits of every quiet NaN are >= it
+    digit.clamp_(max=quiet_nan).add_(0x8000 - quiet_nan).bitwise_and_(0x7FFF)  # NaN -> 0, others shifted up
+    digit.mul_(m.reshape(-1).view(torch.uint8))
+    budget = _batch_budget(torch.count_nonzero(digit), frac)
+    h_flat, width = h.reshape(-1), h.shape[1]
+
+    def tie_values(idx: Tensor) -> Tensor:  # the same products scale * h, at the tied (eligible) tokens only
+        s = scale.reshape(-1).index_select(0, idx // width if scale.shape[1] == 1 else idx)
+        return s * h_flat.index_select(0, idx)
+
+    return _top_by_rank(digit, budget, tie_values).view(key.shape)
+
+
+def _token_keep(key: Tensor, eligible: Tensor, frac: float, level: str) -> Tensor:
+    """The top ``frac`` of the eligible tokens by ``key``: over the whole batch or within each row."""
     if level == "batch":
-        count = torch.count_nonzero(eligible)
-        budget = torch.where(count > 0, _round_half_up(count.to(torch.float64) * frac).clamp(min=1), count)
-        int_type = torch.int32 if key.dtype == torch.float32 else torch.int64
-        shift = (torch.iinfo(int_type).bits) - 16
-        if nonnegative:
-            # the bits of keys >= 0 are ordered (the sign bit, set only by -0.0, is dropped); digit 0 is
-            # reserved for the ineligible tokens (all tied below every eligible key, like the -inf of a masked
-            # sort), so no ineligible token is ever kept. In place: every [B, T] temporary costs page faults.
-            bits = key.reshape(-1).view(int_type)
-            digit = (bits >> shift).bitwise_and_(0x7FFF).add_(1).mul_(eligible.reshape(-1).view(torch.uint8))
-            return _top_by_rank(digit, bits, budget, sign_bit=True).reshape(key.shape)
+        budget = _batch_budget(torch.count_nonzero(eligible), frac)
         k_flat = torch.where(eligible.reshape(-1), key.reshape(-1), float("-inf"))
         o = _ordered_bits(k_flat)
-        o = torch.where(torch.isnan(k_flat), torch.iinfo(int_type).max, o)  # NaNs first in torch's sort, alike
-        digit = (o >> shift) + (1 << 15)  # the signed top 16 bits, as [0, 2^16)
-        return eligible & _top_by_rank(digit, o, budget).reshape(key.shape)
+        o = torch.where(torch.isnan(k_flat), torch.iinfo(o.dtype).max, o)  # NaNs first in torch's sort, alike
+        digit = (o >> (o.element_size() * 8 - 16)) + (1 << 15)  # the signed top 16 bits, as [0, 2^16)
+        mask = _top_by_rank(digit, budget, lambda idx: o.index_select(0, idx))
+        return eligible & mask.reshape(key.shape)
     k_masked = torch.where(eligible, key, torch.full_like(key, float("-inf")))
     count = eligible.sum(1)
     budget = torch.where(count > 0, _round_half_up(count.to(torch.float64) * frac).clamp(min=1), count)
@@ -360,15 +400,15 @@ def d3s(
     v = torch.ones(g.num_rows, dtype=torch.bool, device=m.device) if v_in is None else v_in
     a = a_in.detach()
     if checks_enabled():
-        # one min/max pass each; the exact checks (which raise with their own messages) only on an alarm
-        h_masked = h * m.view(torch.uint8)
-        if not _clean(h_masked, nonnegative=True):
+        # one min/max pass each, no [B, T] temporary; on an alarm (which may come from masked-out values)
+        # the exact masked checks decide, and raise with their own messages
+        if not _clean(h, nonnegative=True):
             finite(h, "entropy", m & v[:, None])
             if bool(((h < 0) & m).any()):
                 raise InputError(
                     "entropy", "non-negative entropies", "negative values", "pass the policy entropy H >= 0"
                 )
-        if not _clean(a if v_in is None and a.ndim == 1 else a * (m if a.ndim == 2 else v).view(torch.uint8)):
+        if not _clean(a):
             finite(a, "advantages", v if a.ndim == 1 else m & v[:, None])
     if a.ndim == 2:
         a = torch.where(m, a, torch.zeros_like(a))
@@ -389,14 +429,12 @@ def d3s(
     else:
         keep = _select_optimal(seq, sel_groups, budget, v)
 
-    if checks_enabled() and a.ndim == 1:
-        # the same products on masked-in tokens (h·1·|a|), reusing the check's [B, T] buffer
-        key = h_masked.mul_(a.abs()[:, None])
+    scale = a.abs() if a.ndim == 2 else a.abs()[:, None]
+    if token_level == "batch" and checks_enabled():
+        # validated inputs give finite |A| and finite H >= 0 on the eligible tokens: keys >= 0, never NaN
+        token_mask = _token_keep_nonnegative(scale, h, m, keep, k_frac)
     else:
-        key = (a.abs() if a.ndim == 2 else a.abs()[:, None]) * h
-    eligible = (m.view(torch.uint8) & keep.view(torch.uint8)[:, None]).view(torch.bool)  # m & keep, faster
-    # validated inputs give finite |A| and finite H >= 0 on eligible tokens: keys >= 0, never NaN
-    token_mask = _token_keep(key, eligible, k_frac, token_level, nonnegative=checks_enabled())
+        token_mask = _token_keep(scale * h, m & keep[:, None], k_frac, token_level)
 
     w = keep.to(seq.dtype)
     valid_tokens = torch.count_nonzero(m if v_in is None else m & v[:, None])
