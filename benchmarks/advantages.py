@@ -4,7 +4,9 @@ Cases: (a) equal groups of 8 in consecutive order and (b) ragged groups of rando
 Each estimator gets the inputs it needs (binary correctness rewards, K = 3 reward components, per-token
 log-probs, entropies and a right-padded mask with T = 8), built once; a ``Groups`` is built once per case and
 passed to every call, as a training step would. Times are medians over repeats after a warmup, with input
-validation on (the default), one torch thread. The issue's target: every estimator within 5x of ``grpo``.
+validation on (the default), one torch thread. The issue's target: every estimator within 5x of ``grpo``. The
+``grpo + to_tokens`` row (not an estimator) shows what writing one ``[B, T]`` tensor costs next to ``grpo``'s
+``[B]`` work: estimators that read or write ``[B, T]`` tensors pay that several times.
 
 Run: ``python benchmarks/advantages.py``.
 """
@@ -78,6 +80,7 @@ def estimators(d: dict[str, Any]) -> dict[str, Callable[[], Any]]:
     nat_gen = torch.Generator().manual_seed(1)
     return {
         "grpo": lambda: A.grpo(rc, g),
+        "grpo + to_tokens": lambda: A.to_tokens(A.grpo(rc, g).advantages, m),  # context: [B, T] output cost
         "mc_grpo": lambda: A.mc_grpo(rc, g, singleton="pivot"),
         "gapo": lambda: A.gapo(rc, g),
         "drpo": lambda: A.drpo(r, g, d["logp"], m, max_len=T),
