@@ -14,42 +14,22 @@ Run: ``python benchmarks/advantages.py``.
 from __future__ import annotations
 
 import platform
-import statistics
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from _common import B, T, case_ids, timeit  # benchmarks/ is on sys.path when run as a script
 from rolloutopt import advantages as A
 from rolloutopt.groups import Groups
 
-B, T, K = 65_536, 8, 3
+K = 3
 REPEATS = 20
 
 
-def timeit(fn: Callable[[], Any], repeats: int = REPEATS, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def make_case(case: str, gen: torch.Generator) -> dict[str, Any]:
-    if case == "equal":
-        ids = torch.arange(B // 8).repeat_interleave(8)
-    else:
-        sizes = torch.randint(1, 33, (B // 8,), generator=gen)
-        sizes = sizes[torch.cumsum(sizes, 0) <= B]
-        last = B - int(sizes.sum())
-        sizes = torch.cat([sizes, torch.ones(last, dtype=torch.long)]) if last else sizes
-        ids = torch.repeat_interleave(torch.randperm(len(sizes), generator=gen) * 7919 + 13, sizes)
-        ids = ids[torch.randperm(B, generator=gen)]
+    ids = case_ids(case, gen)
     lengths = torch.randint(1, T + 1, (B,), generator=gen)
     mask = torch.arange(T)[None, :] < lengths[:, None]
     correct = (torch.rand(B, generator=gen) > 0.5).float()
@@ -113,7 +93,7 @@ def main() -> None:
     for case in ("equal", "ragged"):
         fns = estimators(make_case(case, gen))
         for name, fn in fns.items():
-            results.setdefault(name, {})[case] = timeit(fn)
+            results.setdefault(name, {})[case] = timeit(fn, REPEATS)
     for name, row in results.items():
         eq, rg = row["equal"], row["ragged"]
         ratio_eq, ratio_rg = eq / results["grpo"]["equal"], rg / results["grpo"]["ragged"]

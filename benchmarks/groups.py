@@ -21,44 +21,22 @@ Run: ``python benchmarks/groups.py``.
 from __future__ import annotations
 
 import platform
-import statistics
-import time
 import uuid
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from _common import B, T, case_ids, timeit  # benchmarks/ is on sys.path when run as a script
 from rolloutopt.advantages import grpo, rloo, to_tokens
 from rolloutopt.groups import Groups
 
-B, T = 65_536, 8
 REPEATS, LOOP_REPEATS = 30, 3
 
 
-def timeit(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def make_case(case: str, gen: torch.Generator) -> dict[str, Any]:
-    if case == "equal":
-        ids = torch.arange(B // 8).repeat_interleave(8)
-    else:
-        sizes = torch.randint(1, 33, (B // 8,), generator=gen)
-        sizes = sizes[torch.cumsum(sizes, 0) <= B]
-        last = B - int(sizes.sum())
-        sizes = torch.cat([sizes, torch.ones(last, dtype=torch.long)]) if last else sizes
-        ids = torch.repeat_interleave(torch.randperm(len(sizes), generator=gen) * 7919 + 13, sizes)
-        ids = ids[torch.randperm(B, generator=gen)]
+    ids = case_ids(case, gen)
     lengths = torch.randint(1, T + 1, (B,), generator=gen)
     mask = torch.arange(T)[None, :] < lengths[:, None]
     scores = (torch.rand(B, generator=gen) > 0.5).float() + 0.1 * torch.randn(B, generator=gen)

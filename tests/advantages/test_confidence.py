@@ -25,25 +25,13 @@ from rolloutopt.advantages.reference import grpo
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 
-D = torch.float64
+from .helpers import D, close, ids, t
+
 pytestmark = pytest.mark.filterwarnings("ignore:rolloutopt. a group of size 1")
-
-
-def t(x: object, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.tensor(x, dtype=dtype)
-
-
-def ids(x: list[int]) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.long)
 
 
 def softplus(x: float) -> float:
     return math.log1p(math.exp(x))
-
-
-def close(a: torch.Tensor, b: object, atol: float = 1e-5) -> None:
-    b = b if isinstance(b, torch.Tensor) else torch.tensor(b, dtype=a.dtype)
-    torch.testing.assert_close(a, b.to(a.dtype), atol=atol, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ oracles

@@ -28,16 +28,7 @@ from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 from rolloutopt.losses import policy_loss
 
-D = torch.float64
-SINGLETON_WARNING = "ignore:rolloutopt. a group of size 1"
-
-
-def t(x: object, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.tensor(x, dtype=dtype)
-
-
-def ids(x: list[int]) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.long)
+from .helpers import SINGLETON_WARNING, D, ids, t
 
 
 def close(a: torch.Tensor, b: object, atol: float = 1e-5, rtol: float = 1e-5) -> None:

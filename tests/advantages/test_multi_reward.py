@@ -23,18 +23,9 @@ from rolloutopt.advantages.reference import grpo
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 
-D = torch.float64
-SINGLETON_WARNING = "ignore:rolloutopt. a group of size 1"
+from .helpers import SINGLETON_WARNING, D, close, t
+
 S3 = math.sqrt(3) / 2  # 0.866: (1 - 0.5) / std([1, 0, 1, 0]) with the unbiased std sqrt(1/3)
-
-
-def t(x: object, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.tensor(x, dtype=dtype)
-
-
-def close(a: torch.Tensor, b: object, atol: float = 1e-5) -> None:
-    b = b if isinstance(b, torch.Tensor) else torch.tensor(b, dtype=a.dtype)
-    torch.testing.assert_close(a, b.to(a.dtype), atol=atol, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------- independent oracle

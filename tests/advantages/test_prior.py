@@ -23,15 +23,7 @@ from rolloutopt.advantages.prior import DAREOutput, V05Output, dare_rewards, v05
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 
-D = torch.float64
-
-
-def t(x: object, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.tensor(x, dtype=dtype)
-
-
-def ids(x: list[int]) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.long)
+from .helpers import D, ids, t
 
 
 def close(a: torch.Tensor, b: object, atol: float = 1e-6) -> None:

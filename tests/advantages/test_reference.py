@@ -21,22 +21,7 @@ from rolloutopt.advantages import dr_grpo, get, grpo, names, reinforce_pp_baseli
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 
-D = torch.float64
-SINGLETON_WARNING = "ignore:rolloutopt. a group of size 1"
-
-
-def t(x: object, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.tensor(x, dtype=dtype)
-
-
-def ids(x: list[int]) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.long)
-
-
-def close(a: torch.Tensor, b: object, atol: float = 1e-5) -> None:
-    b = b if isinstance(b, torch.Tensor) else torch.tensor(b, dtype=a.dtype)
-    torch.testing.assert_close(a, b.to(a.dtype), atol=atol, rtol=1e-5)
-
+from .helpers import SINGLETON_WARNING, D, close, ids, t
 
 # ------------------------------------------------------------------------------------- independent oracle
 

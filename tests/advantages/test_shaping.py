@@ -30,20 +30,7 @@ from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 from rolloutopt.losses import Denominators, policy_loss
 
-D = torch.float64
-
-
-def t(x: object, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.tensor(x, dtype=dtype)
-
-
-def ids(x: list[int]) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.long)
-
-
-def close(a: torch.Tensor, b: object, atol: float = 1e-5) -> None:
-    b = b if isinstance(b, torch.Tensor) else torch.tensor(b, dtype=a.dtype)
-    torch.testing.assert_close(a, b.to(a.dtype), atol=atol, rtol=1e-5)
+from .helpers import D, close, ids, t
 
 
 def mask_of(lengths: list[int], width: int) -> torch.Tensor:
