@@ -380,6 +380,67 @@ def test_nat_properties(rows: list[list[bool]], cfg: tuple[str, float, float], s
         assert torch.equal(solo.inclusion, pi[:1])
 
 
+def _nat_reference(m: torch.Tensor, g: torch.Generator, scheme: str, keep_prob: float, min_frac: float) -> Any:
+    """The plain elementwise NAT expressions, the oracle for the in-place implementation."""
+    mf = m.to(torch.float32)
+    if scheme == "uniform":
+        u = torch.rand(m.shape, generator=g)
+        kept = m & (u < keep_prob)
+        pi = mf * keep_prob
+    else:
+        length = mf.sum(1, keepdim=True)
+        pos = mf.cumsum(1) - 1
+        frac_pos = pos / length.clamp(min=1)
+        cut = min_frac + (1 - min_frac) * (1 - torch.rand((m.shape[0], 1), generator=g))
+        kept = m & (pos < cut * length)
+        tail = (1 - frac_pos) / max(1 - min_frac, 1e-12)
+        pi = torch.where(frac_pos <= min_frac, torch.ones_like(mf), tail.clamp(max=1)) * mf
+    w = torch.where(kept, 1 / pi.clamp(min=1e-30), torch.zeros_like(pi))
+    n_tok = mf.sum().clamp(min=1)
+    metrics = {
+        "token_keep_frac": kept.sum() / n_tok,
+        "expected_keep_frac": pi.sum() / n_tok,
+        "weight_max": w.amax() if w.numel() else torch.zeros(()),
+        "weight_mean": w.sum() / kept.sum().clamp(min=1),
+    }
+    return kept, w, pi, metrics
+
+
+@pytest.mark.parametrize(
+    ("scheme", "keep_prob", "min_frac"),
+    [
+        ("uniform", 0.5, 0.0),
+        ("uniform", 0.3, 0.0),
+        ("uniform", 1.0, 0.0),
+        ("prefix", 0.5, 0.0),
+        ("prefix", 0.5, 0.4),
+        ("prefix", 0.5, 0.7),
+        ("prefix", 0.5, 1.0),
+    ],
+)
+def test_nat_matches_elementwise_reference_bit_for_bit(scheme: str, keep_prob: float, min_frac: float) -> None:
+    """Same generator state: the same mask, weights, inclusion, metrics and generator state afterwards as the
+    plain expressions, for contiguous, transposed, float, empty and all-masked masks."""
+    r = gen(3)
+    masks = [
+        MASK_NAT,
+        torch.rand(300, 7, generator=r) > 0.3,
+        (torch.rand(7, 300, generator=r) > 0.3).t(),
+        (torch.rand(40, 9, generator=r) > 0.5).float(),
+        torch.zeros(3, 0, dtype=torch.bool),
+        torch.zeros(0, 4, dtype=torch.bool),
+        torch.zeros(2, 3, dtype=torch.bool),
+    ]
+    for m in masks:
+        g_new, g_ref = gen(9), gen(9)
+        out = nat_weights(m, generator=g_new, scheme=scheme, keep_prob=keep_prob, min_frac=min_frac)  # type: ignore[arg-type]
+        kept, w, pi, metrics = _nat_reference(m != 0, g_ref, scheme, keep_prob, min_frac)
+        assert torch.equal(out.mask, kept) and torch.equal(out.weight, w) and torch.equal(out.inclusion, pi)
+        assert torch.equal(g_new.get_state(), g_ref.get_state())
+        for name, value in metrics.items():
+            assert torch.equal(out.metrics[name], value), name
+
+
 # ====================================================================================== Latent-GRPO
 
 

@@ -480,6 +480,46 @@ class TokenSubsample:
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
+def _nat_output(
+    kept: Tensor, w: Tensor, pi: Tensor, m8: Tensor, kept8: Tensor, w_val: Tensor | None = None
+) -> TokenSubsample:
+    """The :class:`TokenSubsample` of :func:`nat_weights` with its metrics, from exact integer counts of the
+    uint8 views ``m8`` and ``kept8`` (``count_nonzero`` needs no ``[B, T]`` temporary, unlike a sum with a
+    wider dtype). ``w_val``: the one weight every kept token has (URS), which gives ``weight_max`` without a
+    pass over ``w``."""
+    n_tok = torch.count_nonzero(m8).to(torch.float32).clamp(min=1)
+    n_kept = torch.count_nonzero(kept8)
+    if w_val is not None:
+        w_max = (n_kept > 0).to(torch.float32) * w_val
+    else:
+        w_max = w.amax() if w.numel() else torch.zeros((), device=w.device)
+    metrics = {
+        "token_keep_frac": n_kept / n_tok,
+        "excluded_frac": 1 - n_kept / n_tok,
+        "expected_keep_frac": pi.sum() / n_tok,
+        "weight_max": w_max,
+        "weight_mean": w.sum() / n_kept.clamp(min=1),  # summed like the reference: the same rounding
+    }
+    return TokenSubsample(mask=kept, weight=w, inclusion=pi, metrics=metrics)
+
+
+def _nat_uniform(m: Tensor, generator: torch.Generator, p: float) -> TokenSubsample:
+    """URS of :func:`nat_weights`: the same draws, mask, weights and inclusion as the plain expressions
+    (``kept = m & (u < p)``, ``pi = m * p``, ``w = where(kept, 1 / pi, 0)``) with no ``[B, T]`` temporary
+    beyond the outputs: every kept token has the same weight ``1 / p`` (as float32), so ``w`` is the kept mask
+    times one scalar, written into the buffer of the uniform draws."""
+    u = torch.rand(m.shape, generator=generator, device=m.device)
+    # outputs laid out like the mask (as the elementwise reference's are), so the metrics' sums add in its order
+    kept = torch.lt(u, p, out=torch.empty_like(m))
+    m8 = m.view(torch.uint8)
+    kept8 = kept.view(torch.uint8).bitwise_and_(m8)  # kept = m & (u < p), in place (uint8: no slow bool ops)
+    pi = m8.to(torch.float32).mul_(p)
+    # the weight of a kept token, exactly as the elementwise 1 / pi.clamp(min=1e-30) computes it in float32
+    w_val = 1 / torch.tensor(p, dtype=torch.float32, device=m.device).clamp(min=1e-30)
+    w = (u if m.is_contiguous() else torch.empty_like(pi)).copy_(kept8).mul_(w_val)
+    return _nat_output(kept, w, pi, m8, kept8, w_val)
+
+
 def nat_weights(
     mask: BoolBT,
     *,
@@ -537,32 +577,27 @@ def nat_weights(
         raise InputError(
             "generator", f"a generator on {m.device}", f"a generator on {generator.device}", "create it on that device"
         )
-    mf = m.to(torch.float32)
     if scheme == "uniform":
-        p = _fraction(keep_prob, "keep_prob")
-        u = torch.rand(m.shape, generator=generator, device=m.device)
-        kept = m & (u < p)
-        pi = mf * p
-    else:
-        a = _fraction(min_frac, "min_frac", open_low=False)
-        length = mf.sum(1, keepdim=True)
-        pos = mf.cumsum(1) - 1  # 0-based position among the row's masked-in tokens
-        frac_pos = pos / length.clamp(min=1)
-        cut = a + (1 - a) * (1 - torch.rand((m.shape[0], 1), generator=generator, device=m.device))  # (a, 1]
-        kept = m & (pos < cut * length)
-        tail = (1 - frac_pos) / max(1 - a, 1e-12)
-        pi = torch.where(frac_pos <= a, torch.ones_like(mf), tail.clamp(max=1)) * mf
-    w = torch.where(kept, 1 / pi.clamp(min=1e-30), torch.zeros_like(pi))
-    n_tok = mf.sum().clamp(min=1)
-    n_kept = kept.sum()
-    metrics = {
-        "token_keep_frac": (n_kept / n_tok).detach(),
-        "excluded_frac": (1 - n_kept / n_tok).detach(),
-        "expected_keep_frac": (pi.sum() / n_tok).detach(),
-        "weight_max": w.amax().detach() if w.numel() else torch.zeros((), device=m.device),
-        "weight_mean": (w.sum() / n_kept.clamp(min=1)).detach(),
-    }
-    return TokenSubsample(mask=kept, weight=w, inclusion=pi, metrics=metrics)
+        return _nat_uniform(m, generator, _fraction(keep_prob, "keep_prob"))
+    a = _fraction(min_frac, "min_frac", open_low=False)
+    m8 = m.view(torch.uint8)
+    mf = m8.to(torch.float32)
+    pos = mf.cumsum(1)  # the exact integer counts, so its last column is the row's length L
+    length = pos[:, -1:].clone()
+    pos.sub_(1)  # 0-based position among the row's masked-in tokens
+    cut = a + (1 - a) * (1 - torch.rand((m.shape[0], 1), generator=generator, device=m.device))  # (a, 1]
+    kept = torch.lt(pos, cut * length, out=torch.empty_like(m))  # laid out like the mask, as the reference's
+    kept8 = kept.view(torch.uint8).bitwise_and_(m8)  # kept = m & (pos < cut L), in place
+    frac_pos = pos.div_(length.clamp(min=1))
+    # the weights' buffer (laid out like the mask, as the reference's) first holds the 0/1 flags of pi = 1
+    w = torch.le(frac_pos, a, out=torch.empty_like(m, dtype=torch.float32))
+    # pi = where(frac_pos <= a, 1, min(tail, 1)) * m as arithmetic, in the positions' buffer: min(tail, 1) is
+    # in (0, 1], so its maximum with the flag is 1 where flagged and min(tail, 1) elsewhere
+    tail = frac_pos.neg_().add_(1).div_(max(1 - a, 1e-12))  # (1 - frac_pos) / (1 - a)
+    pi = torch.maximum(tail.clamp_(max=1), w, out=tail).mul_(mf)
+    # w = where(kept, 1 / pi, 0): the reciprocal (what ``1 / x`` computes) is finite, so a 0/1 multiply is exact
+    torch.clamp(pi, min=1e-30, out=w).reciprocal_().mul_(mf.copy_(kept8))
+    return _nat_output(kept, w, pi, m8, kept8)
 
 
 # ------------------------------------------------------------------------------------------ Latent-GRPO
