@@ -46,6 +46,7 @@ class Groups:
         inverse: dense group index of each row, int64 ``[B]`` in ``[0, G)``.
         sizes: rows per group, int64 ``[G]``.
         offsets: int64 ``[G + 1]``; group ``g`` occupies ``order[offsets[g]:offsets[g + 1]]``.
+        first_rows: int64 ``[G]``, the row index of each group's first row (in row order).
         order: stable permutation that sorts rows by group, int64 ``[B]``.
         position: index of each row inside its group (in row order), int64 ``[B]``.
         num_rows, num_groups: ``B`` and ``G``.
@@ -90,6 +91,7 @@ class Groups:
         self.inverse: Tensor = inverse
         self.sizes: Tensor = sizes
         self.offsets = offsets
+        self.first_rows: Tensor = order.index_select(0, offsets[:-1])
         self.order = order
         self.position = position
         self.num_rows = num_rows

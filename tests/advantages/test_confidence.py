@@ -25,7 +25,7 @@ from rolloutopt.advantages.reference import grpo
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 
-from .helpers import D, close, ids, t
+from .helpers import D, close, group_ids, ids, relabel_map, t
 
 pytestmark = pytest.mark.filterwarnings("ignore:rolloutopt. a group of size 1")
 
@@ -288,13 +288,7 @@ def test_checks_off_skips_validation_but_computes() -> None:
 
 @st.composite
 def batches(draw: st.DrawFn, *, equal: bool = False) -> dict[str, Any]:
-    n_groups = draw(st.integers(1, 5))
-    if equal:
-        sizes = [draw(st.integers(2, 5))] * n_groups
-    else:
-        sizes = draw(st.lists(st.integers(1, 5), min_size=n_groups, max_size=n_groups))
-    labels = draw(st.lists(st.integers(-(2**40), 2**40), min_size=n_groups, max_size=n_groups, unique=True))
-    group = [lab for lab, k in zip(labels, sizes, strict=True) for _ in range(k)]
+    group = draw(group_ids(equal=equal))
     b = len(group)
     perm = draw(st.permutations(list(range(b))))
     group = [group[i] for i in perm]
@@ -397,8 +391,7 @@ def test_permutation_and_relabelling(batch: dict[str, Any], data: st.DataObject)
     b = len(batch["rewards"])
     perm = data.draw(st.permutations(list(range(b))))
     labels = sorted(set(batch["group"]))
-    new = data.draw(st.lists(st.integers(-(2**62), 2**62), min_size=len(labels), max_size=len(labels), unique=True))
-    relabel = dict(zip(labels, new, strict=True))
+    relabel = relabel_map(data, labels)
     moved = {k: None if v is None else [v[i] for i in perm] for k, v in batch.items()}
     moved["group"] = [relabel[gid] for gid in moved["group"]]
     x, y = _tensors(batch), _tensors(moved)

@@ -28,7 +28,7 @@ from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 from rolloutopt.losses import policy_loss
 
-from .helpers import SINGLETON_WARNING, D, ids, t
+from .helpers import SINGLETON_WARNING, D, ids, relabel_map, t
 
 
 def close(a: torch.Tensor, b: object, atol: float = 1e-5, rtol: float = 1e-5) -> None:
@@ -466,8 +466,7 @@ def test_permutation_and_relabelling(batch: dict[str, Any], data: st.DataObject)
     b = len(batch["rewards"])
     perm = data.draw(st.permutations(list(range(b))))
     labels = sorted(set(batch["group"]))
-    new = data.draw(st.lists(st.integers(-(2**62), 2**62), min_size=len(labels), max_size=len(labels), unique=True))
-    relabel = dict(zip(labels, new, strict=True))
+    relabel = relabel_map(data, labels)
     moved = {
         "rewards": [batch["rewards"][i] for i in perm],
         "group": [relabel[batch["group"][i]] for i in perm],

@@ -23,7 +23,7 @@ from rolloutopt.advantages.prior import DAREOutput, V05Output, dare_rewards, v05
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 
-from .helpers import D, ids, t
+from .helpers import D, group_ids, ids, relabel_map, t
 
 
 def close(a: torch.Tensor, b: object, atol: float = 1e-6) -> None:
@@ -424,18 +424,12 @@ def test_bad_input_names_the_argument(argument: str, call: Callable[[], Any]) ->
 
 @st.composite
 def batches(draw: st.DrawFn, *, equal: bool = False) -> dict[str, Any]:
-    n_groups = draw(st.integers(1, 5))
-    if equal:
-        sizes = [draw(st.integers(1, 6))] * n_groups
-    else:
-        sizes = draw(st.lists(st.integers(1, 6), min_size=n_groups, max_size=n_groups))
-    labels = draw(st.lists(st.integers(-(2**40), 2**40), min_size=n_groups, max_size=n_groups, unique=True))
-    group = [lab for lab, k in zip(labels, sizes, strict=True) for _ in range(k)]
+    group = draw(group_ids(equal=equal, max_size=6, min_equal=1))
     b = len(group)
     binary = draw(st.booleans())
     values = st.sampled_from([0.0, 1.0]) if binary else st.floats(0, 1, width=32)
     rewards = draw(st.lists(values, min_size=b, max_size=b))
-    prior = {lab: draw(st.floats(-0.5, 1.5, width=32)) for lab in labels}
+    prior = {lab: draw(st.floats(-0.5, 1.5, width=32)) for lab in dict.fromkeys(group)}
     answers = draw(st.lists(st.integers(0, 3), min_size=b, max_size=b))
     unc = draw(st.lists(st.floats(0, 5, width=32), min_size=b, max_size=b))
     conf = draw(st.one_of(st.none(), st.lists(st.floats(0, 4, width=32), min_size=b, max_size=b)))
@@ -506,8 +500,7 @@ def test_permutation_and_relabelling(batch: dict[str, Any], data: st.DataObject)
     b = len(batch["rewards"])
     perm = data.draw(st.permutations(list(range(b))))
     labels = sorted(set(batch["group"]))
-    new = data.draw(st.lists(st.integers(-(2**62), 2**62), min_size=len(labels), max_size=len(labels), unique=True))
-    relabel = dict(zip(labels, new, strict=True))
+    relabel = relabel_map(data, labels)
     answer_map = data.draw(st.lists(st.integers(-(2**62), 2**62), min_size=4, max_size=4, unique=True))
 
     def p(xs: list[Any] | None) -> list[Any] | None:

@@ -21,7 +21,7 @@ from rolloutopt.advantages import dr_grpo, get, grpo, names, reinforce_pp_baseli
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 
-from .helpers import SINGLETON_WARNING, D, close, ids, t
+from .helpers import SINGLETON_WARNING, D, close, ids, relabel_map, t
 
 # ------------------------------------------------------------------------------------- independent oracle
 
@@ -426,8 +426,7 @@ def test_permutation_and_relabelling(batch: dict[str, Any], data: st.DataObject)
     b = len(batch["rewards"])
     perm = data.draw(st.permutations(list(range(b))))
     labels = sorted(set(batch["group"]))
-    new = data.draw(st.lists(st.integers(-(2**62), 2**62), min_size=len(labels), max_size=len(labels), unique=True))
-    relabel = dict(zip(labels, new, strict=True))
+    relabel = relabel_map(data, labels)
     permuted = {
         "rewards": [batch["rewards"][i] for i in perm],
         "group": [relabel[batch["group"][i]] for i in perm],

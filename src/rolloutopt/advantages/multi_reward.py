@@ -138,7 +138,7 @@ def _component_advantages(
     if v is None:
         n = g.sizes[None, :].expand(k, g.num_groups)
         nf = g.sizes.to(r.dtype)
-        first = g.order.index_select(0, g.offsets[:-1]).index_select(0, g.inverse)  # [B]: its group's first row
+        first = g.broadcast(g.first_rows)  # [B]: its group's first row
         rs = r - r.detach().index_select(1, first)
         mean = _seg_sum(g, rs) / nf
         dev = rs - _bcast(g, mean)

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from rolloutopt._validation import Dims, as_float, as_index, as_mask, checks_enabled, choice, finite, positive
 from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
+from rolloutopt.advantages.reference import _prepare, _reference
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups, as_groups
 from rolloutopt.typing import FloatB, IntB
@@ -193,19 +194,13 @@ def v05(
                 "pass e.g. prior_range=(0.0, 1.0) for success rates, or None to use the prior unclipped",
             )
 
-    dims = Dims()
-    r = as_float(rewards, "rewards", dims, "B")
-    g = as_groups(group, dims)
+    r, g, v, dims = _prepare(rewards, group, valid)
     p = as_float(prior, "prior", dims, "B", device=r.device)
-    v = None if valid is None else as_mask(valid, "valid", dims, "B", device=r.device)
-    finite(r, "rewards", v)
     finite(p, "prior")
-    if v is not None:
-        r = torch.where(v, r, torch.zeros_like(r))
     common = torch.promote_types(r.dtype, p.dtype)
     r, p = r.to(common), p.to(common)
     if checks_enabled():
-        first = g.broadcast(p.detach()[g.order[g.offsets[:-1]]])
+        first = g.broadcast(p.detach().index_select(0, g.first_rows))
         if bool((p.detach() != first).any()):
             raise InputError(
                 "prior",
@@ -223,14 +218,14 @@ def v05(
                     "rescale rewards to [0, 1], or pass variance='sample'",
                 )
 
-    b0_raw = p[g.order[g.offsets[:-1]]]  # [G]: the first row of each group (all rows agree)
+    b0_raw = p.index_select(0, g.first_rows)  # [G]: the first row of each group (all rows agree)
     b0 = b0_raw if prior_range is None else b0_raw.clamp(prior_range[0], prior_range[1])
     n = g.count(v)
     nf = n.to(r.dtype)
     has = n > 0
     # Statistics of rewards centred at a (detached) member: an all-equal group then has a mean equal to its
     # reward and a variance of exactly 0, so the zero-variance fallback is not missed by rounding.
-    ref = r.detach()[g.order[g.offsets[:-1]]] if v is None else g.max(r.detach(), v)
+    ref = _reference(r, g, v)
     rs = r - g.broadcast(ref)
     mean = g.mean(rs, v) + ref
     bern = variance == "bernoulli"

@@ -46,8 +46,12 @@ def _shifted(r: Tensor, g: Groups, valid: Tensor | None) -> Tensor:
     the float32 mean of n copies of 0.1 is not 0.1, and dividing that residue by ``std + eps`` gives advantages
     up to ±0.3 (verl 0.9.1 does this). It also keeps the sums accurate for large reward offsets.
     """
-    ref = r.detach()[g.order[g.offsets[:-1]]] if valid is None else g.max(r.detach(), valid)
-    return r - g.broadcast(ref)
+    return r - g.broadcast(_reference(r, g, valid))
+
+
+def _reference(r: Tensor, g: Groups, valid: Tensor | None) -> Tensor:
+    """A detached member reward per group ``[G]``: the first row's, or the largest valid one with a mask."""
+    return r.detach().index_select(0, g.first_rows) if valid is None else g.max(r.detach(), valid)
 
 
 def _weight(r: Tensor, valid: Tensor | None) -> Tensor:
@@ -246,14 +250,8 @@ def reinforce_pp_baseline(
     """
     choice(singleton, "singleton", ("zero", "raw"))
     positive(eps, "eps", strict=False)
-    dims = Dims()
-    r = as_float(rewards, "rewards", dims, "B")
+    r, g, v, dims = _prepare(rewards, group, valid)
     m = as_mask(mask, "mask", dims, "B T", device=r.device)
-    g = as_groups(group, dims)
-    v = None if valid is None else as_mask(valid, "valid", dims, "B", device=r.device)
-    finite(r, "rewards", v)
-    if v is not None:
-        r = torch.where(v, r, torch.zeros_like(r))
     n = g.count(v)
     _warn_singletons(g, n, v, singleton)
     rs = _shifted(r, g, v)

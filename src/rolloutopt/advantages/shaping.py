@@ -26,6 +26,7 @@ from torch import Tensor
 
 from rolloutopt._validation import Dims, as_float, as_mask, checks_enabled, choice, describe, finite, positive
 from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
+from rolloutopt.advantages.reference import _prepare, _shifted
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups, as_groups
 from rolloutopt.typing import BoolBT, FloatB, FloatBT, IntB, Scalar
@@ -463,16 +464,9 @@ def dler_normalise(
     choice(std_of, "std_of", ("advantages", "rewards"))
     choice(batch, "batch", ("all", "informative"))
     positive(eps, "eps", strict=False)
-    dims = Dims()
-    r = as_float(rewards, "rewards", dims, "B")
-    g = as_groups(group, dims)
-    v = None if valid is None else as_mask(valid, "valid", dims, "B", device=r.device)
-    finite(r, "rewards", v)
-    if v is not None:
-        r = torch.where(v, r, torch.zeros_like(r))
+    r, g, v, _ = _prepare(rewards, group, valid)
     n = g.count(v)
-    ref = r.detach()[g.order[g.offsets[:-1]]] if v is None else g.max(r.detach(), v)
-    rs = r - g.broadcast(ref)  # centred on a member: all-equal groups are exactly 0
+    rs = _shifted(r, g, v)  # centred on a member: all-equal groups are exactly 0
     centred = rs - g.broadcast(g.mean(rs, v))
     spread = g.max(rs.detach(), v) - g.min(rs.detach(), v)
     informative = (spread > 0) & (n > 1)
