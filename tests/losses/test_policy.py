@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import rolloutopt
 from rolloutopt.errors import InputError
 from rolloutopt.losses import KL, CorrectionOutput, LossOutput, aggregate, get, kl_penalty, policy_loss
-from rolloutopt.ratios import CISPO, SAPO, GSPORatio, PPOClip, TokenRatio, TrustOutput
+from rolloutopt.ratios import CISPO, SAPO, GSPORatio, PPOClip, StageContext, TokenRatio, TrustOutput
 
 D = torch.float64
 PRESETS = ["grpo", "dapo", "dr_grpo", "gspo", "cispo", "sapo"]
@@ -157,11 +157,9 @@ class KeepCorrection:
         self.weight = weight
         self.calls: list[dict[str, Any]] = []
 
-    def __call__(
-        self, *, logp: torch.Tensor, old_logp: torch.Tensor, behav_logp: torch.Tensor | None, mask: torch.Tensor
-    ) -> CorrectionOutput:
-        self.calls.append({"logp": logp, "old_logp": old_logp, "behav_logp": behav_logp, "mask": mask})
-        w = torch.full_like(logp, self.weight)
+    def __call__(self, ctx: StageContext) -> CorrectionOutput:
+        self.calls.append({"logp": ctx.logp, "old_logp": ctx.old_logp, "behav_logp": ctx.behav_logp, "mask": ctx.mask})
+        w = torch.full_like(ctx.logp, self.weight)
         return CorrectionOutput(w, self.keep, {"tiny_metric": torch.tensor(7.0)})
 
 
@@ -199,7 +197,13 @@ def test_correction_receives_behav_logp_and_combines_with_trust_keep() -> None:
 
     class KeepTrust:
         def __call__(
-            self, ratio: torch.Tensor, log_ratio: torch.Tensor, adv: torch.Tensor, lp: torch.Tensor
+            self,
+            ratio: torch.Tensor,
+            log_ratio: torch.Tensor,
+            adv: torch.Tensor,
+            lp: torch.Tensor,
+            *,
+            ctx: StageContext | None = None,
         ) -> TrustOutput:
             keep = torch.tensor([[True, True, False, True], [True, True, True, True]])
             return TrustOutput(-adv * ratio, keep, {})

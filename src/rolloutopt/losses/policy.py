@@ -3,21 +3,34 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import Dims, as_float, as_mask, as_seq_or_token, choice, finite
+from rolloutopt._validation import Dims, as_float, as_index, as_mask, as_seq_or_token, checks_enabled, choice, finite
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 from rolloutopt.losses.aggregation import AGG_MODES, AggMode, Denominators, aggregate
 from rolloutopt.losses.regularizers import KL
 from rolloutopt.ratios import PPOClip, TokenRatio, TrustOutput
+from rolloutopt.ratios.context import StageContext, masked_mean, masked_quantiles
 from rolloutopt.typing import BoolBT, FloatB, FloatBT, IntB, PerSeqOrToken
 
-__all__ = ["Correction", "CorrectionOutput", "LossOutput", "RatioStage", "TrustStage", "policy_loss"]
+__all__ = [
+    "Correction",
+    "CorrectionOutput",
+    "LossOutput",
+    "ProximalStage",
+    "RatioStage",
+    "StageContext",
+    "TrustStage",
+    "policy_loss",
+]
+
+RATIO_QUANTILES = (0.1, 0.5, 0.9)
 
 
 @dataclass(frozen=True)
@@ -45,9 +58,24 @@ class RatioStage(Protocol):
 
 
 class TrustStage(Protocol):
-    """A trust region: ``(ratio, log_ratio, advantages, logp) -> TrustOutput`` (e.g. PPOClip, CISPO, SAPO)."""
+    """A trust region: ``(ratio, log_ratio, advantages, logp, *, ctx) -> TrustOutput`` (e.g. PPOClip, CISPO).
 
-    def __call__(self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor) -> TrustOutput: ...
+    ``ctx`` (a :class:`StageContext`) carries the mask, the other log-probs and the optional inputs, for trust
+    regions that need batch statistics (M2PO, SAT) or other policies (DPPO, TBPO).
+    """
+
+    def __call__(
+        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+    ) -> TrustOutput: ...
+
+
+class ProximalStage(Protocol):
+    """Builds the proximal log-probs ``[B, T]`` (detached) from the context, when the trainer has none to give.
+
+    Examples: A-3PO's version interpolation, CoPRIS's cross-stage concatenation (:mod:`rolloutopt.ratios`).
+    """
+
+    def __call__(self, ctx: StageContext) -> Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -63,19 +91,31 @@ class CorrectionOutput:
 class Correction(Protocol):
     """The off-policy correction slot of :func:`policy_loss` (truncated/masked IS and friends).
 
-    Called with the validated fp32 ``logp``, ``old_logp``, ``behav_logp`` (None when not given) and ``mask``;
-    returns a :class:`CorrectionOutput`. Implementations live in :mod:`rolloutopt.ratios`.
+    Called with the :class:`StageContext` (validated ``logp``, ``old_logp``, ``behav_logp``, ``mask``,
+    advantages and optional inputs); returns a :class:`CorrectionOutput`. Implementations live in
+    :mod:`rolloutopt.ratios`. Several corrections compose: their weights multiply and their keep masks AND.
     """
 
-    def __call__(
-        self, *, logp: Tensor, old_logp: Tensor, behav_logp: Tensor | None, mask: Tensor
-    ) -> CorrectionOutput: ...
+    def __call__(self, ctx: StageContext) -> CorrectionOutput: ...
 
 
-def _masked_mean(x: Tensor, m: Tensor, count: Tensor) -> Tensor:
-    """Mean of ``x`` over the True positions of ``m`` (``count`` of them), detached; bool ``x`` counts as 0/1."""
-    x = x.detach().to(count.dtype)
-    return torch.where(m, x, torch.zeros_like(x)).sum() / count
+_masked_mean = masked_mean
+
+
+def _corrections(correction: Correction | Sequence[Correction] | None) -> tuple[Correction, ...]:
+    if correction is None:
+        return ()
+    if isinstance(correction, Sequence):
+        parts = tuple(correction)
+        for i, c in enumerate(parts):
+            if not callable(c):
+                raise InputError(
+                    f"correction[{i}]", "a Correction (callable on a StageContext)", repr(c), "pass correction stages"
+                )
+        return parts
+    if not callable(correction):
+        raise InputError("correction", "a Correction or a sequence of them", repr(correction), "pass e.g. TIS()")
+    return (correction,)
 
 
 def policy_loss(
@@ -89,7 +129,8 @@ def policy_loss(
     entropy: FloatBT | None = None,
     ratio: RatioStage = TokenRatio(),
     trust: TrustStage | None = PPOClip(),
-    correction: Correction | None = None,
+    correction: Correction | Sequence[Correction] | None = None,
+    proximal: ProximalStage | None = None,
     is_weights: Tensor | None = None,
     kl: KL | None = None,
     entropy_coef: float = 0.0,
@@ -99,6 +140,12 @@ def policy_loss(
     max_len: int | None = None,
     seq_weight: FloatB | None = None,
     removed_in_denominator: bool = True,
+    versions: Tensor | None = None,
+    policy_version: int | None = None,
+    topk_logp: Tensor | None = None,
+    topk_behav_logp: Tensor | None = None,
+    confidence: FloatB | None = None,
+    stage_inputs: dict[str, Any] | None = None,
 ) -> LossOutput:
     r"""Policy-gradient loss composed from stages: ratio, trust region, off-policy correction, KL, entropy.
 
@@ -124,7 +171,11 @@ def policy_loss(
         ratio: ratio stage (:class:`~rolloutopt.ratios.TokenRatio`, :class:`~rolloutopt.ratios.GSPORatio`).
         trust: trust-region stage (:class:`~rolloutopt.ratios.PPOClip`, :class:`~rolloutopt.ratios.CISPO`,
             :class:`~rolloutopt.ratios.SAPO`) or None.
-        correction: off-policy correction stage (:class:`Correction`), or None.
+        correction: off-policy correction stage (:class:`Correction`), a sequence of them (weights multiply,
+            keep masks AND; e.g. a rejection filter then truncated IS), or None.
+        proximal: a stage that builds the proximal log-probs from the other inputs (A-3PO's interpolation,
+            CoPRIS's cross-stage concatenation); then ``old_logp`` is what the stage reads as the trainer's
+            recompute (CoPRIS) or may be None (A-3PO).
         is_weights: precomputed, detached importance weights ``[B, T]`` or ``[B]`` multiplied into the policy
             term (verl's ``rollout_is_weights``, TRL's ``importance_sampling_ratio``).
         kl: KL regulariser against ``ref_logp``, or None.
@@ -135,6 +186,19 @@ def policy_loss(
         removed_in_denominator: whether tokens removed by a trust-region or correction mask stay in the
             denominator (True, AReaL and TRL: a mask does not inflate the other tokens' gradients) or leave it
             (False, verl's folding of rejection masks into the response mask).
+        versions: policy version that generated each token, int ``[B, T]`` (CoPRIS, A-3PO; staleness metrics).
+        policy_version: version of the policy being trained (A-3PO; staleness is measured against it, or
+            against the newest version in ``versions`` when None).
+        topk_logp, topk_behav_logp: ``[B, T, K]`` current and rollout-engine log-probs at the rollout
+            engine's top-K token ids (DPPO's top-K divergences and the predictive mask).
+        confidence: per-sequence confidence ``[B]`` in [0, 1] (ECHO's confidence-adaptive clip).
+        stage_inputs: further named inputs for custom stages (``StageContext.extra``).
+
+    Metrics (besides the trust region's and corrections' own): ``pg_loss``, ``ratio_mean``, ``ratio_max``,
+    ``ratio_q10/q50/q90`` (lower order statistics over loss tokens), ``log_ratio_max`` (max |log r|),
+    ``approx_kl``, ``masked_frac``; ``is_weight_mean``, ``is_weight_max`` and ``is_ess`` (effective sample
+    size fraction :math:`(\sum w)^2 / (N \sum w^2)`, verl's ``1/mean((w/mean w)^2)``) when a correction or
+    ``is_weights`` applies; ``staleness_mean``/``staleness_max`` (versions behind) when ``versions`` is given.
 
     Edge cases: all-masked rows contribute nothing and leave sequence denominators; an empty batch gives
     loss 0; log-ratios are clamped so every finite input gives a finite loss; non-finite values at masked-in
@@ -156,25 +220,46 @@ def policy_loss(
     behav = None if behav_logp is None else as_float(behav_logp, "behav_logp", dims, "B T", device=lp.device)
     if behav is not None:
         finite(behav, "behav_logp", m)
+    corrections = _corrections(correction)
     # Padding may hold garbage (inf, NaN) in any input; this select makes the gradient at masked-out positions
     # exactly 0, so a non-finite local derivative there (0 * inf) cannot reach the caller's logp.
     lp = torch.where(m, lp, torch.zeros_like(lp))
+    ctx = StageContext(
+        logp=lp,
+        old_logp=None if (old_logp is None and proximal is not None) else old,
+        mask=m,
+        advantages=adv,
+        behav_logp=behav,
+        versions=None if versions is None else as_index(versions, "versions", dims, "B T"),
+        policy_version=_version(policy_version),
+        topk_logp=_topk(topk_logp, "topk_logp", dims, lp.device, m),
+        topk_behav_logp=_topk(topk_behav_logp, "topk_behav_logp", dims, lp.device, m),
+        confidence=None if confidence is None else _confidence(confidence, dims, lp.device),
+        extra=dict(stage_inputs or {}),
+    )
+    if proximal is not None:
+        old = proximal(ctx).detach()
+        ctx = replace(ctx, old_logp=old)
 
     log_r = ratio.log_ratio(lp, old, m)
     r = torch.exp(log_r)
-    out = TrustOutput(-adv * r, None, {}) if trust is None else trust(r, log_r, adv, lp)
+    out = TrustOutput(-adv * r, None, {}) if trust is None else trust(r, log_r, adv, lp, ctx=ctx)
     pg = out.loss
     keep = out.keep
     extra: dict[str, Tensor] = {}
-    if correction is not None:
-        c = correction(logp=lp, old_logp=old, behav_logp=behav, mask=m)
-        pg = pg * c.weight
+    weight: Tensor | None = None
+    for corr in corrections:
+        c = corr(ctx)
+        weight = c.weight if weight is None else weight * c.weight
         keep = c.keep if keep is None else (keep if c.keep is None else keep & c.keep)
         extra.update(c.metrics)
     if is_weights is not None:
         w = as_seq_or_token(is_weights, "is_weights", dims, device=lp.device).detach()
         finite(w.expand_as(lp), "is_weights", m)
-        pg = pg * w
+        weight = w if weight is None else weight * w
+    if weight is not None:
+        weight = weight.detach()
+        pg = pg * weight
 
     total = pg
     if kl is not None:
@@ -221,18 +306,84 @@ def policy_loss(
 
     count = m.sum().clamp(min=1).to(lp.dtype)
     rd = r.detach()
+    lrd = log_r.detach()
     metrics: dict[str, Tensor] = {
         "pg_loss": aggregate(pg.detach(), loss_mask, agg, **agg_kw).detach(),
         "ratio_mean": _masked_mean(rd, m, count),
-        "ratio_max": torch.where(m, rd, torch.zeros_like(rd)).amax().detach() if rd.numel() else rd.sum().detach(),
-        "approx_kl": _masked_mean(-log_r.detach(), m, count),
+        "ratio_max": _masked_max(rd, m),
+        "log_ratio_max": _masked_max(lrd.abs(), m),
+        "approx_kl": _masked_mean(-lrd, m, count),
         "masked_frac": _masked_mean(~kept, m, count),
     }
+    for q, v in zip(RATIO_QUANTILES, masked_quantiles(rd, m, RATIO_QUANTILES), strict=True):
+        metrics[f"ratio_q{round(q * 100)}"] = v
     for name, ind in out.indicators.items():
         metrics[name] = _masked_mean(ind, m, count)
+    if weight is not None:
+        metrics.update(weight_metrics(weight.expand_as(lp), m))
+    if ctx.versions is not None:
+        metrics.update(staleness_metrics(ctx.versions, m, ctx.policy_version))
     metrics.update(extra)
     if ent is not None:
         metrics["entropy"] = _masked_mean(ent.detach(), m, count)
     if kl is not None:
         metrics["kl"] = _masked_mean(kl_tok.detach(), m, count)
     return LossOutput(loss=loss, per_token=per_token, metrics=metrics)
+
+
+def _masked_max(x: Tensor, m: Tensor) -> Tensor:
+    """Detached max of a non-negative ``x`` over ``m`` (0 when empty)."""
+    x = x.detach()
+    return torch.where(m, x, torch.zeros_like(x)).amax() if x.numel() else x.sum()
+
+
+def weight_metrics(weight: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    r"""Mean, max and effective-sample-size fraction of per-token weights over ``mask`` (detached).
+
+    ``is_ess`` = :math:`(\sum_t w)^2 / (N \sum_t w^2)` over the N loss tokens: 1 for equal weights, 1/N when
+    one token carries all the weight (verl's ``rollout_is_eff_sample_size`` = ``1/mean((w/mean w)^2)``).
+    """
+    w = torch.where(mask, weight.detach(), torch.zeros_like(weight))
+    n = mask.sum().clamp(min=1).to(w.dtype)
+    s1, s2 = w.sum(), (w * w).sum()
+    return {
+        "is_weight_mean": s1 / n,
+        "is_weight_max": w.amax() if w.numel() else w.sum(),
+        "is_ess": torch.where(s2 > 0, s1 * s1 / (n * s2), torch.ones_like(s2)),
+    }
+
+
+def staleness_metrics(versions: Tensor, mask: Tensor, policy_version: int | None) -> dict[str, Tensor]:
+    """How many versions behind the trained policy each loss token was generated: mean, max, fraction stale."""
+    v = versions.to(torch.float64)
+    newest = torch.where(mask, v, torch.full_like(v, -torch.inf)).amax() if policy_version is None else policy_version
+    lag = torch.where(mask, newest - v, torch.zeros_like(v)).to(torch.float32)
+    return {
+        "staleness_mean": _masked_mean(lag, mask),
+        "staleness_max": _masked_max(lag, mask),
+        "stale_frac": _masked_mean(lag > 0, mask),
+    }
+
+
+def _version(v: Any) -> int | None:
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise InputError("policy_version", "an int (the trained policy's version)", repr(v), "pass e.g. step")
+    return v
+
+
+def _topk(x: Any, name: str, dims: Dims, device: torch.device, m: Tensor) -> Tensor | None:
+    if x is None:
+        return None
+    t = as_float(x, name, dims, "B T K", device=device)
+    finite(t, name, m[..., None].expand_as(t))
+    return t
+
+
+def _confidence(x: Any, dims: Dims, device: torch.device) -> Tensor:
+    c = as_float(x, "confidence", dims, "B", device=device)
+    finite(c, "confidence")
+    if checks_enabled() and bool(((c < 0) | (c > 1)).any()):
+        raise InputError("confidence", "values in [0, 1]", f"min {float(c.min())}, max {float(c.max())}", "rescale it")
+    return c

@@ -1,38 +1,36 @@
-"""Ratios and trust regions: log-probs → importance ratios, clipped or gated per-token policy terms.
+"""Ratios, trust regions and off-policy corrections: the stages :func:`rolloutopt.losses.policy_loss` composes.
 
-Stage configs (frozen dataclasses) for :func:`rolloutopt.losses.policy_loss`: ratio constructions
-(:class:`TokenRatio`, :class:`GSPORatio`) and trust regions (:class:`PPOClip`, :class:`CISPO`, :class:`SAPO`),
-each beside the pure function it wraps.
+- ratio constructions (``log_ratio(logp, old_logp, mask)``): :class:`TokenRatio`, :class:`GSPORatio`, the
+  cumulative and prefix-normalised ratios (:mod:`~rolloutopt.ratios.prefix`);
+- proximal-policy stages (build ``old_logp``): A-3PO interpolation, CoPRIS cross-stage concatenation
+  (:mod:`~rolloutopt.ratios.offpolicy`);
+- trust regions (``(ratio, log_ratio, advantages, logp, *, ctx) -> TrustOutput``): :class:`PPOClip`,
+  :class:`CISPO`, :class:`SAPO`, M2PO (:mod:`~rolloutopt.ratios.m2po`), SAT, TBPO, ECHO
+  (:mod:`~rolloutopt.ratios.adaptive`), DPPO (:mod:`~rolloutopt.ratios.dppo`);
+- off-policy corrections (``(ctx) -> CorrectionOutput``): truncated and masked IS, IcePop, OPSM, rejection
+  filters (:mod:`~rolloutopt.ratios.corrections`), decoupled PPO's behaviour weight.
+
+Each stage config is a frozen dataclass beside the pure function it wraps; :class:`StageContext` carries the
+validated inputs a stage may read.
 """
 
 from __future__ import annotations
 
-from rolloutopt.ratios.reference import (
-    CISPO,
-    SAPO,
-    GSPORatio,
-    PPOClip,
-    TokenRatio,
-    TrustOutput,
-    cispo_weight,
-    gspo_token_log_ratio,
-    log_ratio,
-    ppo_clip_loss,
-    sapo_gate,
-    sequence_log_ratio,
-)
+from rolloutopt.ratios import adaptive, corrections, dppo, m2po, offpolicy, prefix, reference
+from rolloutopt.ratios.adaptive import *  # noqa: F403
+from rolloutopt.ratios.context import StageContext, masked_mean, masked_quantiles
+from rolloutopt.ratios.corrections import *  # noqa: F403
+from rolloutopt.ratios.dppo import *  # noqa: F403
+from rolloutopt.ratios.m2po import *  # noqa: F403
+from rolloutopt.ratios.offpolicy import *  # noqa: F403
+from rolloutopt.ratios.prefix import *  # noqa: F403
+from rolloutopt.ratios.reference import *  # noqa: F403
 
-__all__ = [
-    "CISPO",
-    "SAPO",
-    "GSPORatio",
-    "PPOClip",
-    "TokenRatio",
-    "TrustOutput",
-    "cispo_weight",
-    "gspo_token_log_ratio",
-    "log_ratio",
-    "ppo_clip_loss",
-    "sapo_gate",
-    "sequence_log_ratio",
-]
+__all__ = ["StageContext", "masked_mean", "masked_quantiles"]
+__all__ += reference.__all__
+__all__ += corrections.__all__
+__all__ += offpolicy.__all__
+__all__ += prefix.__all__
+__all__ += m2po.__all__
+__all__ += adaptive.__all__
+__all__ += dppo.__all__

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from rolloutopt._validation import Dims, as_float, as_mask, finite, positive
 from rolloutopt.errors import InputError
+from rolloutopt.ratios.context import StageContext
 from rolloutopt.typing import BoolBT, FloatB, FloatBT
 
 __all__ = [
@@ -194,7 +195,9 @@ class PPOClip:
     def __post_init__(self) -> None:
         _check_clip(self.low, self.high, self.dual, "PPOClip")
 
-    def __call__(self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor) -> TrustOutput:
+    def __call__(
+        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+    ) -> TrustOutput:
         loss, ind = ppo_clip_loss(ratio, advantages, low=self.low, high=self.high, dual=self.dual)
         return TrustOutput(loss, None, ind)
 
@@ -256,7 +259,9 @@ class CISPO:
     def __post_init__(self) -> None:
         _check_cispo(self.low, self.high, self.cap, "CISPO.")
 
-    def __call__(self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor) -> TrustOutput:
+    def __call__(
+        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+    ) -> TrustOutput:
         w = cispo_weight(ratio, low=self.low, high=self.high, cap=self.cap)
         return TrustOutput(-w * advantages * logp, None, {"clipfrac": w != ratio.detach()})
 
@@ -288,5 +293,7 @@ class SAPO:
         positive(self.tau_pos, "SAPO.tau_pos")
         positive(self.tau_neg, "SAPO.tau_neg")
 
-    def __call__(self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor) -> TrustOutput:
+    def __call__(
+        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+    ) -> TrustOutput:
         return TrustOutput(sapo_gate(ratio, advantages, tau_pos=self.tau_pos, tau_neg=self.tau_neg), None, {})

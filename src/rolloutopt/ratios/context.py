@@ -1,0 +1,106 @@
+"""The inputs every stage of :func:`rolloutopt.losses.policy_loss` may read, validated once.
+
+Stages (ratio constructions, proximal-policy approximations, trust regions, off-policy corrections) that need
+more than the ratio and the advantages read them from a :class:`StageContext`. Inputs beyond the common ones
+(per-token policy versions, top-K log-probs, per-sequence confidence) are optional in ``policy_loss``; a stage
+that needs one calls :meth:`StageContext.need`, which raises an :class:`~rolloutopt.errors.InputError` naming
+the missing argument and the stage that needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rolloutopt.errors import InputError
+
+__all__ = ["StageContext", "masked_mean", "masked_quantiles"]
+
+_OPTIONAL = {
+    "behav_logp": "the rollout engine's log-probs of the sampled tokens [B, T]",
+    "versions": "the policy version that generated each token, int64 [B, T]",
+    "policy_version": "the version of the policy being trained (an int)",
+    "topk_logp": "the current policy's log-probs at the reference top-K token ids [B, T, K]",
+    "topk_behav_logp": "the rollout engine's top-K log-probs [B, T, K]",
+    "confidence": "a per-sequence confidence in [0, 1], float [B]",
+    "old_logp": "the proximal policy's log-probs [B, T]",
+}
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """Validated inputs of one :func:`~rolloutopt.losses.policy_loss` call (fp32, or fp64 when given fp64).
+
+    Attributes:
+        logp: current log-probs ``[B, T]``, 0 outside ``mask``, carrying the gradient.
+        old_logp: proximal log-probs ``[B, T]`` (after the ``proximal`` stage, when one is set).
+        mask: bool loss mask ``[B, T]``.
+        advantages: ``[B, 1]`` (per sequence) or ``[B, T]``.
+        behav_logp: rollout-engine log-probs ``[B, T]`` or None.
+        versions: policy version that generated each token, int64 ``[B, T]``, or None.
+        policy_version: version of the policy being trained, or None.
+        topk_logp: current log-probs at the rollout engine's top-K ids ``[B, T, K]`` or None.
+        topk_behav_logp: the rollout engine's top-K log-probs ``[B, T, K]`` or None.
+        confidence: per-sequence confidence ``[B]`` or None.
+        extra: anything else a custom stage wants passed through (``policy_loss(..., stage_inputs=...)``).
+    """
+
+    logp: Tensor
+    old_logp: Tensor | None
+    mask: Tensor
+    advantages: Tensor
+    behav_logp: Tensor | None = None
+    versions: Tensor | None = None
+    policy_version: int | None = None
+    topk_logp: Tensor | None = None
+    topk_behav_logp: Tensor | None = None
+    confidence: Tensor | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def need(self, name: str, by: str) -> Any:
+        """The input ``name``; an :class:`InputError` naming it and the stage ``by`` that needs it when missing."""
+        value = getattr(self, name, None) if name in _OPTIONAL else self.extra.get(name)
+        if value is None:
+            what = _OPTIONAL.get(name, f"the stage input {name!r}")
+            fix = (
+                f"pass {name}=... to policy_loss (or the preset)"
+                if name in _OPTIONAL
+                else f"pass stage_inputs={{{name!r}: ...}} to policy_loss"
+            )
+            raise InputError(name, f"{what}, required by {by}", "None", fix)
+        return value
+
+    @property
+    def count(self) -> Tensor:
+        """Number of loss tokens, at least 1, in the logp dtype (a 0-d tensor, no host sync)."""
+        return self.mask.sum().clamp(min=1).to(self.logp.dtype)
+
+
+def masked_mean(x: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
+    """Detached mean of ``x`` over the True positions of ``mask``; bool ``x`` counts as 0/1; 0 for an empty mask."""
+    dtype = count.dtype if count is not None else (x.dtype if x.is_floating_point() else torch.float32)
+    x = x.detach().to(dtype)
+    n = mask.sum().clamp(min=1).to(dtype) if count is None else count
+    return torch.where(mask, x, torch.zeros_like(x)).sum() / n
+
+
+def masked_quantiles(x: Tensor, mask: Tensor, qs: tuple[float, ...]) -> list[Tensor]:
+    """Detached quantiles of ``x`` over ``mask`` (lower order statistic, like ``torch.quantile(interpolation="lower")``).
+
+    One sort of the flattened tensor, masked-out values sent to +inf; indices are tensors, so there is no host
+    synchronisation and no size limit (``torch.quantile`` refuses more than 2^24 elements). 0 for an empty mask.
+    """
+    flat = torch.where(mask, x.detach(), torch.full_like(x, torch.inf, dtype=x.dtype)).flatten()
+    if flat.numel() == 0:
+        return [flat.sum() for _ in qs]
+    ordered = flat.sort().values
+    n = mask.sum()
+    out = []
+    for q in qs:
+        idx = (q * (n - 1).clamp(min=0).to(torch.float64)).floor().long().clamp(min=0)
+        v = ordered.gather(0, idx.reshape(1)).reshape(())
+        out.append(torch.where(n > 0, v, torch.zeros_like(v)))
+    return out
