@@ -200,3 +200,12 @@ def test_masked_quantiles_match_torch_quantile(values: list[float], keep: list[b
 def test_bad_stage_inputs(kwargs: dict[str, object], arg: str) -> None:
     with pytest.raises(InputError, match=arg):
         policy_loss(torch.zeros(2, 4), None, ADV.float(), MASK, trust=PPOClip(), **kwargs)  # type: ignore[arg-type]
+
+
+def test_masked_quantiles_stride_sample_for_large_inputs() -> None:
+    x = torch.arange(10, dtype=D)  # stride ceil(10 / 4) = 3 keeps positions 0, 3, 6, 9
+    m = torch.ones(10, dtype=torch.bool)
+    got = masked_quantiles(x, m, (0.0, 0.5, 1.0), max_samples=4)
+    assert [float(v) for v in got] == [0.0, 3.0, 9.0]
+    exact = masked_quantiles(x, m, (0.5,), max_samples=None)
+    assert float(exact[0]) == 4.0
