@@ -195,7 +195,7 @@ def policy_loss(
         stage_inputs: further named inputs for custom stages (``StageContext.extra``).
 
     Metrics (besides the trust region's and corrections' own): ``pg_loss``, ``ratio_mean``, ``ratio_max``,
-    ``ratio_q10/q50/q90`` (lower order statistics over loss tokens; over an even stride of at most 65,536
+    ``ratio_q10/q50/q90`` (lower order statistics over loss tokens; over an even stride of at most 16,384
     positions in larger batches), ``log_ratio_max`` (max |log r|),
     ``approx_kl``, ``masked_frac``; ``is_weight_mean``, ``is_weight_max`` and ``is_ess`` (effective sample
     size fraction :math:`(\sum w)^2 / (N \sum w^2)`, verl's ``1/mean((w/mean w)^2)``) when a correction or

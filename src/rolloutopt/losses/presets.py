@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rolloutopt.errors import InputError
 from rolloutopt.losses.policy import LossOutput, policy_loss
 from rolloutopt.ratios import CISPO, SAPO, GSPORatio, PPOClip, TokenRatio
 from rolloutopt.registry import Registry
@@ -24,14 +25,41 @@ class Preset:
         name: the registry name.
         reference: where the configuration comes from (arXiv id and trainer names).
         config: the bound keyword arguments of :func:`~rolloutopt.losses.policy_loss`.
+        requires: :func:`~rolloutopt.losses.policy_loss` inputs beyond the common ones that the preset needs
+            (``behav_logp``, ``versions``, ``topk_logp``, ...).
+        experimental: why the preset is experimental (a reconstructed part), or None.
     """
 
     name: str
     reference: str
     config: dict[str, Any] = field(default_factory=dict)
+    requires: tuple[str, ...] = ()
+    experimental: str | None = None
 
-    def __call__(self, logp: Any, old_logp: Any, advantages: Any, mask: Any, **kwargs: Any) -> LossOutput:
-        """Compute :func:`~rolloutopt.losses.policy_loss` with this preset's configuration."""
+    def __call__(
+        self, logp: Any, old_logp: Any, advantages: Any, mask: Any, *, experimental: bool = False, **kwargs: Any
+    ) -> LossOutput:
+        """Compute :func:`~rolloutopt.losses.policy_loss` with this preset's configuration.
+
+        A preset whose method is partly reconstructed (``self.experimental`` says what) raises unless called
+        with ``experimental=True``; inputs named in ``requires`` must be passed (an :class:`InputError` names
+        the missing ones).
+        """
+        if self.experimental is not None and experimental is not True:
+            raise InputError(
+                "experimental",
+                f"experimental=True for the {self.name!r} preset: {self.experimental}",
+                repr(experimental),
+                "pass experimental=True to acknowledge the reconstruction (see the preset's docs page)",
+            )
+        missing = [name for name in self.requires if kwargs.get(name) is None]
+        if missing:
+            raise InputError(
+                missing[0],
+                f"the inputs {', '.join(self.requires)} for the {self.name!r} preset",
+                f"no {', '.join(missing)}",
+                f"pass {', '.join(f'{n}=...' for n in missing)}",
+            )
         return policy_loss(logp, old_logp, advantages, mask, **{**self.config, **kwargs})
 
 

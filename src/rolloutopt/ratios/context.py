@@ -88,7 +88,7 @@ def masked_mean(x: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
 
 
 def masked_quantiles(
-    x: Tensor, mask: Tensor, qs: tuple[float, ...], *, max_samples: int | None = 65_536
+    x: Tensor, mask: Tensor, qs: tuple[float, ...], *, max_samples: int | None = 16_384
 ) -> list[Tensor]:
     """Detached quantiles of ``x`` over ``mask`` (lower order statistic, like ``torch.quantile(interpolation="lower")``).
 
