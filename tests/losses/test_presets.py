@@ -122,3 +122,21 @@ def test_register_builtin_name_twice_raises() -> None:
         L.register("grpo", Preset("grpo", "mine", {}))
     assert "already" in str(e.value)
     assert L.get("grpo").config == DOCUMENTED["grpo"]
+
+
+def test_experimental_preset_needs_acknowledgement_and_required_inputs_are_named() -> None:
+    preset = Preset(
+        "test_presets_exp", "arXiv 0000.00000 (test)", {"trust": None}, requires=("behav_logp", "versions"),
+        experimental="its form is reconstructed",
+    )  # fmt: skip
+    logp, old, adv, mask = _inputs()
+    with pytest.raises(InputError, match="reconstructed") as e:
+        preset(logp, old, adv, mask, behav_logp=old, versions=torch.zeros(4, 6, dtype=torch.long))
+    assert e.value.argument == "experimental"
+    with pytest.raises(InputError, match="versions") as e:
+        preset(logp, old, adv, mask, behav_logp=old, experimental=True)
+    assert e.value.argument == "versions"
+    with pytest.raises(InputError, match="behav_logp, versions"):
+        preset(logp, old, adv, mask, experimental=True)
+    got = preset(logp, old, adv, mask, behav_logp=old, versions=torch.zeros(4, 6, dtype=torch.long), experimental=True)
+    torch.testing.assert_close(got.loss, policy_loss(logp, old, adv, mask, trust=None).loss)
