@@ -209,3 +209,13 @@ def test_masked_quantiles_stride_sample_for_large_inputs() -> None:
     assert [float(v) for v in got] == [0.0, 3.0, 9.0]
     exact = masked_quantiles(x, m, (0.5,), max_samples=None)
     assert float(exact[0]) == 4.0
+
+
+def test_trust_stage_batch_metrics_are_reported() -> None:
+    def trust(
+        r: torch.Tensor, lr: torch.Tensor, a: torch.Tensor, lp: torch.Tensor, *, ctx: StageContext | None = None
+    ) -> TrustOutput:
+        return TrustOutput(-a * r, None, {}, {"my_bound": torch.tensor(0.125, requires_grad=True)})
+
+    out = policy_loss(torch.zeros(2, 4), None, ADV.float(), MASK, trust=trust)
+    assert float(out.metrics["my_bound"]) == 0.125 and not out.metrics["my_bound"].requires_grad

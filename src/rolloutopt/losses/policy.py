@@ -320,6 +320,7 @@ def policy_loss(
         metrics[f"ratio_q{round(q * 100)}"] = v
     for name, ind in out.indicators.items():
         metrics[name] = _masked_mean(ind, m, count)
+    metrics.update({k: v.detach() for k, v in out.metrics.items()})
     if weight is not None:
         metrics.update(weight_metrics(weight.expand_as(lp), m))
     if ctx.versions is not None:

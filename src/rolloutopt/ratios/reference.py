@@ -7,7 +7,7 @@ construction and each trust region is a pure function plus a small frozen config
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -129,12 +129,14 @@ class GSPORatio:
 
 @dataclass(frozen=True)
 class TrustOutput:
-    """Per-token result of a trust region: the policy loss term, which tokens it keeps, and 0/1 indicators
-    (e.g. which tokens were clipped) whose masked means become metrics."""
+    """Per-token result of a trust region: the policy loss term, which tokens it keeps, 0/1 indicators
+    (e.g. which tokens were clipped) whose masked means become metrics, and batch-level metrics (detached
+    0-d tensors, e.g. M2PO's second moment or an adaptive clip bound) reported as they are."""
 
     loss: Tensor
     keep: Tensor | None
     indicators: dict[str, Tensor]
+    metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
 def _check_clip(low: float, high: float, dual: float | None, owner: str) -> None:
