@@ -16,7 +16,7 @@ from rolloutopt.groups import Groups
 from rolloutopt.losses.aggregation import AGG_MODES, AggMode, Denominators, aggregate
 from rolloutopt.losses.regularizers import KL
 from rolloutopt.ratios import PPOClip, TokenRatio, TrustOutput
-from rolloutopt.ratios.context import StageContext, masked_mean, masked_quantiles
+from rolloutopt.ratios.context import StageContext, as_weights, masked_max, masked_mean, masked_quantiles
 from rolloutopt.typing import BoolBT, FloatB, FloatBT, IntB, PerSeqOrToken
 
 __all__ = [
@@ -100,6 +100,7 @@ class Correction(Protocol):
 
 
 _masked_mean = masked_mean
+_masked_max = masked_max
 
 
 def _corrections(correction: Correction | Sequence[Correction] | None) -> tuple[Correction, ...]:
@@ -333,19 +334,13 @@ def policy_loss(
     return LossOutput(loss=loss, per_token=per_token, metrics=metrics)
 
 
-def _masked_max(x: Tensor, m: Tensor) -> Tensor:
-    """Detached max of a non-negative ``x`` over ``m`` (0 when empty)."""
-    x = x.detach()
-    return torch.where(m, x, torch.zeros_like(x)).amax() if x.numel() else x.sum()
-
-
 def weight_metrics(weight: Tensor, mask: Tensor) -> dict[str, Tensor]:
     r"""Mean, max and effective-sample-size fraction of per-token weights over ``mask`` (detached).
 
     ``is_ess`` = :math:`(\sum_t w)^2 / (N \sum_t w^2)` over the N loss tokens: 1 for equal weights, 1/N when
     one token carries all the weight (verl's ``rollout_is_eff_sample_size`` = ``1/mean((w/mean w)^2)``).
     """
-    w = torch.where(mask, weight.detach(), torch.zeros_like(weight))
+    w = weight.detach().nan_to_num(0.0, 0.0, 0.0) * as_weights(mask, weight.dtype)
     n = mask.sum().clamp(min=1).to(w.dtype)
     s1, s2 = w.sum(), (w * w).sum()
     return {

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from rolloutopt.errors import InputError
 
-__all__ = ["StageContext", "masked_mean", "masked_quantiles"]
+__all__ = ["StageContext", "as_weights", "masked_max", "masked_mean", "masked_quantiles"]
 
 _OPTIONAL = {
     "behav_logp": "the rollout engine's log-probs of the sampled tokens [B, T]",
@@ -79,12 +79,27 @@ class StageContext:
         return self.mask.sum().clamp(min=1).to(self.logp.dtype)
 
 
+def as_weights(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool mask as 0/1 floats of ``dtype``, through a uint8 view (``bool.to(float)`` is ~8x slower on CPU)."""
+    return (mask.view(torch.uint8) if mask.dtype == torch.bool else mask).to(dtype)
+
+
 def masked_mean(x: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
-    """Detached mean of ``x`` over the True positions of ``mask``; bool ``x`` counts as 0/1; 0 for an empty mask."""
+    """Detached mean of ``x`` over the True positions of ``mask``; bool ``x`` counts as 0/1; 0 for an empty mask.
+
+    A metric helper: non-finite values (e.g. garbage in padding) count as 0, so a metric is never NaN. It
+    multiplies by a float mask rather than calling ``torch.where`` (an order of magnitude slower on CPU).
+    """
     dtype = count.dtype if count is not None else (x.dtype if x.is_floating_point() else torch.float32)
-    x = x.detach().to(dtype)
+    xv = as_weights(x, dtype) if x.dtype == torch.bool else x.detach().to(dtype).nan_to_num(0.0, 0.0, 0.0)
     n = mask.sum().clamp(min=1).to(dtype) if count is None else count
-    return torch.where(mask, x, torch.zeros_like(x)).sum() / n
+    return (xv * as_weights(mask, dtype)).sum() / n
+
+
+def masked_max(x: Tensor, mask: Tensor) -> Tensor:
+    """Detached max of a non-negative ``x`` over ``mask`` (0 when empty; non-finite values count as 0)."""
+    xv = x.detach().nan_to_num(0.0, 0.0, 0.0)
+    return (xv * as_weights(mask, xv.dtype)).amax() if xv.numel() else xv.sum()
 
 
 def masked_quantiles(
