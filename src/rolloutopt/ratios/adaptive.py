@@ -1,5 +1,368 @@
-"""Placeholder: filled in by issue 4 work."""
+"""Adaptive trust regions for stale or mismatched rollouts: SAT (arXiv 2607.18722) and TBPO (arXiv 2604.07853).
+
+Both methods are known only from abstracts and public summaries; their exact formulas are **reconstructed**
+(``specs/ratios_and_losses.md`` B11, B14), every open detail is a keyword, and both stages refuse to run
+unless constructed with ``experimental=True``.
+
+- :class:`SATClip` (Staleness-Adaptive Trust region): the PPO clip, with the one endpoint that points away
+  from the behaviour policy contracted for the batch's most stale tokens (or sequences).
+- :class:`TBPO` (trust-band policy optimisation, QaRL): a GSPO-style sequence objective, weighted by the
+  sequence's behaviour-mismatch weight, with two-sided clipping for negative advantages and sequences
+  outside a trust band dropped.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from rolloutopt._validation import Dims, as_float, as_mask, as_seq_or_token, choice, finite, positive
+from rolloutopt.errors import InputError
+from rolloutopt.ratios.context import StageContext, masked_quantiles
+from rolloutopt.ratios.m2po import _bounded_clip_loss, _need_ctx
+from rolloutopt.ratios.reference import TrustOutput, _check_clip, _gspo_token
+from rolloutopt.typing import BoolBT, FloatBT, PerSeqOrToken
+
+__all__ = ["TBPO", "SATBounds", "SATClip", "sat_bounds", "tbpo_loss"]
+
+_KAPPAS = ("ratio", "sqrt", "exp")
+_LEVELS = ("token", "sequence")
+
+
+def _experimental(flag: object, owner: str, what: str, spec: str) -> None:
+    if flag is not True:
+        raise InputError(
+            f"{owner}experimental" if owner else "experimental",
+            f"experimental=True: {what} is reconstructed from public summaries, not from a primary source",
+            repr(flag),
+            f"pass experimental=True to acknowledge the reconstruction (see specs/ratios_and_losses.md {spec})",
+        )
+
+
+# ------------------------------------------------------------------------------------------------------ SAT
+
+
+@dataclass(frozen=True)
+class SATBounds:
+    """Per-token clip bounds of SAT (:func:`sat_bounds`), detached.
+
+    Attributes:
+        low: :math:`\\epsilon'_{low}` ``[B, T]`` (the ratio's lower bound is ``1 - low``).
+        high: :math:`\\epsilon'_{high}` ``[B, T]``.
+        tail: bool ``[B, T]``, the tokens in the high-staleness tail (:math:`|d| > q`).
+        d: the staleness proxy ``[B, T]`` (per token, or the sequence mean broadcast).
+        quantile: the batch quantile :math:`q` (0-d).
+    """
+
+    low: Tensor
+    high: Tensor
+    tail: Tensor
+    d: Tensor
+    quantile: Tensor
+
+
+def _check_sat(low: float, high: float, tail: float, kappa: str, level: str, owner: str) -> None:
+    positive(low, f"{owner}low", strict=False)
+    positive(high, f"{owner}high", strict=False)
+    if low > 1:
+        raise InputError(f"{owner}low", "epsilon_low in [0, 1]", repr(low), "use e.g. low=0.2")
+    if not (isinstance(tail, (int, float)) and not isinstance(tail, bool) and 0 < tail < 1):
+        raise InputError(f"{owner}tail", "a fraction in (0, 1)", repr(tail), "use e.g. tail=0.05")
+    choice(kappa, f"{owner}kappa", _KAPPAS)
+    choice(level, f"{owner}level", _LEVELS)
+
+
+def _sat_bounds(
+    old: Tensor, behav: Tensor, m: Tensor, low: float, high: float, tail: float, kappa: str, level: str
+) -> SATBounds:
+    d = torch.where(m, (old - behav).detach().clamp(-20.0, 20.0), torch.zeros_like(old))
+    if level == "sequence":
+        n = m.sum(-1)
+        seq = d.sum(-1) / n.clamp(min=1).to(d.dtype)
+        q = masked_quantiles(seq.abs(), n > 0, (1 - tail,), max_samples=None)[0]
+        d = torch.where(m, seq[:, None].expand_as(d), torch.zeros_like(d))
+    else:
+        q = masked_quantiles(d.abs(), m, (1 - tail,), max_samples=None)[0]
+    a = d.abs()
+    in_tail = m & (a > q)
+    frac = q / a.clamp(min=torch.finfo(a.dtype).tiny)
+    if kappa == "ratio":
+        k = frac
+    elif kappa == "sqrt":
+        k = frac.sqrt()
+    else:
+        k = torch.exp(q - a)
+    k = torch.where(in_tail, k.clamp(0.0, 1.0), torch.ones_like(k))
+    one = torch.ones_like(d)
+    eps_high = torch.where(d > 0, k, one) * high
+    eps_low = torch.where(d < 0, k, one) * low
+    return SATBounds(eps_low, eps_high, in_tail, d, q)
+
+
+def sat_bounds(
+    old_logp: FloatBT,
+    behav_logp: FloatBT,
+    mask: BoolBT,
+    *,
+    low: float = 0.2,
+    high: float = 0.28,
+    tail: float = 0.05,
+    kappa: Literal["ratio", "sqrt", "exp"] = "ratio",
+    level: Literal["token", "sequence"] = "token",
+    experimental: bool = False,
+) -> SATBounds:
+    r"""SAT's staleness-adaptive clip bounds [reconstructed]: contract one PPO endpoint for the stale tail.
+
+    .. math::
+        d = \operatorname{sg}(\ell^{old} - \ell^{beh}) \ \text{(per token, or its mean over the sequence)},
+        \qquad q = \operatorname{quantile}_{1-p}\big(|d|\big), \\
+        \epsilon'_{high} = \epsilon_{high}\,\kappa \text{ if } d > q, \qquad
+        \epsilon'_{low} = \epsilon_{low}\,\kappa \text{ if } d < -q, \qquad \text{otherwise unchanged},
+        \qquad \kappa = q/|d| \in (0, 1]
+
+    A token whose proximal policy already moved up from the behaviour policy (:math:`d > 0`, ratio too large)
+    gets a smaller upper bound; one that moved down, a smaller lower bound; the other endpoint and every token
+    below the quantile keep the PPO interval, so :math:`[1-\epsilon'_{low}, 1+\epsilon'_{high}] \subseteq
+    [1-\epsilon_{low}, 1+\epsilon_{high}]` always. Reference: "Stale but Stable", arXiv 2607.18722 (Tencent
+    Hy LLM Frontier); **reconstructed** from two public summaries (no code, no formula published): the form
+    of :math:`\kappa`, the tail fraction :math:`p` and the quantile rule are our choices, hence
+    ``experimental=True`` is required.
+
+    Args:
+        old_logp: proximal log-probs ``[B, T]``.
+        behav_logp: the rollout engine's log-probs ``[B, T]``.
+        mask: bool loss mask ``[B, T]``.
+        low, high: the PPO bounds being adapted; defaults 0.2 / 0.28 (DAPO clip-higher, :class:`PPOClip`'s).
+            For SAT-GSPO pass GSPO's 3e-4 / 4e-4 with ``level="sequence"``.
+        tail: :math:`p`, the fraction of the batch treated as the stale tail [reconstructed; default 0.05].
+        kappa: the contraction [reconstructed]: ``"ratio"`` :math:`q/|d|` (default), ``"sqrt"``
+            :math:`\sqrt{q/|d|}`, ``"exp"`` :math:`e^{q-|d|}`; each is 1 at :math:`|d| = q` and decreasing.
+        level: ``"token"`` (the quantile over the batch's valid tokens) or ``"sequence"`` (:math:`d` is each
+            row's mean and the quantile runs over the non-empty rows: the summaries' "SAT-GSPO").
+        experimental: must be True (see above).
+
+    Returns:
+        :class:`SATBounds`. The quantile is the lower order statistic (no interpolation), computed with one
+        sort and tensor indices (no host sync); :math:`d` is clamped to ±20.
+
+    Edge cases: :math:`d \equiv 0` (on-policy rollouts) → :math:`q = 0`, no tail, the PPO interval everywhere;
+    if more than a fraction :math:`1-p` of the tokens have :math:`d = 0`, :math:`q = 0` and the tail
+    endpoints collapse to 1 (:math:`\kappa = 0`); an empty mask gives no tail.
+    """
+    _experimental(experimental, "", "SAT's staleness-adaptive interval", "B11")
+    _check_sat(low, high, tail, kappa, level, "")
+    dims = Dims()
+    old = as_float(old_logp, "old_logp", dims, "B T")
+    behav = as_float(behav_logp, "behav_logp", dims, "B T", device=old.device)
+    m = as_mask(mask, "mask", dims, "B T", device=old.device)
+    finite(old, "old_logp", m)
+    finite(behav, "behav_logp", m)
+    return _sat_bounds(old, behav, m, low, high, tail, kappa, level)
+
+
+@dataclass(frozen=True)
+class SATClip:
+    r"""Trust region: PPO clip with SAT's staleness-adaptive per-token bounds (:func:`sat_bounds`) [reconstructed].
+
+    .. math::  L = \max\big(-A r,\ -A\,\operatorname{clip}(r, 1-\epsilon'_{low}, 1+\epsilon'_{high})\big)
+               \quad (\text{and } \min(L, c|A|) \text{ for } A < 0 \text{ with } \texttt{dual}=c)
+
+    Reads ``ctx.old_logp`` and ``ctx.behav_logp`` (required) for the staleness proxy; ``r`` is whatever the
+    ratio stage built (:class:`~rolloutopt.ratios.TokenRatio` for SAT-PPO/GRPO/DAPO, or
+    :class:`~rolloutopt.ratios.GSPORatio` with ``level="sequence"`` and GSPO's bounds for SAT-GSPO).
+    With :math:`d \equiv 0` it equals ``PPOClip(low, high, dual)`` exactly. Defaults: ``low=0.2, high=0.28``
+    (DAPO), ``dual=None`` (the ``dapo`` preset's), ``tail=0.05``, ``kappa="ratio"``, ``level="token"``
+    ([reconstructed], see :func:`sat_bounds`); ``experimental=True`` is required.
+    Reference: arXiv 2607.18722.
+
+    Indicators: ``sat_tail_frac`` (tokens in the stale tail), ``sat_shrunk_high_frac`` / ``sat_shrunk_low_frac``
+    (tail tokens whose upper / lower endpoint was contracted), ``clipfrac``, ``clip_low_frac``,
+    ``clip_high_frac`` (and ``dual_clip_frac`` with ``dual``). Metrics: ``sat_quantile`` (:math:`q`).
+    """
+
+    low: float = 0.2
+    high: float = 0.28
+    tail: float = 0.05
+    kappa: Literal["ratio", "sqrt", "exp"] = "ratio"
+    level: Literal["token", "sequence"] = "token"
+    dual: float | None = None
+    experimental: bool = False
+
+    def __post_init__(self) -> None:
+        _experimental(self.experimental, "SATClip.", "SAT's staleness-adaptive interval", "B11")
+        _check_sat(self.low, self.high, self.tail, self.kappa, self.level, "SATClip.")
+        _check_clip(self.low, self.high, self.dual, "SATClip")
+
+    def __call__(
+        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+    ) -> TrustOutput:
+        c = _need_ctx(ctx, "SATClip")
+        old = c.need("old_logp", "SATClip")
+        behav = c.need("behav_logp", "SATClip")
+        b = _sat_bounds(old, behav, c.mask, self.low, self.high, self.tail, self.kappa, self.level)
+        loss, ind = _bounded_clip_loss(ratio, advantages, 1 - b.low, 1 + b.high, self.dual)
+        ind["sat_tail_frac"] = b.tail
+        ind["sat_shrunk_high_frac"] = b.tail & (b.d > 0)
+        ind["sat_shrunk_low_frac"] = b.tail & (b.d < 0)
+        return TrustOutput(loss, None, ind, {"sat_quantile": b.quantile})
+
+
+# ----------------------------------------------------------------------------------------------------- TBPO
+
+
+def _check_tbpo(low: float, high: float, band: float, owner: str) -> None:
+    positive(low, f"{owner}low", strict=False)
+    positive(high, f"{owner}high", strict=False)
+    if low > 1:
+        raise InputError(f"{owner}low", "epsilon_low in [0, 1]", repr(low), "use e.g. low=3e-4")
+    ok = isinstance(band, (int, float)) and not isinstance(band, bool) and band > 1
+    if not ok:
+        raise InputError(
+            f"{owner}band", "a number C > 1 (the band is [1/C, C])", repr(band), "use e.g. band=2.0 (reconstructed)"
+        )
+
+
+def _tbpo(
+    logp: Tensor,
+    old: Tensor,
+    behav: Tensor,
+    adv: Tensor,
+    m: Tensor,
+    low: float,
+    high: float,
+    band: float,
+    clamp_max: float,
+) -> TrustOutput:
+    n = m.sum(-1)
+    nf = n.clamp(min=1).to(logp.dtype)
+    log_r = _gspo_token(logp, old, m, clamp_max)
+    r = torch.exp(log_r)
+    log_w = (torch.where(m, old - behav, torch.zeros_like(old)).sum(-1) / nf).detach().clamp(-20.0, 20.0)
+    w = torch.exp(log_w)[:, None]
+    lo, hi = 1 - low, 1 + high
+    l1 = -adv * r
+    clipped = r.clamp(lo, hi)
+    l2 = -adv * clipped
+    neg = adv < 0
+    loss = torch.where(neg, l2, torch.maximum(l1, l2)) * w
+    in_band = (log_w >= -math.log(band)) & (log_w <= math.log(band))
+    keep = m & in_band[:, None]
+    loss = torch.where(keep, loss, torch.zeros_like(loss))
+    ind = {
+        "clipfrac": torch.where(neg, (r < lo) | (r > hi), l2 > l1),
+        "clip_low_frac": (r < lo) & neg,
+        "clip_high_frac": (r > hi) & (adv > 0),
+        "dual_clip_frac": (r > hi) & neg,
+        "tbpo_out_of_band_frac": ~in_band[:, None].expand_as(m),
+    }
+    rows = n > 0
+    wf = w[:, 0]
+    metrics = {
+        "tbpo_w_seq_mean": (wf * rows).sum() / rows.sum().clamp(min=1).to(wf.dtype),
+        "tbpo_w_seq_max": torch.where(rows, wf, torch.zeros_like(wf)).amax() if wf.numel() else wf.sum(),
+    }
+    return TrustOutput(loss, keep, ind, metrics)
+
+
+def tbpo_loss(
+    logp: FloatBT,
+    old_logp: FloatBT,
+    behav_logp: FloatBT,
+    advantages: PerSeqOrToken,
+    mask: BoolBT,
+    *,
+    low: float = 3e-4,
+    high: float = 4e-4,
+    band: float = 2.0,
+    clamp_max: float = 10.0,
+    experimental: bool = False,
+) -> TrustOutput:
+    r"""TBPO's per-token loss, keep mask, indicators and metrics [reconstructed]; the formula is :class:`TBPO`'s.
+
+    Args:
+        logp: current log-probs ``[B, T]`` (carry the gradient).
+        old_logp: proximal log-probs ``[B, T]``.
+        behav_logp: the rollout engine's (e.g. quantised) log-probs ``[B, T]``.
+        advantages: ``[B]`` or ``[B, T]``.
+        mask: bool loss mask ``[B, T]``.
+        low, high, band, clamp_max: as in :class:`TBPO` (defaults reconstructed).
+        experimental: must be True.
+
+    Returns:
+        :class:`~rolloutopt.ratios.TrustOutput`; ``loss`` is 0 wherever ``keep`` is False (out-of-band
+        sequences and masked-out positions). Reference: QaRL, arXiv 2604.07853. Edge cases: an empty row has
+        ratio and weight 1 and keeps nothing.
+    """
+    _experimental(experimental, "", "TBPO's trust band and dual clip", "B14")
+    _check_tbpo(low, high, band, "")
+    positive(clamp_max, "clamp_max")
+    dims = Dims()
+    lp = as_float(logp, "logp", dims, "B T")
+    old = as_float(old_logp, "old_logp", dims, "B T", device=lp.device)
+    behav = as_float(behav_logp, "behav_logp", dims, "B T", device=lp.device)
+    adv = as_seq_or_token(advantages, "advantages", dims, device=lp.device)
+    m = as_mask(mask, "mask", dims, "B T", device=lp.device)
+    for x, name in ((lp, "logp"), (old, "old_logp"), (behav, "behav_logp"), (adv.expand_as(lp), "advantages")):
+        finite(x, name, m)
+    lp = torch.where(m, lp, torch.zeros_like(lp))
+    return _tbpo(lp, old, behav, adv, m, low, high, band, clamp_max)
+
+
+@dataclass(frozen=True)
+class TBPO:
+    r"""Trust region: TBPO (QaRL) — sequence ratio, dual clip for negative advantages, trust band [reconstructed].
+
+    .. math::
+        r_i = \exp\Big(\tfrac{1}{L_i}\textstyle\sum_t (\ell^\theta_{i,t} - \ell^{prox}_{i,t})\Big)
+        \text{ (GSPO-token form)}, \qquad
+        w_i = \operatorname{sg}\exp\Big(\tfrac{1}{L_i}\textstyle\sum_t (\ell^{prox}_{i,t} - \ell^{beh}_{i,t})\Big), \\
+        L_{i,t} = w_i \cdot \begin{cases} -\min\big(r_i A,\ \operatorname{clip}(r_i, 1-\epsilon_l, 1+\epsilon_h) A\big)
+        & A \ge 0 \\ -\operatorname{clip}(r_i, 1-\epsilon_l, 1+\epsilon_h)\, A & A < 0 \end{cases},
+        \qquad L_{i,\cdot} := 0 \text{ if } w_i \notin [1/C, C]
+
+    For positive advantages this is GSPO's clip (weighted by :math:`w_i`); for negative ones both bounds
+    bind, so a quantisation "error token" with a tiny behaviour probability cannot give the loss a magnitude
+    above :math:`(1+\epsilon_h)|A|\,w_i`. Sequences outside the band get ``keep=False``: exactly zero loss
+    and gradient. Reference: QaRL, arXiv 2604.07853; **reconstructed** from the abstract and public
+    summaries (spec B14): the band's form and C, and the ε values, are our choices, hence
+    ``experimental=True`` is required.
+
+    TBPO builds its own sequence ratio from ``ctx`` (``logp``, ``ctx.old_logp``, ``ctx.mask``) with
+    :func:`~rolloutopt.ratios.gspo_token_log_ratio`'s routing (value :math:`r_i` at every token, gradient
+    through each token, upper log clamp ``clamp_max``) and **ignores the ratio passed in**; use
+    ``ratio=GSPORatio()`` in :func:`~rolloutopt.losses.policy_loss` so that the ratio metrics describe the
+    same quantity. Requires ``behav_logp``.
+
+    Defaults [reconstructed]: ``low=3e-4, high=4e-4`` (GSPO's, the sequence objective TBPO is compared with),
+    ``band=2.0`` (the band :math:`[1/2, 2]` on the geometric-mean mismatch weight, IcePop's token band
+    applied per sequence; verl's geometric rejection uses the much tighter 0.999–1.001 for BF16 mismatch,
+    quantised rollouts mismatch more).
+
+    Indicators: ``clipfrac``, ``clip_low_frac``, ``clip_high_frac`` (A > 0, as GSPO), ``dual_clip_frac``
+    (A < 0 and :math:`r > 1+\epsilon_h`: where TBPO differs from GSPO), ``tbpo_out_of_band_frac``. Metrics:
+    ``tbpo_w_seq_mean``, ``tbpo_w_seq_max`` over non-empty sequences. Edge cases: an empty row has
+    :math:`r = w = 1` and no tokens.
+    """
+
+    low: float = 3e-4
+    high: float = 4e-4
+    band: float = 2.0
+    clamp_max: float = 10.0
+    experimental: bool = False
+
+    def __post_init__(self) -> None:
+        _experimental(self.experimental, "TBPO.", "TBPO's trust band and dual clip", "B14")
+        _check_tbpo(self.low, self.high, self.band, "TBPO.")
+        positive(self.clamp_max, "TBPO.clamp_max")
+
+    def __call__(
+        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+    ) -> TrustOutput:
+        c = _need_ctx(ctx, "TBPO")
+        old = c.need("old_logp", "TBPO")
+        behav = c.need("behav_logp", "TBPO")
+        return _tbpo(logp, old, behav, advantages, c.mask, self.low, self.high, self.band, self.clamp_max)
