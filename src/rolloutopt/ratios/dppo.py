@@ -1,5 +1,801 @@
-"""Placeholder: filled in by issue 4 work."""
+"""Divergence-based trust regions: DPPO's divergence masks, the Predictive Divergence Mask, and ECHO's clip.
+
+DPPO (arXiv 2602.04879) replaces PPO's ratio clip by a mask on an estimate of the policy divergence at each
+token: a token is dropped when the update pushes the policy *away* from the reference (rollout) policy and the
+divergence already exceeds a threshold. The kept tokens get the truncated-IS policy gradient
+:math:`-A\\,\\operatorname{sg}(\\min(r, c))\\,\\ell^\\theta`. The Predictive Divergence Mask (arXiv 2607.10848)
+keeps DPPO's proximity test and replaces its direction test by the sign of the predicted first-order change of
+:math:`KL(\\mu\\|\\pi)` under one policy-gradient step (closed form **reconstructed**, so experimental). ECHO
+(arXiv 2602.02150) narrows PPO's clip interval per rollout as its tail confidence grows.
+
+Each method is a pure function plus a frozen config object (a trust stage of
+:func:`rolloutopt.losses.policy_loss`); defaults are the papers' code defaults, with the source named.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from rolloutopt._validation import Dims, as_float, as_mask, checks_enabled, choice, finite, positive
+from rolloutopt.errors import InputError
+from rolloutopt.ratios.context import StageContext, masked_mean
+from rolloutopt.ratios.reference import TrustOutput
+from rolloutopt.typing import BoolBT, FloatB, FloatBT, PerSeqOrToken
+
+__all__ = [
+    "DPPO",
+    "DPPO_DEFAULT_DELTA",
+    "DPPOMask",
+    "ECHOClip",
+    "binary_kl",
+    "binary_tv",
+    "dppo_loss",
+    "dppo_mask",
+    "echo_clip_epsilon",
+    "echo_clip_loss",
+    "predicted_kl_change",
+    "tail_confidence",
+    "topk_divergence",
+]
+
+Divergence = Literal["tv", "kl", "topk_kl", "topk_tv"]
+Tail = Literal["aggregate", "uniform"]
+Scope = Literal["token", "policy"]
+
+_DIVERGENCES: tuple[str, ...] = ("tv", "kl", "topk_kl", "topk_tv")
+_TAILS: tuple[str, ...] = ("aggregate", "uniform")
+_SCOPES: tuple[str, ...] = ("token", "policy")
+
+# Default thresholds per divergence (low = high). tv / kl: the DPPO authors' verl example
+# ``examples/dppo_trainer/run_qwen30b_dppo.sh`` (clip_ratio 0.15 for dppo_tv, 0.05 for dppo_kl);
+# topk_tv follows the TV value; topk_kl: 0.15, the value a digest of the follow-up (arXiv 2607.10848) quotes
+# for TopK-KL with K = 20 (a top-K partition is finer than the binary one, so its KL is larger).
+DPPO_DEFAULT_DELTA: dict[str, float] = {"tv": 0.15, "kl": 0.05, "topk_tv": 0.15, "topk_kl": 0.15}
+
+_MASS_FLOOR = 1e-12  # Stable-RL compute_topk_kl clamps the top-K and rest masses at 1e-12
+_BINARY_EPS = 1e-8  # verl / Stable-RL guards in the binary KL: log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+_LOGP_FLOOR = -1e4  # exp(-1e4) == 0 in every float dtype; keeps top-K sums finite for any finite input
+
+
+# ----------------------------------------------------------------------------------------------- divergences
+
+
+def _probs(logp: Tensor) -> Tensor:
+    """Probability of a log-prob, detached; log-probs above 0 (not valid) count as probability 1."""
+    return torch.exp(logp.detach().clamp(max=0.0))
+
+
+def _binary_kl(lp: Tensor, old: Tensor) -> Tensor:
+    # verl 0.9.1 compute_policy_loss_dppo_kl, same operations in the same order (exact float64 parity)
+    lp = lp.detach().clamp(max=0.0)
+    old = old.detach().clamp(max=0.0)
+    p, p_old = torch.exp(lp), torch.exp(old)
+    return p_old * (old - lp) + (1 - p_old) * torch.log((1.0 - p_old + _BINARY_EPS) / (1.0 - p + _BINARY_EPS))
+
+
+def _topk(topk_logp: Tensor, topk_behav_logp: Tensor, kind: str) -> Tensor:
+    lq = topk_logp.detach().clamp(_LOGP_FLOOR, 0.0)  # pi, the trained policy, at the reference ids
+    lp = topk_behav_logp.detach().clamp(_LOGP_FLOOR, 0.0)  # mu, the reference (rollout) policy's top-K
+    q, p = torch.exp(lq), torch.exp(lp)
+    rest_q = (1.0 - q.sum(-1)).clamp(min=_MASS_FLOOR)
+    rest_p = (1.0 - p.sum(-1)).clamp(min=_MASS_FLOOR)
+    if kind == "kl":
+        return (p * (lp - lq)).sum(-1) + rest_p * (rest_p.log() - rest_q.log())
+    return ((p - q).abs().sum(-1) + (rest_p - rest_q).abs()) / 2.0
+
+
+def binary_tv(logp: FloatBT, old_logp: FloatBT) -> FloatBT:
+    r"""Binary total variation between the sampled token's Bernoulli distributions: :math:`|p_\theta - p_{old}|`.
+
+    .. math::  D^{TV}_t = \tfrac12\big(|p_\theta - p_{old}| + |(1-p_\theta) - (1-p_{old})|\big)
+               = |p_\theta - p_{old}|, \qquad p = e^{\ell}
+
+    The "Binary" approximation of DPPO (arXiv 2602.04879, §4): the vocabulary is split into the sampled token
+    and everything else. Detached (a mask statistic). Log-probs above 0 count as probability 1.
+
+    Args:
+        logp: current log-probs of the sampled tokens ``[B, T]``.
+        old_logp: the reference policy's log-probs ``[B, T]`` (rollout policy in the paper; see :class:`DPPO`).
+    """
+    lp, old = _two(logp, old_logp)
+    return (_probs(lp) - _probs(old)).abs()
+
+
+def binary_kl(logp: FloatBT, old_logp: FloatBT) -> FloatBT:
+    r"""Binary KL :math:`KL(\mathrm{Bern}(p_{old})\,\|\,\mathrm{Bern}(p_\theta))` of the sampled token.
+
+    .. math::  D^{KL}_t = p_{old}\,(\ell^{old} - \ell^\theta)
+               + (1-p_{old})\log\frac{1 - p_{old} + 10^{-8}}{1 - p_\theta + 10^{-8}}
+
+    The 1e-8 guards are verl 0.9.1's and the paper code's (``sail-sg/Stable-RL``), so the value is finite even
+    at :math:`p = 1`. Detached; log-probs above 0 count as 0. Reference: DPPO, arXiv 2602.04879.
+
+    Args:
+        logp: current log-probs of the sampled tokens ``[B, T]``.
+        old_logp: the reference policy's log-probs ``[B, T]``.
+    """
+    lp, old = _two(logp, old_logp)
+    return _binary_kl(lp, old)
+
+
+def topk_divergence(topk_logp: Tensor, topk_behav_logp: Tensor, *, kind: Literal["kl", "tv"] = "kl") -> FloatBT:
+    r"""Top-K divergence between the reference policy :math:`\mu` and the trained policy :math:`\pi`, tail as one bucket.
+
+    .. math::
+        KL = \sum_{k \in \text{top-}K} \mu_k(\log\mu_k - \log\pi_k) + \mu_{rest}\log\frac{\mu_{rest}}{\pi_{rest}},
+        \qquad TV = \tfrac12\Big(\sum_{k} |\mu_k - \pi_k| + |\mu_{rest} - \pi_{rest}|\Big)
+
+    with :math:`\mu_{rest} = \max(1 - \sum_k \mu_k, 10^{-12})` (likewise :math:`\pi_{rest}`), exactly as
+    ``sail-sg/Stable-RL`` ``verl/workers/actor/utils.py::compute_topk_kl``. Detached. Log-probs are clamped to
+    ``[-1e4, 0]`` first (no change for valid log-probs below 0 that matter; keeps the sum finite). With K = V
+    (full distributions) both are exact. Reference: DPPO, arXiv 2602.04879 (Top-K approximation).
+
+    Args:
+        topk_logp: :math:`\log\pi` at the reference policy's top-K token ids ``[B, T, K]``.
+        topk_behav_logp: the reference (rollout) policy's top-K log-probs :math:`\log\mu` ``[B, T, K]``.
+        kind: ``"kl"`` or ``"tv"``.
+    """
+    choice(kind, "kind", ("kl", "tv"))
+    dims = Dims()
+    q = as_float(topk_logp, "topk_logp", dims, "B T K")
+    p = as_float(topk_behav_logp, "topk_behav_logp", dims, "B T K", device=q.device)
+    finite(q, "topk_logp")
+    finite(p, "topk_behav_logp")
+    return _topk(q, p, kind)
+
+
+# ----------------------------------------------------------------------------------------------- predictive
+
+
+def _in_topk(topk_logp: Tensor, logp: Tensor, tol: float) -> Tensor:
+    return ((topk_logp.detach() - logp.detach()[..., None]).abs() <= tol).any(-1)
+
+
+def _predicted_change(
+    lp: Tensor,
+    old: Tensor,
+    topk_logp: Tensor,
+    topk_behav_logp: Tensor,
+    in_topk: Tensor,
+    tail: str,
+    vocab_size: int | None,
+) -> Tensor:
+    q = torch.exp(topk_logp.detach().clamp(_LOGP_FLOOR, 0.0))  # pi_j, j in top-K
+    p = torch.exp(topk_behav_logp.detach().clamp(_LOGP_FLOOR, 0.0))  # mu_j
+    pi_k, mu_k = _probs(lp), _probs(old)  # the sampled token
+    head = (q * (p - q)).sum(-1)
+    rest_q = (1.0 - q.sum(-1)).clamp(min=0.0)
+    rest_p = (1.0 - p.sum(-1)).clamp(min=0.0)
+    out = ~in_topk  # the sampled token is in the tail: take it out of the tail and count it exactly
+    tail_q = torch.where(out, (rest_q - pi_k).clamp(min=0.0), rest_q)
+    tail_p = torch.where(out, (rest_p - mu_k).clamp(min=0.0), rest_p)
+    own = torch.where(out, pi_k * (mu_k - pi_k), torch.zeros_like(pi_k))
+    tail_sum = tail_q * (tail_p - tail_q)
+    if tail == "uniform":
+        assert vocab_size is not None
+        k = topk_logp.shape[-1]
+        n = (vocab_size - k) - out.to(lp.dtype)  # tail tokens, the sampled one excluded when it is there
+        tail_sum = tail_sum / n.clamp(min=1.0)
+    return (pi_k - mu_k) + head + own + tail_sum
+
+
+def _check_vocab(vocab_size: int | None, tail: str, owner: str) -> None:
+    choice(tail, f"{owner}tail", _TAILS)
+    if vocab_size is not None and not (isinstance(vocab_size, int) and not isinstance(vocab_size, bool)):
+        raise InputError(f"{owner}vocab_size", "an int (the vocabulary size V) or None", repr(vocab_size), "pass V")
+    if vocab_size is not None and vocab_size < 2:
+        raise InputError(f"{owner}vocab_size", "an int >= 2", repr(vocab_size), "pass the vocabulary size V")
+    if tail == "uniform" and vocab_size is None:
+        raise InputError(
+            f"{owner}vocab_size",
+            "the vocabulary size V with tail='uniform' (the tail mass is spread over V - K tokens)",
+            "None",
+            "pass vocab_size=V, or use tail='aggregate'",
+        )
+
+
+def _check_k(vocab_size: int | None, k: int, name: str) -> None:
+    if vocab_size is not None and k > vocab_size:
+        raise InputError(
+            name, f"at most vocab_size={vocab_size} top-K entries", f"K={k}", "pass vocab_size >= K (or fix K)"
+        )
+
+
+def _require_experimental(experimental: bool, what: str, fix: str) -> None:
+    if experimental is not True:
+        raise InputError(
+            "experimental",
+            "experimental=True: the Predictive Divergence Mask's closed form "
+            "A·[(π_k − μ_k) + Σ_j π_j(μ_j − π_j)] and its top-K tail estimators are reconstructed from digests of "
+            f"arXiv 2607.10848 (specs B13), not from a primary source ({what})",
+            repr(experimental),
+            fix,
+        )
+
+
+def predicted_kl_change(
+    logp: FloatBT,
+    old_logp: FloatBT,
+    topk_logp: Tensor,
+    topk_behav_logp: Tensor,
+    *,
+    tail: Tail = "aggregate",
+    vocab_size: int | None = None,
+    sampled_in_topk: BoolBT | None = None,
+    match_tol: float = 1e-5,
+    experimental: bool = False,
+) -> FloatBT:
+    r"""The Predictive Divergence Mask's bracket: first-order change of :math:`KL(\mu\|\pi)` per unit of :math:`A`.
+
+    One policy-gradient step on the sampled token :math:`k` moves a softmax policy's logits by
+    :math:`\Delta z_j = \eta A(\mathbb 1\{j = k\} - \pi_j)`; since :math:`\partial KL(\mu\|\pi)/\partial z_j =
+    \pi_j - \mu_j`,
+
+    .. math::  \Delta KL = \eta A\,\Big[\underbrace{(\pi_k - \mu_k)}_{\text{local}}
+               + \underbrace{\textstyle\sum_j \pi_j(\mu_j - \pi_j)}_{\text{global}}\Big] + O(\eta^2)
+
+    and this function returns the bracket ``[B, T]``. The local term is DPPO's direction test; the global,
+    vocabulary-coupled term is the new part. **[reconstructed]** (spec B13: re-derived from the mechanism three
+    digests of arXiv 2607.10848 describe), so ``experimental=True`` is required.
+
+    The sum over the vocabulary is exact when K = V (pass full distributions); with top-K only, the tail
+    :math:`\sum_{j \notin \text{top-}K}` is estimated from the tail masses :math:`\pi_t, \mu_t`:
+    ``tail="aggregate"`` treats the tail as one token (:math:`\pi_t(\mu_t - \pi_t)`), ``tail="uniform"`` spreads
+    it evenly over the :math:`n` tail tokens (:math:`\pi_t(\mu_t - \pi_t)/n`, :math:`n = V - K`, needs
+    ``vocab_size``).
+
+    The sampled token's own probabilities are :math:`\pi_k = e^{\ell^\theta}` (``logp``) and
+    :math:`\mu_k = e^{\ell^{old}}` (``old_logp``; pass the rollout log-probs for the paper's form). Whether the
+    top-K arrays contain it is given by ``sampled_in_topk`` ``[B, T]`` or, when None, detected: some entry of
+    ``topk_logp`` within ``match_tol`` of ``logp`` (both are the trained policy's log-probs from one forward
+    pass). If it is absent it lies in the tail: its mass is taken out of the tail masses, its term
+    :math:`\pi_k(\mu_k - \pi_k)` is added exactly, and the uniform tail counts :math:`V - K - 1` tokens.
+    Tail masses are clamped at 0. Detached; finite for every finite input.
+
+    Oracle (spec B13): :math:`\pi = [0.1, 0.8, 0.1]`, :math:`\mu = [0.05, 0.5, 0.45]`, :math:`k = 0`: local
+    +0.05, global −0.21, bracket −0.16, so with A > 0 the KL is predicted to *decrease*.
+
+    Args:
+        logp, old_logp: the sampled token's log-probs under :math:`\pi` and :math:`\mu` ``[B, T]``.
+        topk_logp: :math:`\log\pi` at the reference top-K ids ``[B, T, K]``.
+        topk_behav_logp: :math:`\log\mu` at the same ids ``[B, T, K]``.
+        tail: ``"aggregate"`` (default) or ``"uniform"``.
+        vocab_size: V, required by ``tail="uniform"``; must be >= K.
+        sampled_in_topk: bool ``[B, T]``, whether the sampled token is among the K ids; None detects it.
+        match_tol: absolute log-prob tolerance of the detection (default 1e-5).
+        experimental: must be True (reconstructed closed form).
+    """
+    _require_experimental(experimental, "predicted_kl_change", "pass experimental=True to acknowledge it")
+    _check_vocab(vocab_size, tail, "")
+    positive(match_tol, "match_tol", strict=False)
+    dims = Dims()
+    lp = as_float(logp, "logp", dims, "B T")
+    old = as_float(old_logp, "old_logp", dims, "B T", device=lp.device)
+    q = as_float(topk_logp, "topk_logp", dims, "B T K", device=lp.device)
+    p = as_float(topk_behav_logp, "topk_behav_logp", dims, "B T K", device=lp.device)
+    for x, name in ((lp, "logp"), (old, "old_logp"), (q, "topk_logp"), (p, "topk_behav_logp")):
+        finite(x, name)
+    _check_k(vocab_size, q.shape[-1], "topk_logp")
+    inside = _in_topk(q, lp, match_tol) if sampled_in_topk is None else _sampled(sampled_in_topk, dims, lp.device)
+    return _predicted_change(lp, old, q, p, inside, tail, vocab_size)
+
+
+def _sampled(x: Any, dims: Dims, device: torch.device) -> Tensor:
+    return as_mask(x, "sampled_in_topk", dims, "B T", device=device)
+
+
+# ----------------------------------------------------------------------------------------------- DPPO mask
+
+
+@dataclass(frozen=True)
+class DPPOMask:
+    """Result of :func:`dppo_mask`: which tokens the divergence trust region keeps, and why the others go.
+
+    Attributes:
+        keep: bool ``[B, T]``, False where the token is masked.
+        high: bool ``[B, T]``, masked on the positive-advantage side (the update would push the sampled token's
+            probability up, past ``high``).
+        low: bool ``[B, T]``, masked on the non-positive-advantage side (pushed down, past ``low``).
+        divergence: the divergence estimate ``[B, T]`` (detached).
+        flip: with ``predictive=True``, bool ``[B, T]`` where the predictive direction test disagrees with DPPO's
+            local test on a token past its threshold (where the global term changes the verdict); else None.
+    """
+
+    keep: Tensor
+    high: Tensor
+    low: Tensor
+    divergence: Tensor
+    flip: Tensor | None = None
+
+
+def _check_delta(value: float, name: str) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 and not math.isnan(value)
+    if not ok:
+        raise InputError(name, "a non-negative threshold (a divergence level)", repr(value), f"set {name} >= 0")
+
+
+@dataclass(frozen=True)
+class DPPO:
+    r"""Trust region: DPPO's divergence mask with truncated-IS policy gradient (and the Predictive Divergence Mask).
+
+    .. math::
+        L_t = -A_t\,\operatorname{sg}\big(\min(r_t, c)\big)\,M_t\,\ell^\theta_t, \qquad
+        r_t = e^{\ell^\theta_t - \ell^{old}_t},
+
+    :math:`M_t = 0` (token masked) when the update moves *away* from the reference policy and the divergence
+    :math:`D_t` already exceeds its threshold:
+
+    .. math::
+        M_t = 0 \iff \big(A_t > 0 \wedge D_t > \delta_{high} \wedge p_\theta > p_{old}\big) \vee
+                      \big(A_t \le 0 \wedge D_t > \delta_{low} \wedge p_\theta < p_{old}\big)
+
+    with :math:`p = e^\ell` of the sampled token and :math:`D` one of (``divergence``): ``"tv"``
+    (:func:`binary_tv`; then the test reads :math:`p_\theta - p_{old} > \delta_{high}` or
+    :math:`< -\delta_{low}`), ``"kl"`` (:func:`binary_kl`), ``"topk_kl"`` / ``"topk_tv"``
+    (:func:`topk_divergence` from ``topk_logp``/``topk_behav_logp``). As in verl and the paper's code,
+    :math:`A = 0` takes the second branch (its loss is 0 anyway; only the metrics see it).
+
+    With ``predictive=True`` (top-K divergences only) the direction test becomes the Predictive Divergence
+    Mask's (arXiv 2607.10848): masked when :math:`D_t > \delta` and :math:`A_t\,g_t > 0`, :math:`g` from
+    :func:`predicted_kl_change` (``tail``, ``vocab_size``; the sampled token's membership in the top-K from
+    ``stage_inputs={"sampled_in_topk": ...}`` or detected within ``match_tol``). **[reconstructed]**:
+    ``experimental=True`` required. :math:`\delta = \delta_{high}` for A > 0, :math:`\delta_{low}` otherwise.
+
+    Which policy is "old". The ratio, the direction test and the binary divergences use the pipeline's
+    ``old_logp``. The paper (and its code's ``dppo_binary_*``/``dppo_topk_*`` modes) anchors the trust region
+    to the **rollout** policy: pass the rollout engine's log-probs as ``old_logp`` (verl ``bypass_mode``). Its
+    ``*_recompute`` variants, and verl's ``dppo_tv``/``dppo_kl`` outside bypass mode, use the trainer's
+    recompute: pass that as ``old_logp``. The top-K arrays are always the rollout engine's top-K
+    (``topk_behav_logp``) and the trained policy at those ids (``topk_logp``).
+
+    Defaults and their sources:
+
+    - ``low``/``high`` None → per divergence (:data:`DPPO_DEFAULT_DELTA`): 0.15 for ``"tv"``, 0.05 for ``"kl"``
+      (the DPPO authors' verl example ``examples/dppo_trainer/run_qwen30b_dppo.sh``), 0.15 for ``"topk_tv"``
+      (as TV) and ``"topk_kl"`` (a digest of arXiv 2607.10848: K = 20, δ = 0.15). verl reads them from
+      ``clip_ratio_low``/``clip_ratio_high``, whose ``ActorConfig`` defaults are 0.2/0.2; prime-rl uses 0.2/0.2.
+    - ``c=10.0``: the paper code's fallback (``Stable-RL`` ``compute_policy_loss_with_mask``,
+      ``config.get("clip_ratio_c", 10.0)``; the paper, §5.4, recommends a large truncation). verl 0.9.1's
+      ``dppo_tv``/``dppo_kl`` fall back to 20, but ``ActorConfig`` defines ``clip_ratio_c = 3.0``, so the
+      effective value there is **3.0**: pass ``c=3.0`` for verl parity. The authors' verl example sets 10000
+      (truncation off).
+    - ``scope="token"``: a masked token leaves the loss numerator entirely (``keep=False``, counted in
+      ``policy_loss``'s ``masked_frac``, and its KL/entropy terms go too). ``scope="policy"`` zeroes only the
+      policy term, as verl does (``keep=None``; KL and entropy terms stay at masked tokens).
+
+    Indicators (masked means over the loss mask): ``dppo_masked_frac`` (verl ``pg_clipfrac``),
+    ``dppo_masked_high_frac``, ``dppo_masked_low_frac``, ``dppo_ratio_capped_frac`` (r > c among kept tokens,
+    verl's ``pg_clipfrac_lower``), and with ``predictive`` ``dppo_direction_flip_frac``. Metric:
+    ``dppo_divergence_mean``.
+
+    Edge cases: all-masked rows and an empty mask give 0 loss and 0 metrics; A = 0 gives 0 loss and gradient;
+    every finite input gives finite outputs (log-probs above 0 count as probability 1). Reference: DPPO,
+    arXiv 2602.04879; verl 0.9.1 ``compute_policy_loss_dppo_tv``/``_kl`` (exact float64 parity with ``c=3``).
+    """
+
+    divergence: Divergence = "tv"
+    low: float | None = None
+    high: float | None = None
+    c: float = 10.0
+    predictive: bool = False
+    tail: Tail = "aggregate"
+    vocab_size: int | None = None
+    scope: Scope = "token"
+    match_tol: float = 1e-5
+    experimental: bool = False
+
+    def __post_init__(self) -> None:
+        choice(self.divergence, "DPPO.divergence", _DIVERGENCES)
+        default = DPPO_DEFAULT_DELTA[self.divergence]
+        if self.low is None:
+            object.__setattr__(self, "low", default)
+        if self.high is None:
+            object.__setattr__(self, "high", default)
+        assert self.low is not None and self.high is not None
+        _check_delta(self.low, "DPPO.low")
+        _check_delta(self.high, "DPPO.high")
+        positive(self.c, "DPPO.c")
+        choice(self.scope, "DPPO.scope", _SCOPES)
+        positive(self.match_tol, "DPPO.match_tol", strict=False)
+        if not isinstance(self.predictive, bool):
+            raise InputError("DPPO.predictive", "a bool", repr(self.predictive), "pass True or False")
+        _check_vocab(self.vocab_size, self.tail, "DPPO.")
+        if self.predictive:
+            if not self.divergence.startswith("topk_"):
+                raise InputError(
+                    "DPPO.predictive",
+                    "divergence='topk_kl' or 'topk_tv' with predictive=True (the predictive test needs the top-K "
+                    "distributions)",
+                    f"divergence={self.divergence!r}",
+                    "use DPPO(divergence='topk_kl', predictive=True, experimental=True)",
+                )
+            _require_experimental(
+                self.experimental, "DPPO(predictive=True)", "pass DPPO(..., predictive=True, experimental=True)"
+            )
+        elif self.tail != "aggregate" or self.vocab_size is not None:
+            raise InputError(
+                "DPPO.tail",
+                "the defaults tail='aggregate', vocab_size=None unless predictive=True (they only shape the "
+                "predictive tail estimate)",
+                f"tail={self.tail!r}, vocab_size={self.vocab_size!r}, predictive=False",
+                "set predictive=True, or drop tail/vocab_size",
+            )
+
+    def mask(
+        self,
+        logp: Tensor,
+        old_logp: Tensor,
+        advantages: Tensor,
+        topk_logp: Tensor | None = None,
+        topk_behav_logp: Tensor | None = None,
+        sampled_in_topk: Tensor | None = None,
+    ) -> DPPOMask:
+        """The divergence mask for already validated tensors (see :func:`dppo_mask`)."""
+        assert self.low is not None and self.high is not None
+        lp, old = logp.detach(), old_logp.detach()
+        p, p_old = _probs(lp), _probs(old)
+        adv = advantages.detach().expand_as(lp)
+        if self.divergence == "tv":
+            d = (p - p_old).abs()
+        elif self.divergence == "kl":
+            d = _binary_kl(lp, old)
+        else:
+            if topk_logp is None or topk_behav_logp is None:
+                raise InputError(
+                    "topk_logp" if topk_logp is None else "topk_behav_logp",
+                    f"top-K log-probs [B, T, K] for divergence={self.divergence!r}",
+                    "None",
+                    "pass topk_logp=... and topk_behav_logp=...",
+                )
+            d = _topk(topk_logp, topk_behav_logp, "kl" if self.divergence == "topk_kl" else "tv")
+        pos = adv > 0
+        far_high = pos & (d > self.high)
+        far_low = ~pos & (d > self.low)
+        local_high, local_low = far_high & (p > p_old), far_low & (p < p_old)
+        flip = None
+        if self.predictive:
+            assert topk_logp is not None and topk_behav_logp is not None
+            inside = _in_topk(topk_logp, lp, self.match_tol) if sampled_in_topk is None else sampled_in_topk
+            g = _predicted_change(lp, old, topk_logp, topk_behav_logp, inside, self.tail, self.vocab_size)
+            away = adv * g > 0
+            high, low = far_high & away, far_low & away
+            flip = (high ^ local_high) | (low ^ local_low)
+        else:
+            high, low = local_high, local_low
+        return DPPOMask(keep=~(high | low), high=high, low=low, divergence=d, flip=flip)
+
+    def __call__(
+        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+    ) -> TrustOutput:
+        """The DPPO loss term ``[B, T]``, its keep mask and indicators (needs ``ctx``; see the class docstring)."""
+        if ctx is None:
+            raise InputError(
+                "ctx",
+                "a StageContext (DPPO reads old_logp and, for top-K divergences, topk_logp/topk_behav_logp)",
+                "None",
+                "call DPPO through rolloutopt.losses.policy_loss(..., trust=DPPO(...)), or pass ctx=StageContext(...)",
+            )
+        by = f"DPPO(divergence={self.divergence!r})"
+        old = ctx.need("old_logp", by)
+        topk = behav = sampled = None
+        if self.divergence.startswith("topk_"):
+            topk = ctx.need("topk_logp", by)
+            behav = ctx.need("topk_behav_logp", by)
+            _check_k(self.vocab_size, topk.shape[-1], "topk_logp")
+            if self.predictive and ctx.extra.get("sampled_in_topk") is not None:
+                sampled = as_mask(ctx.extra["sampled_in_topk"], "sampled_in_topk", device=logp.device)
+                if checks_enabled() and sampled.shape != logp.shape:
+                    raise InputError(
+                        "sampled_in_topk",
+                        f"a bool tensor of shape {tuple(logp.shape)} ([B, T])",
+                        f"shape {tuple(sampled.shape)}",
+                        "pass stage_inputs={'sampled_in_topk': mask [B, T]}",
+                    )
+        m = self.mask(logp, old, advantages, topk, behav, sampled)
+        loss = dppo_loss(logp, ratio, advantages, m.keep, c=self.c)
+        ind = {
+            "dppo_masked_frac": ~m.keep,
+            "dppo_masked_high_frac": m.high,
+            "dppo_masked_low_frac": m.low,
+            "dppo_ratio_capped_frac": (ratio.detach() > self.c) & m.keep,
+        }
+        if m.flip is not None:
+            ind["dppo_direction_flip_frac"] = m.flip
+        metrics = {"dppo_divergence_mean": masked_mean(m.divergence, ctx.mask)}
+        return TrustOutput(loss, m.keep if self.scope == "token" else None, ind, metrics)
+
+
+def dppo_mask(
+    logp: FloatBT,
+    old_logp: FloatBT,
+    advantages: PerSeqOrToken,
+    *,
+    divergence: Divergence = "tv",
+    low: float | None = None,
+    high: float | None = None,
+    topk_logp: Tensor | None = None,
+    topk_behav_logp: Tensor | None = None,
+    predictive: bool = False,
+    tail: Tail = "aggregate",
+    vocab_size: int | None = None,
+    sampled_in_topk: BoolBT | None = None,
+    match_tol: float = 1e-5,
+    experimental: bool = False,
+) -> DPPOMask:
+    r"""DPPO's divergence mask (and, with ``predictive=True``, the Predictive Divergence Mask) as a pure function.
+
+    .. math::
+        \text{masked}_t \iff \big(A_t > 0 \wedge D_t > \delta_{high} \wedge s_t\big) \vee
+                              \big(A_t \le 0 \wedge D_t > \delta_{low} \wedge s_t\big)
+
+    where the direction test :math:`s_t` is :math:`\operatorname{sgn}(A_t)(p_\theta - p_{old}) > 0` (DPPO,
+    arXiv 2602.04879) or :math:`A_t\,g_t > 0` with :math:`g` from :func:`predicted_kl_change` (predictive,
+    **[reconstructed]**, needs ``experimental=True``). Divergences, thresholds and defaults as in :class:`DPPO`
+    (``low``/``high`` None take the per-divergence default).
+
+    Args:
+        logp, old_logp: sampled-token log-probs of the trained and the reference policy ``[B, T]``.
+        advantages: ``[B]`` or ``[B, T]``.
+        divergence: ``"tv"``, ``"kl"``, ``"topk_kl"`` or ``"topk_tv"``.
+        topk_logp, topk_behav_logp: ``[B, T, K]``, required by the top-K divergences.
+        predictive, tail, vocab_size, sampled_in_topk, match_tol, experimental: see :class:`DPPO` and
+            :func:`predicted_kl_change`.
+
+    Returns a :class:`DPPOMask` (``keep``, ``high``, ``low``, ``divergence``, ``flip``). Detached.
+    """
+    cfg = DPPO(
+        divergence=divergence,
+        low=low,
+        high=high,
+        predictive=predictive,
+        tail=tail,
+        vocab_size=vocab_size,
+        match_tol=match_tol,
+        experimental=experimental,
+    )
+    dims = Dims()
+    lp = as_float(logp, "logp", dims, "B T")
+    old = as_float(old_logp, "old_logp", dims, "B T", device=lp.device)
+    adv = _advantages(advantages, dims, lp.device)
+    finite(lp, "logp")
+    finite(old, "old_logp")
+    finite(adv.expand_as(lp), "advantages")
+    q = None if topk_logp is None else as_float(topk_logp, "topk_logp", dims, "B T K", device=lp.device)
+    p = (
+        None
+        if topk_behav_logp is None
+        else as_float(topk_behav_logp, "topk_behav_logp", dims, "B T K", device=lp.device)
+    )
+    for x, name in ((q, "topk_logp"), (p, "topk_behav_logp")):
+        if x is not None:
+            finite(x, name)
+    if q is not None:
+        _check_k(vocab_size, q.shape[-1], "topk_logp")
+    inside = None if sampled_in_topk is None else _sampled(sampled_in_topk, dims, lp.device)
+    return cfg.mask(lp, old, adv, q, p, inside)
+
+
+def _advantages(x: Any, dims: Dims, device: torch.device) -> Tensor:
+    a = as_float(x, "advantages", device=device)
+    if a.ndim == 1:
+        dims.check(a, "advantages", "B")
+        return a[:, None]
+    dims.check(a, "advantages", "B T")
+    return a
+
+
+def dppo_loss(
+    logp: FloatBT, ratio: FloatBT, advantages: PerSeqOrToken, keep: BoolBT | None = None, *, c: float = 10.0
+) -> FloatBT:
+    r"""DPPO's per-token policy loss (to minimise): :math:`-A\,\operatorname{sg}(\min(r, c))\,M\,\ell^\theta`.
+
+    The truncated importance weight :math:`\min(r, c)` is detached, so the gradient is the truncated-IS
+    policy gradient :math:`-A \min(r, c) M \nabla\ell^\theta` (DPPO uses truncation instead of PPO's clip and
+    dual clip). ``c`` defaults to the paper code's 10 (verl's effective value is 3.0, see :class:`DPPO`).
+    ``keep`` (bool ``[B, T]``, the mask :math:`M`) None keeps every token. No validation (hot path): inputs as
+    in :class:`DPPO`. Reference: arXiv 2602.04879.
+
+    Args:
+        logp: current log-probs ``[B, T]`` (carry the gradient).
+        ratio: :math:`r` ``[B, T]`` (detached here).
+        advantages: ``[B, 1]`` or ``[B, T]``.
+        keep: the mask ``[B, T]`` or None.
+        c: truncation level (> 0).
+    """
+    positive(c, "c")
+    w = ratio.detach().clamp(max=c)
+    loss = -advantages * w * logp
+    if keep is None:
+        return loss
+    return loss * keep.to(loss.dtype)
+
+
+def _two(logp: Any, old_logp: Any) -> tuple[Tensor, Tensor]:
+    dims = Dims()
+    lp = as_float(logp, "logp", dims, "B T")
+    old = as_float(old_logp, "old_logp", dims, "B T", device=lp.device)
+    finite(lp, "logp")
+    finite(old, "old_logp")
+    return lp, old
+
+
+# ----------------------------------------------------------------------------------------------- ECHO
+
+
+def _check_echo(eps_min: float, eps_max: float, kappa: float, owner: str) -> None:
+    positive(eps_min, f"{owner}eps_min", strict=False)
+    positive(eps_max, f"{owner}eps_max", strict=False)
+    if not math.isfinite(eps_max):
+        raise InputError(f"{owner}eps_max", "a finite number", repr(eps_max), "use e.g. eps_max=0.2")
+    if eps_min > eps_max:
+        raise InputError(
+            f"{owner}eps_min",
+            f"eps_min <= eps_max (got eps_max={eps_max})",
+            repr(eps_min),
+            "swap them, or set eps_min = eps_max for a fixed clip",
+        )
+    positive(kappa, f"{owner}kappa", strict=False)
+    if not math.isfinite(kappa):
+        raise InputError(f"{owner}kappa", "a finite number", repr(kappa), "use e.g. kappa=4.0")
+
+
+def _echo_eps(confidence: Tensor, eps_min: float, eps_max: float, kappa: float) -> Tensor:
+    conf = confidence.detach().clamp(0.0, 1.0)
+    return eps_min + (eps_max - eps_min) * torch.sigmoid(kappa * (1.0 - conf))
+
+
+def echo_clip_epsilon(confidence: FloatB, *, eps_min: float = 0.05, eps_max: float = 0.2, kappa: float = 4.0) -> FloatB:
+    r"""ECHO's per-rollout clip radius from its tail confidence: confident rollouts get a narrower trust region.
+
+    .. math::  \epsilon_i = \epsilon_{min} + (\epsilon_{max} - \epsilon_{min})\,
+               \sigma\big(\kappa\,(1 - C^{tail}_i)\big)
+
+    Reference: ECHO, arXiv 2602.02150, §3.2 "Confidence-Adaptive Clipping" (section per a summary of the paper);
+    the formula and the defaults ``eps_min=0.05``, ``eps_max=0.2``, ``kappa=4.0`` are the official code's
+    (``user683/ECHO`` ``verl/verl/trainer/ppo/core_algos.py::apply_hybrid_advantage_shaping``). Since
+    :math:`\sigma(\cdot) \in [1/2, \sigma(\kappa)]` for :math:`C \in [0, 1]`, the radius lies in
+    :math:`[\epsilon_{min} + (\epsilon_{max}-\epsilon_{min})/2,\ \epsilon_{max})`: confidence 1 gives the
+    midpoint (0.125 with the defaults), not :math:`\epsilon_{max}`, and the interval is always inside PPO's
+    :math:`[1-\epsilon_{max}, 1+\epsilon_{max}]`. Confidence is clamped to [0, 1] (the code clamps it too).
+
+    Args:
+        confidence: per-rollout tail confidence ``[B]`` in [0, 1] (:func:`tail_confidence`).
+        eps_min, eps_max: radius range (0 <= eps_min <= eps_max).
+        kappa: slope of the logistic (>= 0; 0 gives the midpoint everywhere).
+    """
+    _check_echo(eps_min, eps_max, kappa, "")
+    c = as_float(confidence, "confidence", Dims(), "B")
+    finite(c, "confidence")
+    return _echo_eps(c, eps_min, eps_max, kappa)
+
+
+def tail_confidence(token_confidence: FloatBT, mask: BoolBT, *, window: int = 16) -> FloatB:
+    r"""ECHO's trajectory tail confidence: the mean token confidence over the last ``window`` loss tokens.
+
+    .. math::  C^{tail}_i = \frac{1}{|W_i|}\sum_{t \in W_i} C_{i,t}, \qquad
+               W_i = \text{the last } \min(w, L_i) \text{ positions of } m_i
+
+    clamped to [0, 1]; 0 for an all-masked row. ``window=16`` and the clamp are the official code's
+    (``user683/ECHO`` ``_compute_tail_confidence``, ``tail_window`` default 16); ``window <= 0`` averages the
+    whole response, as there. The code takes positions ``L_i - w .. L_i - 1`` (right-padded masks); here the
+    window is the last ``w`` True positions of the mask, the same for right-padded masks and well defined for
+    masks with holes. Token confidence :math:`C_{i,t}` is the caller's: the paper defines the mean probability
+    of the top-k tokens (the code's ``_compute_topk_confidence``, k = 5); the released script path
+    (``use_remove_padding=True``) falls back to the sampled token's probability :math:`e^{\ell}`.
+    Reference: ECHO, arXiv 2602.02150.
+
+    Args:
+        token_confidence: ``[B, T]``.
+        mask: bool ``[B, T]``.
+        window: number of trailing tokens (int).
+    """
+    if not isinstance(window, int) or isinstance(window, bool):
+        raise InputError("window", "an int (number of trailing tokens)", repr(window), "pass e.g. window=16")
+    dims = Dims()
+    conf = as_float(token_confidence, "token_confidence", dims, "B T")
+    m = as_mask(mask, "mask", dims, "B T", device=conf.device)
+    finite(conf, "token_confidence", m)
+    w = conf.shape[-1] if window <= 0 else window
+    from_end = m.flip(-1).to(torch.int64).cumsum(-1).flip(-1)  # loss tokens at or after t
+    tail = m & (from_end <= w)
+    tw = tail.to(conf.dtype)
+    vals = torch.where(tail, conf, torch.zeros_like(conf))
+    return ((vals * tw).sum(-1) / tw.sum(-1).clamp(min=1.0)).clamp(0.0, 1.0)
+
+
+def echo_clip_loss(
+    ratio: FloatBT,
+    advantages: PerSeqOrToken,
+    epsilon: Tensor,
+    *,
+    dual: float | None = 3.0,
+) -> tuple[FloatBT, dict[str, FloatBT]]:
+    r"""PPO clipped surrogate with a per-rollout symmetric radius :math:`\epsilon_i` and dual clip (to minimise).
+
+    .. math::  L^{clip} = \max\big(-A r,\ -A\,\operatorname{clip}(r, 1-\epsilon_i, 1+\epsilon_i)\big),\qquad
+               L = \min(L^{clip}, c|A|) \text{ for } A < 0
+
+    ECHO's ``compute_policy_loss`` (``user683/ECHO``, ``cliprange_tensor_low = cliprange_tensor_high =
+    clip_epsilon``) with verl's dual clip ``clip_ratio_c = 3.0`` (``dual=None`` turns it off). Indicators as
+    :func:`~rolloutopt.ratios.ppo_clip_loss`. No validation (hot path). Reference: arXiv 2602.02150.
+
+    Args:
+        ratio: ``[B, T]``.
+        advantages: ``[B, 1]`` or ``[B, T]``.
+        epsilon: radius ``[B]``, ``[B, 1]`` or ``[B, T]``.
+        dual: dual-clip constant (> 1) or None.
+    """
+    eps = epsilon[:, None] if epsilon.ndim == 1 else epsilon
+    eps = eps.detach().to(ratio.dtype)
+    l1 = -advantages * ratio
+    clipped = torch.minimum(torch.maximum(ratio, 1 - eps), 1 + eps)
+    l2 = -advantages * clipped
+    lc = torch.maximum(l1, l2)
+    neg = (advantages < 0).expand_as(ratio)
+    ind = {
+        "clipfrac": l2 > l1,
+        "clip_low_frac": (ratio < 1 - eps) & neg,
+        "clip_high_frac": (ratio > 1 + eps) & (advantages > 0),
+    }
+    if dual is None:
+        ind["dual_clip_frac"] = torch.zeros_like(neg)
+        return lc, ind
+    l3 = -advantages * dual
+    ind["dual_clip_frac"] = (lc > l3) & neg
+    return torch.where(neg, torch.minimum(lc, l3), lc), ind
+
+
+@dataclass(frozen=True)
+class ECHOClip:
+    r"""Trust region: ECHO's confidence-adaptive PPO clip, radius :math:`\epsilon_i` per rollout from ``ctx.confidence``.
+
+    .. math::  \epsilon_i = \epsilon_{min} + (\epsilon_{max} - \epsilon_{min})\,\sigma\big(\kappa(1 - C_i)\big),
+               \qquad L = \text{PPO clip with } [1-\epsilon_i, 1+\epsilon_i] \text{ and dual clip } c
+
+    (:func:`echo_clip_epsilon`, :func:`echo_clip_loss`). ``ctx.confidence`` ``[B]`` is the rollout's tail
+    confidence :math:`C^{tail}_i` (:func:`tail_confidence`), passed as ``policy_loss(..., confidence=...)``.
+    Defaults from the official code (``user683/ECHO``): ``eps_min=0.05``, ``eps_max=0.2``, ``kappa=4.0``;
+    ``dual=3.0`` is verl's ``clip_ratio_c``, which ECHO's ``compute_policy_loss`` keeps. The interval is always
+    inside PPO's :math:`[1-\epsilon_{max}, 1+\epsilon_{max}]` and narrows as confidence grows;
+    ``eps_min == eps_max`` gives plain :class:`~rolloutopt.ratios.PPOClip` with that radius.
+
+    Indicators: ``clipfrac``, ``clip_low_frac``, ``clip_high_frac``, ``dual_clip_frac``; metric
+    ``echo_clip_eps_mean`` (token-weighted mean radius). Edge cases: all-masked rows and an empty mask are
+    harmless (0 loss, 0 metrics). Reference: ECHO, arXiv 2602.02150, §3.2.
+    """
+
+    eps_min: float = 0.05
+    eps_max: float = 0.2
+    kappa: float = 4.0
+    dual: float | None = 3.0
+
+    def __post_init__(self) -> None:
+        _check_echo(self.eps_min, self.eps_max, self.kappa, "ECHOClip.")
+        if self.dual is not None and not (
+            isinstance(self.dual, (int, float)) and not isinstance(self.dual, bool) and self.dual > 1
+        ):
+            raise InputError(
+                "ECHOClip.dual", "a number > 1, or None to disable dual clip", repr(self.dual), "use dual=3.0 (verl)"
+            )
+
+    def __call__(
+        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+    ) -> TrustOutput:
+        """The ECHO clipped loss ``[B, T]`` and its indicators (needs ``ctx.confidence``)."""
+        if ctx is None:
+            raise InputError(
+                "ctx",
+                "a StageContext carrying confidence [B] (ECHOClip's per-rollout radius)",
+                "None",
+                "call through rolloutopt.losses.policy_loss(..., trust=ECHOClip(), confidence=...)",
+            )
+        conf = ctx.need("confidence", "ECHOClip")
+        eps = _echo_eps(conf, self.eps_min, self.eps_max, self.kappa).to(ratio.dtype)[:, None]
+        loss, ind = echo_clip_loss(ratio, advantages, eps, dual=self.dual)
+        metrics = {"echo_clip_eps_mean": masked_mean(eps.expand_as(ratio), ctx.mask)}
+        return TrustOutput(loss, None, ind, metrics)
