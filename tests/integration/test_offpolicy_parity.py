@@ -127,7 +127,8 @@ def test_a3po_proximal_matches_verl_vanilla_on_interpolated_prox(seed: int) -> N
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_copris_matches_verl_vanilla_on_concatenated_old_logp(seed: int) -> None:
-    # CoPRIS's fork trains with verl's vanilla loss on the concatenated old log-probs and no behaviour weight
+    # CoPRIS's fork trains with verl's vanilla loss on the concatenated old log-probs and no behaviour weight;
+    # its script sets clip 0.2 / 0.28 and clip_ratio_c = 10 (CoPRIS_scripts/run_CoPRIS.sh)
     x = batch(seed)
     versions = torch.where(torch.arange(x["logp"].shape[1])[None] < 4, 3, 4).expand_as(x["logp"])
     old = torch.where(versions < 4, x["behav"], x["prox"])
@@ -138,7 +139,7 @@ def test_copris_matches_verl_vanilla_on_concatenated_old_logp(seed: int) -> None
         advantages=x["adv"][:, None].expand_as(lp),
         response_mask=x["mask"],
         loss_agg_mode="token-mean",
-        config=actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=1e9),
+        config=actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0),
     )
     (grad,) = torch.autograd.grad(loss, lp)
     lp2 = x["logp"].clone().requires_grad_()
@@ -150,7 +151,7 @@ def test_copris_matches_verl_vanilla_on_concatenated_old_logp(seed: int) -> None
         behav_logp=x["behav"],
         versions=versions,
         proximal=CoPRISProximal(),
-        trust=PPOClip(low=0.2, high=0.28, dual=None),
+        trust=PPOClip(low=0.2, high=0.28, dual=10.0),
         agg="token-mean",
     )
     (grad2,) = torch.autograd.grad(out.loss, lp2)

@@ -235,7 +235,7 @@ class CoPRISProximal:
     None, the newest version among the loss tokens). Tokens from earlier stages keep their buffered value;
     tokens generated under V take the recompute. Equivalent to :func:`copris_old_logp` when each response's
     versions increase along it. Staleness metrics (``staleness_mean``...) come from ``policy_loss``.
-    Reference: CoPRIS arXiv 2511.05589 (script defaults clip 0.2/0.28).
+    Reference: CoPRIS arXiv 2511.05589 (script defaults: clip 0.2/0.28, dual clip 10, token-mean).
     """
 
     def __call__(self, ctx: StageContext) -> Tensor:
