@@ -95,10 +95,9 @@ def _zeros(x: Tensor) -> Tensor:
     return torch.zeros_like(x)
 
 
-def _mean(x: Tensor, m: Tensor) -> Tensor:
-    """Mean of ``x`` over True positions of ``m`` (any shape), 0 when empty; bool ``x`` counts as 0/1."""
-    dtype = x.dtype if x.is_floating_point() else torch.float32
-    xv = as_weights(x, dtype) if x.dtype == torch.bool else x
+def _mean(x: Tensor, m: Tensor, dtype: torch.dtype) -> Tensor:
+    """Mean of ``x`` over True positions of ``m`` (any shape) in ``dtype``, 0 when empty; bool ``x`` counts as 0/1."""
+    xv = as_weights(x, dtype) if x.dtype == torch.bool else x.to(dtype)
     return (xv * as_weights(m, dtype)).sum() / m.sum().clamp(min=1).to(dtype)
 
 
@@ -283,15 +282,16 @@ class TIS:
         lr = _mismatch_log_ratio(ctx, self.source, "TIS")
         w, raw, log_rho, factor = _tis(lr, m, self.cap, self.lower, self.level, self.batch_normalize, self.clamp)
         at = m if self.level == "token" else m.any(-1, keepdim=True)
+        dt = lr.dtype
         high = raw > self.cap if self.cap is not None else torch.zeros_like(at)
         low = raw < self.lower if self.lower is not None else torch.zeros_like(at)
         metrics = {
-            "tis_high_frac": _mean(high, at),
-            "tis_low_frac": _mean(low, at),
-            "tis_raw_mean": _mean(raw, at),
+            "tis_high_frac": _mean(high, at, dt),
+            "tis_low_frac": _mean(low, at, dt),
+            "tis_raw_mean": _mean(raw, at, dt),
             "tis_raw_max": _max(raw, at),
             "tis_raw_min": _min(raw, at),
-            "tis_log_ratio_mean": _mean(log_rho, at),
+            "tis_log_ratio_mean": _mean(log_rho, at, dt),
         }
         if factor is not None:
             metrics["tis_batch_norm_factor"] = factor
@@ -422,13 +422,14 @@ class MIS:
             lr, m, self.low, self.high, self.level, self.in_band, self.batch_normalize, self.clamp
         )
         hi_t, lo_t = hi.expand_as(m), lo.expand_as(m)
+        dt = lr.dtype
         metrics = {
-            "mis_high_frac": _mean(hi_t, m),
-            "mis_low_frac": _mean(lo_t, m),
-            "mis_oob_frac": _mean(hi_t | lo_t, m),
+            "mis_high_frac": _mean(hi_t, m, dt),
+            "mis_low_frac": _mean(lo_t, m, dt),
+            "mis_oob_frac": _mean(hi_t | lo_t, m, dt),
         }
         if self.level != "token":
-            metrics["mis_seq_oob_frac"] = _mean(hi | lo, m.any(-1, keepdim=True))
+            metrics["mis_seq_oob_frac"] = _mean(hi | lo, m.any(-1, keepdim=True), dt)
         if factor is not None:
             metrics["mis_batch_norm_factor"] = factor
         return _output(w, keep, metrics)
@@ -571,10 +572,11 @@ class OPSM:
         keep, seq_kl = _opsm(ctx.logp, ref.detach(), ctx.advantages, m, self.delta)
         rows = m.any(-1)
         dropped = ~keep & m
+        dt = ctx.logp.dtype
         metrics = {
-            "opsm_masked_frac": _mean(dropped, m),
-            "opsm_seq_masked_frac": _mean(dropped.any(-1), rows),
-            "opsm_kl_mean": _mean(seq_kl, rows),
+            "opsm_masked_frac": _mean(dropped, m, dt),
+            "opsm_seq_masked_frac": _mean(dropped.any(-1), rows, dt),
+            "opsm_kl_mean": _mean(seq_kl, rows, dt),
         }
         return _output(torch.ones_like(ctx.logp), keep, metrics)
 
@@ -733,15 +735,16 @@ def _rejection(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     keep = torch.ones_like(m)
     metrics: dict[str, Tensor] = {}
+    dt = lr.dtype
     for opt, (lo, hi) in zip(options, bounds, strict=True):  # a loop over the (few) options, not over data
         stat = _rs_stat(lr, m, opt)
         k = _rs_keep(stat, opt, lo, hi).expand_as(m)
         keep = keep & k
-        metrics[f"rs_{opt}_masked_frac"] = _mean(~k, m)
-        metrics[f"rs_{opt}_mean"] = _mean(stat.expand_as(lr), m)
+        metrics[f"rs_{opt}_masked_frac"] = _mean(~k, m, dt)
+        metrics[f"rs_{opt}_mean"] = _mean(stat.expand_as(lr), m, dt)
     rows = m.any(-1)
-    metrics["rs_masked_frac"] = _mean(~keep, m)
-    metrics["rs_seq_masked_frac"] = _mean((~keep & m).any(-1), rows)
+    metrics["rs_masked_frac"] = _mean(~keep, m, dt)
+    metrics["rs_seq_masked_frac"] = _mean((~keep & m).any(-1), rows, dt)
     return keep, metrics
 
 
@@ -801,8 +804,7 @@ class RejectionFilter:
                 raise InputError(
                     "rollout_rs_threshold", "numbers or 'lower_upper' strings", repr(rollout_rs_threshold), "fix it"
                 ) from exc
-        th: Threshold | tuple[Threshold, ...] = parsed[0] if len(parsed) == 1 else tuple(parsed)
-        return cls(options=tuple(opts), thresholds=th, source=source)
+        return cls(options=tuple(opts), thresholds=tuple(parsed), source=source)
 
     def __call__(self, ctx: StageContext) -> CorrectionOutput:
         lr = _mismatch_log_ratio(ctx, self.source, "RejectionFilter").clamp(-self.clamp, self.clamp)

@@ -1,0 +1,603 @@
+"""Behaviour-policy corrections: oracles from specs/ratios_and_losses.md §3 B4–B6, §5.2, §6.1, properties, bad input."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rolloutopt.errors import InputError
+from rolloutopt.losses import policy_loss
+from rolloutopt.ratios import (
+    MIS,
+    OPSM,
+    RS_OPTIONS,
+    TIS,
+    PPOClip,
+    RejectionFilter,
+    StageContext,
+    fp8_token_mis,
+    fp8_token_tis,
+    from_trl_vllm_is,
+    from_verl_rollout_is,
+    mis_weight,
+    opsm_keep,
+    rejection_keep,
+    rs_statistic,
+    tis_weight,
+)
+
+D = torch.float64
+LN = math.log
+
+
+def t(x: object, **kw: Any) -> torch.Tensor:
+    return torch.tensor(x, dtype=D, **kw)
+
+
+def ones_mask(b: int, n: int) -> torch.Tensor:
+    return torch.ones(b, n, dtype=torch.bool)
+
+
+def ctx_of(old: torch.Tensor, behav: torch.Tensor | None, mask: torch.Tensor | None = None, **kw: Any) -> StageContext:
+    m = ones_mask(*old.shape) if mask is None else mask
+    logp = kw.pop("logp", old.clone())
+    adv = kw.pop("advantages", torch.ones(old.shape[0], 1, dtype=old.dtype))
+    return StageContext(logp=logp, old_logp=old, mask=m, advantages=adv, behav_logp=behav, **kw)
+
+
+# ----------------------------------------------------------------------------------------------- TIS oracles
+
+ORACLE_LR = t([[LN(3.0), 0.0, LN(0.5)]])  # spec §3 B4: token weights [2, 1, 0.5]; sequence min(1.5, 2) = 1.5
+
+
+def test_tis_token_and_sequence_oracle() -> None:
+    m = ones_mask(1, 3)
+    torch.testing.assert_close(tis_weight(ORACLE_LR, m), t([[2.0, 1.0, 0.5]]))
+    torch.testing.assert_close(tis_weight(ORACLE_LR, m, level="sequence"), t([[1.5, 1.5, 1.5]]))
+    torch.testing.assert_close(tis_weight(ORACLE_LR, m, level="sequence", cap=1.2), t([[1.2, 1.2, 1.2]]))
+
+
+def test_tis_lower_clamp_and_batch_normalisation_by_hand() -> None:
+    m = ones_mask(1, 3)
+    torch.testing.assert_close(tis_weight(ORACLE_LR, m, lower=0.8), t([[2.0, 1.0, 0.8]]))
+    # token mean of [2, 1, 0.5] is 7/6
+    torch.testing.assert_close(tis_weight(ORACLE_LR, m, batch_normalize=True), t([[12 / 7, 6 / 7, 3 / 7]]))
+    # sequence level: rows with weights 1.5 (3 tokens) and 2 (capped e^1, 1 token): mean over rows 1.75
+    lr = t([[LN(3.0), 0.0, LN(0.5)], [1.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    w = tis_weight(lr, mask, level="sequence", batch_normalize=True)
+    torch.testing.assert_close(w, t([[1.5 / 1.75] * 3, [2 / 1.75, 0.0, 0.0]]))
+
+
+def test_tis_sequence_is_a_product_and_masked_positions_do_not_count() -> None:
+    lr = t([[0.5, 0.25, 9.0]])
+    mask = torch.tensor([[True, True, False]])
+    w = tis_weight(lr, mask, level="sequence", cap=10.0)
+    torch.testing.assert_close(w, t([[math.exp(0.75), math.exp(0.75), 0.0]]))  # not the geometric mean e^0.375
+
+
+def test_tis_stage_metrics_by_hand() -> None:
+    old = t([[LN(3.0), 0.0, LN(0.5)]])
+    out = TIS(lower=0.6)(ctx_of(old, torch.zeros_like(old)))
+    torch.testing.assert_close(out.weight, t([[2.0, 1.0, 0.6]]))
+    assert out.keep is None and not out.weight.requires_grad
+    m = out.metrics
+    torch.testing.assert_close(m["tis_high_frac"], t(1 / 3))
+    torch.testing.assert_close(m["tis_low_frac"], t(1 / 3))
+    torch.testing.assert_close(m["tis_raw_mean"], t((3 + 1 + 0.5) / 3))
+    torch.testing.assert_close(m["tis_raw_max"], t(3.0))
+    torch.testing.assert_close(m["tis_raw_min"], t(0.5))
+    torch.testing.assert_close(m["tis_log_ratio_mean"], t(LN(1.5) / 3))
+    seq = TIS(level="sequence", batch_normalize=True)(ctx_of(old, torch.zeros_like(old))).metrics
+    torch.testing.assert_close(seq["tis_raw_mean"], t(1.5))
+    torch.testing.assert_close(seq["tis_high_frac"], t(0.0))
+    torch.testing.assert_close(seq["tis_batch_norm_factor"], t(1.5))
+
+
+def test_tis_source_current_uses_the_policy_log_probs_detached() -> None:
+    old = t([[0.0, 0.0]])
+    logp = t([[LN(1.5), LN(4.0)]], requires_grad=True)
+    behav = torch.zeros_like(old)
+    out = TIS(source="current")(ctx_of(old, behav, logp=logp))
+    torch.testing.assert_close(out.weight, t([[1.5, 2.0]]))
+    assert not out.weight.requires_grad
+    torch.testing.assert_close(TIS()(ctx_of(old, behav, logp=logp)).weight, t([[1.0, 1.0]]))
+
+
+def test_tis_clamps_before_exp() -> None:
+    lr = t([[1e6, -1e6, 30.0]])
+    w = tis_weight(lr, ones_mask(1, 3), cap=1e12)
+    torch.testing.assert_close(w, t([[math.exp(20.0), math.exp(-20.0), math.exp(20.0)]]))
+    torch.testing.assert_close(tis_weight(lr, ones_mask(1, 3), cap=1e12, clamp=25.0)[0, 2], t(math.exp(25.0)))
+
+
+# ----------------------------------------------------------------------------------------------- MIS oracles
+
+
+def test_icepop_oracle() -> None:
+    lr = torch.log(t([[0.4, 1.2, 6.0]]))  # spec §3 B5: IcePop (0.5, 5) -> [0, 1.2, 0]
+    w, keep = mis_weight(lr, ones_mask(1, 3))
+    torch.testing.assert_close(w, t([[0.0, 1.2, 0.0]]))
+    assert keep.tolist() == [[False, True, False]]
+    w1, _ = mis_weight(lr, ones_mask(1, 3), in_band="one")
+    torch.testing.assert_close(w1, t([[0.0, 1.0, 0.0]]))
+    w_up, keep_up = mis_weight(lr, ones_mask(1, 3), low=None, high=5.0)  # one-sided
+    torch.testing.assert_close(w_up, t([[0.4, 1.2, 0.0]]))
+    assert keep_up.tolist() == [[True, True, False]]
+
+
+def test_sequence_and_geometric_mis_oracle() -> None:
+    lr = t([[0.3, 0.3, 0.3]])  # spec §3 B5: product e^0.9 = 2.46 rejected by [0.5, 2]; geometric e^0.3 kept
+    w, keep = mis_weight(lr, ones_mask(1, 3), low=0.5, high=2.0, level="sequence")
+    assert not keep.any() and (w == 0).all()
+    w, keep = mis_weight(lr, ones_mask(1, 3), low=0.5, high=2.0, level="geometric")
+    assert keep.all()
+    torch.testing.assert_close(w, torch.full((1, 3), math.exp(0.3), dtype=D))
+
+
+def test_mis_stage_metrics_and_keep() -> None:
+    old = torch.log(t([[0.4, 1.2, 6.0], [1.0, 1.0, 1.0]]))
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    out = MIS()(ctx_of(old, torch.zeros_like(old), mask))
+    assert out.keep is not None and out.keep[0].tolist() == [False, True, False]
+    m = out.metrics
+    torch.testing.assert_close(m["mis_high_frac"], t(1 / 4))
+    torch.testing.assert_close(m["mis_low_frac"], t(1 / 4))
+    torch.testing.assert_close(m["mis_oob_frac"], t(2 / 4))
+    seq = MIS(low=0.5, high=2.0, level="sequence")(ctx_of(old, torch.zeros_like(old), mask))
+    # row 0: product 0.4 * 1.2 * 6 = 2.88 > 2, dropped; row 1 (one token, ratio 1) kept
+    assert seq.keep is not None and seq.keep.tolist() == [[False] * 3, [True] * 3]
+    torch.testing.assert_close(seq.metrics["mis_seq_oob_frac"], t(0.5))
+    torch.testing.assert_close(seq.metrics["mis_oob_frac"], t(3 / 4))  # token-weighted, as verl's oob ratio
+
+
+def test_mis_removes_tokens_from_the_loss_and_keeps_the_denominator() -> None:
+    old = torch.log(t([[0.4, 1.2, 6.0]]))
+    logp = old.clone().requires_grad_(True)
+    out = policy_loss(
+        logp, old, t([1.0]), ones_mask(1, 3), behav_logp=torch.zeros_like(old), correction=MIS(), trust=None
+    )
+    torch.testing.assert_close(out.loss, t(-1.2 / 3))  # -A * r * w on the kept token, over the 3 tokens
+    out2 = policy_loss(
+        logp,
+        old,
+        t([1.0]),
+        ones_mask(1, 3),
+        behav_logp=torch.zeros_like(old),
+        correction=MIS(),
+        trust=None,
+        removed_in_denominator=False,
+    )
+    torch.testing.assert_close(out2.loss, t(-1.2))
+    torch.testing.assert_close(out.metrics["masked_frac"], t(2 / 3))
+
+
+# ----------------------------------------------------------------------------------------------- FP8-RL
+
+
+def test_fp8_constructors() -> None:
+    assert fp8_token_tis() == TIS(cap=2.0, level="token")
+    assert fp8_token_mis(experimental=True) == MIS(low=None, high=2.0, level="token", in_band="ratio")
+    assert fp8_token_mis(3.0, variant="band", low=0.4, experimental=True) == MIS(low=0.4, high=3.0, in_band="one")
+    with pytest.raises(InputError, match="experimental"):
+        fp8_token_mis()
+    with pytest.raises(InputError, match="variant"):
+        fp8_token_mis(variant="lower", experimental=True)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_rho_one_leaves_the_loss_bit_identical(agg: str) -> None:
+    """Spec §3 B6 oracle: no mismatch (behav = old) leaves the loss and its gradient bit-identical."""
+    gen = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 6, generator=gen, dtype=torch.float32) * 3
+    logp0 = old + 0.3 * torch.randn(4, 6, generator=gen, dtype=torch.float32)
+    mask = torch.rand(4, 6, generator=gen) < 0.8
+    adv = torch.randn(4, generator=gen)
+    base_lp = logp0.clone().requires_grad_(True)
+    base = policy_loss(base_lp, old, adv, mask, agg=agg)
+    (g0,) = torch.autograd.grad(base.loss, base_lp)
+    corrections = [
+        fp8_token_tis(),
+        fp8_token_mis(experimental=True),
+        fp8_token_mis(variant="band", experimental=True),
+        TIS(level="sequence"),
+        MIS(level="geometric", low=0.999, high=1.001),
+    ]
+    for corr in corrections:
+        lp = logp0.clone().requires_grad_(True)
+        out = policy_loss(lp, old, adv, mask, behav_logp=old.clone(), correction=corr, agg=agg)
+        (g,) = torch.autograd.grad(out.loss, lp)
+        assert torch.equal(out.loss, base.loss), corr
+        assert torch.equal(g, g0), corr
+        assert out.loss.dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------------------------- OPSM
+
+
+def test_opsm_oracle() -> None:
+    # row means of (behav - logp): row 0 (0.2 + 0.0) / 2 = 0.1; row 1 0.0; row 2 (one token) 0.3
+    logp = t([[-1.0, -2.0, 0.0], [-1.0, -1.0, -1.0], [-0.5, 0.0, 0.0]])
+    behav = t([[-0.8, -2.0, 5.0], [-1.0, -1.0, -1.0], [-0.2, 9.0, 9.0]])
+    mask = torch.tensor([[True, True, False], [True, True, True], [True, False, False]])
+    adv = t([-1.0, -1.0, 2.0])
+    keep = opsm_keep(logp, behav, adv, mask, delta=0.05)
+    assert keep.tolist() == [[False] * 3, [True] * 3, [True] * 3]  # row 2 has A >= 0
+    assert opsm_keep(logp, behav, adv, mask, delta=0.1).all()  # <= delta keeps
+    tok_adv = t([[-1.0, 0.0, 1.0], [-1.0, -1.0, -1.0], [-1.0, 1.0, 1.0]])
+    keep_t = opsm_keep(logp, behav, tok_adv, mask, delta=0.05)
+    assert keep_t.tolist() == [[False, True, True], [True] * 3, [False, True, True]]
+
+
+def test_opsm_stage_source_and_metrics() -> None:
+    old = t([[-1.0, -1.0], [-1.0, -1.0]])
+    logp = t([[-1.5, -1.5], [-1.0, -1.0]], requires_grad=True)
+    behav = t([[-1.0, -1.0], [-0.5, -0.5]])
+    adv = t([[-1.0], [-1.0]])
+    ctx = ctx_of(old, behav, logp=logp, advantages=adv)
+    # auto with behav: divergences 0.5 and 0.5 -> both dropped at delta 0.1
+    out = OPSM(delta=0.1)(ctx)
+    assert out.keep is not None and not out.keep.any()
+    torch.testing.assert_close(out.metrics["opsm_masked_frac"], t(1.0))
+    torch.testing.assert_close(out.metrics["opsm_kl_mean"], t(0.5))
+    # old as source: divergences 0.5 and 0.0 -> row 0 dropped
+    out_old = OPSM(delta=0.1, source="old")(ctx)
+    assert out_old.keep is not None and out_old.keep.tolist() == [[False, False], [True, True]]
+    torch.testing.assert_close(out_old.metrics["opsm_seq_masked_frac"], t(0.5))
+    torch.testing.assert_close(out_old.weight, torch.ones(2, 2, dtype=D))
+    # auto without behav falls back to old (TRL); source="behav" requires it
+    no_behav = ctx_of(old, None, logp=logp, advantages=adv)
+    assert torch.equal(OPSM(delta=0.1)(no_behav).keep, out_old.keep)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="behav_logp"):
+        OPSM(source="behav")(no_behav)
+
+
+# ----------------------------------------------------------------------------------------------- rejection
+
+
+def test_rs_statistics_by_hand() -> None:
+    lr = t([[LN(2.0), LN(2.0), 0.5], [0.5, -0.2, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    k3 = lambda x: math.exp(x) - 1 - x  # noqa: E731
+    torch.testing.assert_close(rs_statistic(lr, mask, "token_k1")[1], t([-0.5, 0.2, 0.0]))
+    torch.testing.assert_close(rs_statistic(lr, mask, "token_k2")[1], t([0.125, 0.02, 0.0]))
+    torch.testing.assert_close(rs_statistic(lr, mask, "seq_sum_k1")[:, 0], t([-2 * LN(2.0), -0.3]))
+    torch.testing.assert_close(rs_statistic(lr, mask, "seq_mean_k1")[:, 0], t([-LN(2.0), -0.1]))
+    torch.testing.assert_close(rs_statistic(lr, mask, "seq_mean_k3")[:, 0], t([k3(LN(2.0)), (k3(0.5) + k3(-0.2)) / 3]))
+    torch.testing.assert_close(rs_statistic(lr, mask, "seq_max_k2")[:, 0], t([0.5 * LN(2.0) ** 2, 0.125]))
+    torch.testing.assert_close(rs_statistic(lr, mask, "seq_sum_k3")[:, 0], t([2 * k3(LN(2.0)), k3(0.5) + k3(-0.2)]))
+    torch.testing.assert_close(rs_statistic(lr, mask, "catastrophic")[:, 0], t([0.0, -0.2]))
+
+
+def test_rejection_keep_by_hand() -> None:
+    lr = t([[LN(2.0), LN(2.0)], [0.5, -0.2]])
+    m = ones_mask(2, 2)
+    # seq_sum_k1: pi_beh/pi_old = 1/4 and e^-0.3 = 0.74 -> bounds (0.4, 2.5) drop row 0 only
+    assert rejection_keep(lr, m, options=("seq_sum_k1",), thresholds=(0.4, 2.5)).tolist() == [[False] * 2, [True] * 2]
+    # seq_mean_k1: 1/2 and e^-0.15 -> both kept
+    assert rejection_keep(lr, m, options=("seq_mean_k1",), thresholds=(0.4, 2.5)).all()
+    # token_k2 0.1: 0.5 ln2^2 = 0.24 dropped, 0.125 dropped, 0.02 kept
+    assert rejection_keep(lr, m, options=("token_k2",), thresholds=0.1).tolist() == [[False, False], [False, True]]
+    # chain = AND
+    chain = rejection_keep(lr, m, options=("seq_mean_k1", "token_k2"), thresholds=((0.4, 2.5), 0.2))
+    assert chain.tolist() == [[False, False], [True, True]]
+    # a single u means [1/u, u]
+    assert rejection_keep(lr, m, options=("token_k1",), thresholds=1.9).tolist() == [[False, False], [True, True]]
+
+
+def test_k1_bounds_apply_to_the_inverse_ratio() -> None:
+    """verl's k1 = -log rho: asymmetric bounds (0.5, 4) reject rho = 3 (pi_beh/pi_old = 1/3 < 0.5)."""
+    lr = t([[LN(3.0), LN(1 / 3)]])
+    keep = rejection_keep(lr, ones_mask(1, 2), options=("token_k1",), thresholds=((0.5, 4.0),))
+    assert keep.tolist() == [[False, True]]
+
+
+def test_catastrophic_reject() -> None:
+    old = t([[0.0, LN(1e-5), 0.0], [LN(1e-3), 0.0, 0.0]])
+    out = RejectionFilter(options=("catastrophic",), thresholds=1e-4)(ctx_of(old, torch.zeros_like(old)))
+    assert out.keep is not None and out.keep.tolist() == [[False] * 3, [True] * 3]
+    torch.testing.assert_close(out.metrics["rs_masked_frac"], t(0.5))
+    torch.testing.assert_close(out.metrics["rs_seq_masked_frac"], t(0.5))
+    torch.testing.assert_close(out.metrics["rs_catastrophic_masked_frac"], t(0.5))
+
+
+def test_rejection_filter_stage_metrics() -> None:
+    old = t([[LN(2.0), LN(2.0)], [0.5, -0.2]])
+    mask = torch.tensor([[True, True], [True, False]])
+    f = RejectionFilter(options=("seq_mean_k1", "token_k2"), thresholds=((0.4, 2.5), 0.1))
+    out = f(ctx_of(old, torch.zeros_like(old), mask))
+    assert out.keep is not None
+    assert (out.keep & mask).tolist() == [[False, False], [False, False]]
+    torch.testing.assert_close(out.metrics["rs_seq_mean_k1_masked_frac"], t(0.0))
+    torch.testing.assert_close(out.metrics["rs_token_k2_masked_frac"], t(1.0))
+    torch.testing.assert_close(out.metrics["rs_seq_masked_frac"], t(1.0))
+    torch.testing.assert_close(out.metrics["rs_seq_mean_k1_mean"], t((2 * -LN(2.0) + -0.5) / 3))
+
+
+def test_from_verl_parsers() -> None:
+    f = RejectionFilter.from_verl("token_k1, seq_mean_k3,token_k1", "0.5_2.0,0.01")
+    assert f.options == ("token_k1", "seq_mean_k3") and f.thresholds == ((0.5, 2.0), 0.01)
+    assert RejectionFilter.from_verl("seq_mean_k1", "0.999_1.001") == RejectionFilter()
+    assert RejectionFilter.from_verl("seq_mean_k2,seq_max_k3", 0.2).thresholds == (0.2,)
+    assert from_verl_rollout_is("token", 2.0) == TIS(cap=2.0)
+    assert from_verl_rollout_is("sequence", "3.0", batch_normalize=True) == TIS(3.0, "sequence", batch_normalize=True)
+    assert from_verl_rollout_is("token", "0.5_5.0") == MIS()
+    assert from_trl_vllm_is() == MIS(low=None, high=3.0, level="sequence")
+    assert from_trl_vllm_is("token_truncate", 0.5, None) == TIS(cap=None, lower=0.5)
+    with pytest.raises(InputError, match="rollout_rs_threshold"):
+        RejectionFilter.from_verl("token_k1", "a_b")
+    with pytest.raises(InputError, match="rollout_is_threshold"):
+        from_verl_rollout_is("token", "x")
+    with pytest.raises(InputError, match="rollout_is"):
+        from_verl_rollout_is("geometric", 2.0)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="mode"):
+        from_trl_vllm_is("token")  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------------- edge cases
+
+
+def test_empty_mask_and_all_masked_rows() -> None:
+    old = t([[0.3, -0.2], [5.0, 1.0]])
+    mask = torch.tensor([[True, True], [False, False]])
+    empty = torch.zeros(2, 2, dtype=torch.bool)
+    behav = torch.zeros_like(old)
+    for corr in (TIS(), TIS(level="sequence", batch_normalize=True), MIS(level="geometric"), OPSM(), RejectionFilter()):
+        for m in (mask, empty):
+            out = corr(ctx_of(old, behav, m, advantages=t([[-1.0], [-1.0]])))
+            assert torch.isfinite(out.weight).all()
+            assert (out.weight[~m] == 0).all() or isinstance(corr, (OPSM, RejectionFilter))
+            for v in out.metrics.values():
+                assert v.ndim == 0 and torch.isfinite(v)
+            lp = old.clone().requires_grad_(True)
+            loss = policy_loss(lp, old, t([-1.0, -1.0]), m, behav_logp=behav, correction=corr)
+            assert torch.isfinite(loss.loss)
+    assert torch.equal(
+        tis_weight(torch.zeros(0, 3, dtype=D), torch.zeros(0, 3, dtype=torch.bool)), torch.zeros(0, 3, dtype=D)
+    )
+
+
+def test_garbage_in_padding_and_dtype() -> None:
+    old = torch.tensor([[0.2, math.inf], [-0.1, math.nan]], dtype=torch.float32)
+    behav = torch.tensor([[0.0, -math.inf], [0.0, 1.0]], dtype=torch.float32)
+    mask = torch.tensor([[True, False], [True, False]])
+    for corr in (
+        TIS(),
+        TIS(level="sequence"),
+        MIS(level="sequence"),
+        MIS(level="geometric"),
+        RejectionFilter(),
+        OPSM(),
+    ):
+        out = corr(ctx_of(old, behav, mask, logp=torch.zeros_like(old)))
+        assert out.weight.dtype == torch.float32 and torch.isfinite(out.weight).all()
+        assert all(torch.isfinite(v) for v in out.metrics.values())
+    w, _ = mis_weight(old.double(), mask, level="sequence")
+    assert w.dtype == D
+
+
+def test_missing_behaviour_log_probs_raise() -> None:
+    old = t([[0.0, 0.0]])
+    for corr in (TIS(), MIS(), RejectionFilter()):
+        with pytest.raises(InputError, match="behav_logp"):
+            corr(ctx_of(old, None))
+    with pytest.raises(InputError, match="behav_logp"):
+        policy_loss(old.clone().requires_grad_(True), old, t([1.0]), ones_mask(1, 2), correction=TIS())
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("make", "arg"),
+    [
+        (lambda: TIS(cap=0.0), "TIS.cap"),
+        (lambda: TIS(cap=None), "TIS.cap"),
+        (lambda: TIS(cap=2.0, lower=3.0), "TIS.lower"),
+        (lambda: TIS(lower=-1.0), "TIS.lower"),
+        (lambda: TIS(level="geometric"), "TIS.level"),
+        (lambda: TIS(batch_normalize=1), "TIS.batch_normalize"),
+        (lambda: TIS(source="behav"), "TIS.source"),
+        (lambda: TIS(clamp=0.0), "TIS.clamp"),
+        (lambda: MIS(low=3.0, high=2.0), "MIS.low"),
+        (lambda: MIS(low=0.0), "MIS.low"),
+        (lambda: MIS(low=None, high=None), "MIS.high"),
+        (lambda: MIS(high=-1.0), "MIS.high"),
+        (lambda: MIS(in_band="half"), "MIS.in_band"),
+        (lambda: MIS(level="segment"), "MIS.level"),
+        (lambda: MIS(source=None), "MIS.source"),
+        (lambda: OPSM(delta=math.nan), "OPSM.delta"),
+        (lambda: OPSM(delta="0.1"), "OPSM.delta"),
+        (lambda: OPSM(source="current"), "OPSM.source"),
+        (lambda: RejectionFilter(options=("token_k4",)), "RejectionFilter.options"),
+        (lambda: RejectionFilter(options=()), "RejectionFilter.options"),
+        (lambda: RejectionFilter(options="seq_mean_k1"), "RejectionFilter.options"),
+        (lambda: RejectionFilter(options=("token_k1", "token_k1"), thresholds=2.0), "RejectionFilter.options"),
+        (
+            lambda: RejectionFilter(options=("token_k1", "token_k2", "token_k3"), thresholds=(2.0, 0.1)),
+            "RejectionFilter.thresholds",
+        ),
+        (
+            lambda: RejectionFilter(options=("token_k2",), thresholds=((0.1, 0.2),)),
+            "RejectionFilter.thresholds[token_k2]",
+        ),
+        (lambda: RejectionFilter(options=("token_k1",), thresholds=0.5), "RejectionFilter.thresholds[token_k1]"),
+        (
+            lambda: RejectionFilter(options=("token_k1",), thresholds=((2.0, 1.0),)),
+            "RejectionFilter.thresholds[token_k1]",
+        ),
+        (lambda: RejectionFilter(options=("token_k3",), thresholds=-0.1), "RejectionFilter.thresholds[token_k3]"),
+        (lambda: RejectionFilter(source="x"), "RejectionFilter.source"),
+        (lambda: fp8_token_mis(cap=-1.0, experimental=True), "cap"),
+    ],
+)
+def test_bad_hyper_parameters(make: Any, arg: str) -> None:
+    with pytest.raises(InputError) as e:
+        make()
+    assert e.value.argument == arg
+
+
+def test_bad_tensors_to_pure_functions() -> None:
+    m = ones_mask(1, 3)
+    with pytest.raises(InputError) as e:
+        tis_weight(t([[0.0, 1.0]]), m)
+    assert e.value.argument == "mask"
+    with pytest.raises(InputError) as e:
+        tis_weight(t([[0.0, math.nan, 0.0]]), m)
+    assert e.value.argument == "log_ratio"
+    tis_weight(t([[0.0, math.nan, 0.0]]), torch.tensor([[True, False, True]]))  # masked-out NaN is fine
+    with pytest.raises(InputError) as e:
+        mis_weight(torch.zeros(1, 3, dtype=torch.long), m)
+    assert e.value.argument == "log_ratio"
+    with pytest.raises(InputError) as e:
+        opsm_keep(t([[0.0] * 3]), t([[0.0] * 3]), t([1.0, 2.0]), m)
+    assert e.value.argument == "advantages"
+    with pytest.raises(InputError) as e:
+        opsm_keep(t([[0.0] * 3]), t([[0.0, math.inf, 0.0]]), t([1.0]), m)
+    assert e.value.argument == "behav_logp"
+    with pytest.raises(InputError) as e:
+        rs_statistic(t([[0.0] * 3]), m, "seq_min_k1")
+    assert e.value.argument == "option"
+    with pytest.raises(InputError) as e:
+        rejection_keep(t([[0.0] * 3]), m, options=("token_k2",), thresholds=0.0)
+    assert e.value.argument == "thresholds[token_k2]"
+    with pytest.raises(InputError) as e:
+        opsm_keep(t([[0.0] * 3]), t([[0.0] * 3]), t([1.0]), m, delta=math.inf)
+    assert e.value.argument == "delta"
+
+
+# ----------------------------------------------------------------------------------------------- properties
+
+finite = st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def batches(draw: Any, max_b: int = 4, max_t: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    b = draw(st.integers(1, max_b))
+    n = draw(st.integers(1, max_t))
+    lr = t(draw(st.lists(st.lists(finite, min_size=n, max_size=n), min_size=b, max_size=b)))
+    mask = torch.tensor(draw(st.lists(st.lists(st.booleans(), min_size=n, max_size=n), min_size=b, max_size=b)))
+    return lr, mask
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batches(),
+    st.floats(0.01, 100.0),
+    st.one_of(st.none(), st.floats(0.0, 0.01)),
+    st.sampled_from(["token", "sequence"]),
+    st.booleans(),
+)
+def test_prop_tis_weights_finite_and_bounded(
+    batch: tuple[torch.Tensor, torch.Tensor], cap: float, lower: float | None, level: str, norm: bool
+) -> None:
+    lr, mask = batch
+    w = tis_weight(lr, mask, cap=cap, lower=lower, level=level, batch_normalize=norm)  # type: ignore[arg-type]
+    assert torch.isfinite(w).all() and (w[~mask] == 0).all()
+    if not norm:
+        assert (w <= cap).all() and (w[mask] >= (lower or 0.0)).all()
+    if level == "sequence":  # constant within a row (verl's test)
+        assert all(len(set(w[i][mask[i]].tolist())) <= 1 for i in range(w.shape[0]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batches(),
+    st.floats(0.05, 1.0),
+    st.floats(1.0, 20.0),
+    st.floats(0.0, 0.5),
+    st.floats(0.0, 5.0),
+    st.sampled_from(["token", "sequence", "geometric"]),
+)
+def test_prop_mis_bounded_and_monotone_in_the_band(
+    batch: tuple[torch.Tensor, torch.Tensor], low: float, high: float, dlow: float, dhigh: float, level: str
+) -> None:
+    lr, mask = batch
+    w, keep = mis_weight(lr, mask, low=low, high=high, level=level)  # type: ignore[arg-type]
+    assert torch.isfinite(w).all()
+    nz = w[w != 0]
+    assert (nz <= high).all() and (nz >= low).all()
+    _, wider = mis_weight(lr, mask, low=low * (1 - dlow), high=high + dhigh, level=level)  # type: ignore[arg-type]
+    assert (wider | ~keep).all()  # a wider band keeps a superset
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches(), st.sampled_from(RS_OPTIONS), st.floats(1.0, 3.0), st.floats(0.0, 2.0))
+def test_prop_rejection_monotone_in_threshold(
+    batch: tuple[torch.Tensor, torch.Tensor], opt: str, u: float, du: float
+) -> None:
+    lr, mask = batch
+    small = u - 1.0 + 1e-3 if not opt.endswith("k1") and opt != "catastrophic" else u
+    if opt == "catastrophic":
+        th, th_wide = 1.0 / u, 1.0 / (u + du)  # a lower ratio bound rejects less
+    else:
+        th, th_wide = small, small + du
+    keep = rejection_keep(lr, mask, options=(opt,), thresholds=th)
+    wide = rejection_keep(lr, mask, options=(opt,), thresholds=th_wide)
+    assert (wide | ~keep).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches(), st.lists(st.floats(-2.0, 2.0), min_size=4, max_size=4), st.floats(-0.5, 0.5), st.floats(0.0, 1.0))
+def test_prop_opsm_monotone_in_delta(
+    batch: tuple[torch.Tensor, torch.Tensor], adv: list[float], delta: float, dd: float
+) -> None:
+    lr, mask = batch
+    a = t(adv[: lr.shape[0]])
+    logp = lr.clamp(-50, 50) * 0.01
+    keep = opsm_keep(logp, torch.zeros_like(logp), a, mask, delta=delta)
+    wide = opsm_keep(logp, torch.zeros_like(logp), a, mask, delta=delta + dd)
+    assert (wide | ~keep).all()
+    assert keep[a >= 0].all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(batches(max_b=3, max_t=5), st.sampled_from(["tis", "tis_seq", "mis", "geo", "rs", "opsm"]))
+def test_prop_on_policy_is_the_plain_loss(batch: tuple[torch.Tensor, torch.Tensor], kind: str) -> None:
+    lr, mask = batch
+    old = -(lr.abs() % 5.0) - 0.01
+    logp = (old + 0.05 * torch.tanh(lr)).requires_grad_(True)
+    adv = torch.linspace(-1, 1, lr.shape[0], dtype=D)
+    corr = {
+        "tis": TIS(),
+        "tis_seq": TIS(level="sequence"),
+        "mis": MIS(),
+        "geo": MIS(level="geometric", low=0.999, high=1.001),
+        "rs": RejectionFilter.from_verl("token_k1,seq_mean_k3,seq_max_k2", "1.01,0.001,0.001"),
+        "opsm": OPSM(delta=0.0, source="old"),
+    }[kind]
+    plain = policy_loss(logp, old, adv, mask)
+    if kind == "opsm":  # OPSM measures against the current policy: on-policy means logp = old
+        plain = policy_loss(logp, logp.detach(), adv, mask)
+        out = policy_loss(logp, logp.detach(), adv, mask, correction=corr)
+    else:
+        out = policy_loss(logp, old, adv, mask, behav_logp=old.clone(), correction=corr)
+    assert torch.equal(out.loss, plain.loss)
+    assert out.metrics["masked_frac"] == 0
+
+
+@settings(max_examples=15, deadline=None)
+@given(batches(max_b=3, max_t=4), st.sampled_from(["tis", "tis_seq_norm", "mis", "rs"]))
+def test_prop_gradcheck_through_policy_loss(batch: tuple[torch.Tensor, torch.Tensor], kind: str) -> None:
+    lr, mask = batch
+    old = -(lr.abs() % 3.0) - 0.1
+    behav = old - torch.tanh(lr)  # mismatch in [-1, 1]
+    logp = (old + 0.1 * torch.tanh(lr / 7)).requires_grad_(True)
+    adv = torch.linspace(-1, 1, lr.shape[0], dtype=D)
+    corr = {
+        "tis": TIS(cap=1.5),
+        "tis_seq_norm": TIS(level="sequence", batch_normalize=True),
+        "mis": MIS(low=0.6, high=1.6),
+        "rs": RejectionFilter.from_verl("token_k1,seq_mean_k2", "1.5,0.1"),
+    }[kind]
+    # trust=None: the surrogate -A r is smooth, so gradcheck tests the correction's wiring (weights detached)
+    assert torch.autograd.gradcheck(
+        lambda x: policy_loss(x, old, adv, mask, behav_logp=behav, correction=corr, trust=None).loss, (logp,)
+    )
+    out = policy_loss(logp, old, adv, mask, behav_logp=behav, correction=corr, trust=PPOClip())
+    assert torch.isfinite(out.loss)
