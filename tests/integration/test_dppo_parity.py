@@ -157,9 +157,10 @@ def test_default_truncation_differs_from_verl(name: str) -> None:
     assert v_metrics["actor/pg_clipfrac_lower"] > 0
     div = "tv" if name == "dppo_tv" else "kl"
     o_loss, o_grad, _ = run_ours(b, DPPO(div, low=0.2, high=0.2), "token-mean", b["adv"], False)  # type: ignore[arg-type]
-    assert not torch.allclose(o_grad, v_grad)
+    assert not torch.allclose(o_grad, v_grad) and not torch.allclose(o_loss, v_loss)
     o3_loss, o3_grad, _ = run_ours(b, DPPO(div, low=0.2, high=0.2, c=3.0), "token-mean", b["adv"], False)  # type: ignore[arg-type]
     assert_close(o3_grad, v_grad, rtol=1e-12, atol=1e-13)
+    assert_close(o3_loss, v_loss, rtol=1e-12, atol=1e-13)
 
 
 def test_binary_tv_oracle_through_verl() -> None:
