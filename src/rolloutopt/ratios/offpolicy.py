@@ -141,12 +141,17 @@ def a3po_proximal_logp(
 
 @dataclass(frozen=True)
 class A3POProximal:
-    """Proximal stage: A-3PO's version interpolation (:func:`a3po_proximal_logp`) from the stage context.
+    r"""Proximal stage: A-3PO's version interpolation (:func:`a3po_proximal_logp`) from the stage context.
 
-    Reads ``ctx.logp`` (detached), ``ctx.behav_logp``, ``ctx.versions`` (behaviour version per token) and
-    ``ctx.policy_version`` (:math:`v_\\theta`); all three optional inputs are required (an ``InputError``
-    names a missing one). ``old_logp`` passed to ``policy_loss`` is ignored (may be None). Default
-    ``method="loglinear"`` (AReaL's). Reference: AReaL arXiv 2505.24298.
+    .. math::  \ell^{prox} = \ell^{beh} + \alpha\,(\operatorname{sg}\ell^\theta - \ell^{beh}),
+               \qquad \alpha = \operatorname{clip}\Big(\frac{v_\theta - 1 - v^{beh}}{v_\theta - v^{beh}}, 0, 1\Big)
+
+    (``method="linear"`` mixes probabilities instead.) Reads ``ctx.logp`` (detached), ``ctx.behav_logp``,
+    ``ctx.versions`` (behaviour version per token) and ``ctx.policy_version`` (:math:`v_\theta`); all three
+    optional inputs are required (an ``InputError`` names a missing one). ``old_logp`` passed to
+    ``policy_loss`` is ignored (may be None). Default ``method="loglinear"`` (AReaL's). Edge cases: prompt tokens
+    (``versions < 0``) and tokens one version behind get ``behav_logp``; 0 outside ``ctx.mask``.
+    Reference: AReaL arXiv 2505.24298.
     """
 
     method: A3POMethod = "loglinear"
