@@ -141,7 +141,9 @@ class M2POMask:
     high=0.2, dual=None)`` (AReaL's ``eps_clip=0.2``, no ``eps_clip_higher``, no ``c_clip``). Defaults:
     τ = 0.04 (both codebases), ``pair="behav_old"`` (AReaL: ``old_logp`` is the rollout's behaviour log-probs
     and ``prox_logp`` the proximal policy's, ``delta = old_logp - prox_logp``). ``"old_current"`` is the
-    alternative reading of the paper (the ratio being optimised, detached); it needs no ``behav_logp``.
+    alternative reading of the paper (the ratio being optimised, detached); it needs no ``behav_logp``. In
+    bypass mode (no proximal recompute, ``old_logp`` is the behaviour policy's) ``"behav_old"`` gives
+    :math:`d \equiv 0` and masks nothing: use ``"old_current"`` there.
 
     ``r`` is the ratio the ratio stage built (:class:`~rolloutopt.ratios.TokenRatio` against the proximal
     policy, as in AReaL). Masked tokens have ``keep=False``: no loss, no gradient. AReaL keeps them in the
@@ -369,7 +371,8 @@ class M2POClip:
 
     with :math:`\epsilon_{low}, \epsilon_{high}` computed from this batch's harmful tokens (detached; no dual
     clip, as in ``compute_m2po_policy_loss``). :math:`\Delta` is the negative of the ``log_ratio`` the ratio
-    stage built (``old`` vs current, :class:`~rolloutopt.ratios.TokenRatio`), so no ``ctx`` is needed.
+    stage built (``old`` vs current, :class:`~rolloutopt.ratios.TokenRatio`); ``ctx`` supplies only the mask
+    (called by hand without it, every position counts — padded positions with log-ratio 0 are never harmful).
     Defaults: τ = 0.04, no floors (the released scripts; see :func:`m2po_clip_bounds`).
     Reference: M2PO, arXiv 2510.01161; ``Infini-AI-Lab/M2PO@af54a3e``.
 
