@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -301,8 +301,6 @@ def test_copris_two_stages_100_plus_50_tokens() -> None:
         logp=rec_v2, old_logp=rec_v2, mask=ones(1, 150), advantages=t([[1.0]]), behav_logp=stage1, versions=versions
     )
     assert torch.equal(CoPRISProximal()(ctx), stage2)  # policy_version None -> newest = 2
-    from dataclasses import replace
-
     assert torch.equal(CoPRISProximal()(replace(ctx, policy_version=2)), stage2)
     one_stage = replace(ctx, versions=torch.full((1, 150), 2))
     assert torch.equal(CoPRISProximal()(one_stage), rec_v2)  # one-stage response: plain recompute
