@@ -216,6 +216,31 @@ def test_decoupled_loss_composed_equals_areal_formula(seed: int) -> None:
     torch.testing.assert_close(out.metrics["masked_frac"], rejected.sum().to(D) / mask.sum())
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decoupled_preset_with_library_mis_equals_areal_formula(seed: int) -> None:
+    # the decoupled_ppo composition with the library's correction: MIS(low=None, high=5.0, level="token")
+    from rolloutopt.ratios import MIS
+
+    logp, prox, behav, adv, mask = _decoupled_batch(seed)
+    lp1 = logp.clone().requires_grad_()
+    out = policy_loss(
+        lp1,
+        prox,
+        adv,
+        mask,
+        behav_logp=behav,
+        trust=PPOClip(low=0.2, high=0.2, dual=None),
+        correction=MIS(low=None, high=5.0, level="token"),
+        agg="token-mean",
+    )
+    out.loss.backward()
+    lp2 = logp.clone().requires_grad_()
+    ref = _areal_decoupled(lp2, prox, behav, adv, mask)
+    ref.backward()
+    torch.testing.assert_close(out.loss, ref)
+    torch.testing.assert_close(lp1.grad, lp2.grad)
+
+
 def test_decoupled_loss_with_a3po_proximal_equals_areal_formula() -> None:
     logp, _, behav, adv, mask = _decoupled_batch(3)
     g = torch.Generator().manual_seed(3)
