@@ -11,7 +11,7 @@ from typing import Any
 
 from rolloutopt.errors import InputError
 from rolloutopt.losses.policy import LossOutput, policy_loss
-from rolloutopt.ratios import CISPO, SAPO, GSPORatio, PPOClip, TokenRatio
+from rolloutopt.ratios import CISPO, SAPO, TBPO, GSPORatio, M2POClip, M2POMask, PPOClip, SATClip, TokenRatio
 from rolloutopt.registry import Registry
 
 __all__ = ["PRESETS", "Preset"]
@@ -97,6 +97,46 @@ for _preset in (
         "sapo",
         "SAPO arXiv 2511.20347: soft sigmoid gate, tau_pos 1.0 / tau_neg 1.05, per-sequence token mean",
         {"ratio": TokenRatio(), "trust": SAPO(), "agg": "seq-mean-token-mean"},
+    ),
+    # --- adaptive trust regions (docs/methods/trust_regions.md)
+    Preset(
+        "m2po",
+        "M2PO arXiv 2510.01161 (paper / AReaL m2_threshold): mask the tokens with the largest squared "
+        "behaviour-vs-proximal log-ratio until the batch's second moment is below tau = 0.04; unclipped r·A on "
+        "the kept tokens, token mean with the masked tokens kept in the denominator",
+        {
+            "ratio": TokenRatio(),
+            "trust": M2POMask(tau=0.04, pair="behav_old", clip=None),
+            "agg": "token-mean",
+            "removed_in_denominator": True,
+        },
+        requires=("behav_logp",),
+    ),
+    Preset(
+        "m2po_clip",
+        "M2PO arXiv 2510.01161, official code (Infini-AI-Lab/M2PO compute_m2po_policy_loss): PPO clip whose "
+        "bounds adapt so the harmful tokens' capped second moment stays within tau = 0.04, token mean",
+        {"ratio": TokenRatio(), "trust": M2POClip(tau=0.04), "agg": "token-mean"},
+    ),
+    Preset(
+        "sat",
+        "SAT arXiv 2607.18722 (reconstructed): DAPO's clip 0.2/0.28 with the sign-selected endpoint contracted "
+        "for the 5% most stale tokens (|old - behav| tail), token mean",
+        {
+            "ratio": TokenRatio(),
+            "trust": SATClip(low=0.2, high=0.28, tail=0.05, experimental=True),
+            "agg": "token-mean",
+        },
+        requires=("behav_logp",),
+        experimental="SAT's formula (staleness proxy, tail fraction, contraction) is reconstructed (specs B11)",
+    ),
+    Preset(
+        "tbpo",
+        "TBPO / QaRL arXiv 2604.07853 (reconstructed): GSPO-style sequence ratio with two-sided clipping for "
+        "negative samples, geometric-mean mismatch weight, sequences outside the trust band [1/2, 2] dropped",
+        {"ratio": GSPORatio(), "trust": TBPO(experimental=True), "agg": "seq-mean-token-mean"},
+        requires=("behav_logp",),
+        experimental="TBPO's band, epsilons and band width are reconstructed (specs B14)",
     ),
 ):
     PRESETS.register(_preset.name, _preset)
