@@ -11,7 +11,21 @@ from typing import Any
 
 from rolloutopt.errors import InputError
 from rolloutopt.losses.policy import LossOutput, policy_loss
-from rolloutopt.ratios import CISPO, SAPO, TBPO, GSPORatio, M2POClip, M2POMask, PPOClip, SATClip, TokenRatio
+from rolloutopt.ratios import (
+    CISPO,
+    MIS,
+    SAPO,
+    TBPO,
+    CoPRISProximal,
+    CumulativeRatio,
+    GSPORatio,
+    M2POClip,
+    M2POMask,
+    PNPORatio,
+    PPOClip,
+    SATClip,
+    TokenRatio,
+)
 from rolloutopt.registry import Registry
 
 __all__ = ["PRESETS", "Preset"]
@@ -97,6 +111,50 @@ for _preset in (
         "sapo",
         "SAPO arXiv 2511.20347: soft sigmoid gate, tau_pos 1.0 / tau_neg 1.05, per-sequence token mean",
         {"ratio": TokenRatio(), "trust": SAPO(), "agg": "seq-mean-token-mean"},
+    ),
+    # --- stale and partial rollouts (docs/methods/offpolicy.md)
+    Preset(
+        "decoupled_ppo",
+        "Decoupled PPO (AReaL arXiv 2505.24298): PPO clip 0.2 against the proximal policy, behaviour weight "
+        "exp(prox - behav) with tokens above 5.0 masked (AReaL's rejection sampling), original token count in "
+        "the denominator; add proximal=A3POProximal() to interpolate the proximal log-probs (A-3PO)",
+        {
+            "ratio": TokenRatio(),
+            "trust": PPOClip(low=0.2, high=0.2, dual=None),
+            "correction": MIS(low=None, high=5.0, level="token"),
+            "agg": "token-mean",
+            "removed_in_denominator": True,
+        },
+        requires=("behav_logp",),
+    ),
+    Preset(
+        "copris",
+        "CoPRIS arXiv 2511.05589: cross-stage importance sampling for partial rollouts (each token's old "
+        "log-prob from the policy version that generated it), clip 0.2/0.28, dual clip 10, token mean",
+        {
+            "ratio": TokenRatio(),
+            "trust": PPOClip(low=0.2, high=0.28, dual=10.0),
+            "proximal": CoPRISProximal(),
+            "agg": "token-mean",
+        },
+        requires=("behav_logp", "versions"),
+    ),
+    Preset(
+        "cumulative",
+        "Cumulative (prefix-product) importance ratio exp(sum_{k<=t} lambda_k) inside PPO clip (arXiv 2608.01418 "
+        "baseline; CTPO arXiv 2605.07331): ratio band [0.2, 5], dual clip 10, token mean",
+        {"ratio": CumulativeRatio(), "trust": PPOClip(low=0.8, high=4.0, dual=10.0), "agg": "token-mean"},
+    ),
+    Preset(
+        "pnpo",
+        "PNPO arXiv 2608.01418 (loss wiring reconstructed): prefix-normalised ratio exp(mean_{k<=t} lambda_k) "
+        "inside DAPO's clip 0.2/0.28, per-sequence token mean",
+        {
+            "ratio": PNPORatio(experimental=True),
+            "trust": PPOClip(low=0.2, high=0.28, dual=None),
+            "agg": "seq-mean-token-mean",
+        },
+        experimental="PNPO's loss wiring (clipped surrogate, gradient routing) is reconstructed (specs B12)",
     ),
     # --- adaptive trust regions (docs/methods/trust_regions.md)
     Preset(
