@@ -13,11 +13,13 @@ from rolloutopt.errors import InputError
 from rolloutopt.losses.policy import LossOutput, policy_loss
 from rolloutopt.ratios import (
     CISPO,
+    DPPO,
     MIS,
     SAPO,
     TBPO,
     CoPRISProximal,
     CumulativeRatio,
+    ECHOClip,
     GSPORatio,
     M2POClip,
     M2POMask,
@@ -195,6 +197,47 @@ for _preset in (
         {"ratio": GSPORatio(), "trust": TBPO(experimental=True), "agg": "seq-mean-token-mean"},
         requires=("behav_logp",),
         experimental="TBPO's band, epsilons and band width are reconstructed (specs B14)",
+    ),
+    # --- divergence masks and confidence clipping (docs/methods/dppo.md)
+    Preset(
+        "dppo_tv",
+        "DPPO arXiv 2602.04879 (sail-sg/Stable-RL): binary total-variation divergence mask, delta 0.15, "
+        "truncated IS weight min(r, 10); pass the rollout engine's log-probs as old_logp (the paper's form) and "
+        "max_len (the authors' seq-mean-token-sum-norm aggregation)",
+        {
+            "ratio": TokenRatio(),
+            "trust": DPPO(divergence="tv", low=0.15, high=0.15, c=10.0),
+            "agg": "seq-mean-token-sum-norm",
+        },
+    ),
+    Preset(
+        "dppo_kl",
+        "DPPO arXiv 2602.04879 (sail-sg/Stable-RL): binary KL divergence mask, delta 0.05, truncated IS weight "
+        "min(r, 10); rollout log-probs as old_logp, max_len as for dppo_tv",
+        {
+            "ratio": TokenRatio(),
+            "trust": DPPO(divergence="kl", low=0.05, high=0.05, c=10.0),
+            "agg": "seq-mean-token-sum-norm",
+        },
+    ),
+    Preset(
+        "dppo_predictive",
+        "Predictive Divergence Mask arXiv 2607.10848 (closed form reconstructed): top-K KL proximity test, "
+        "direction from the predicted first-order change of KL(mu || pi), token mean",
+        {
+            "ratio": TokenRatio(),
+            "trust": DPPO(divergence="topk_kl", predictive=True, experimental=True),
+            "agg": "token-mean",
+        },
+        requires=("topk_logp", "topk_behav_logp"),
+        experimental="the predictive mask's closed form and its top-K tail estimates are reconstructed (specs B13)",
+    ),
+    Preset(
+        "echo_clip",
+        "ECHO arXiv 2602.02150 (user683/ECHO): per-rollout clip width eps_min + (eps_max - eps_min) "
+        "sigmoid(kappa (1 - tail confidence)), 0.05 / 0.2 / 4.0, dual clip 3, token mean",
+        {"ratio": TokenRatio(), "trust": ECHOClip(eps_min=0.05, eps_max=0.2, kappa=4.0, dual=3.0), "agg": "token-mean"},
+        requires=("confidence",),
     ),
 ):
     PRESETS.register(_preset.name, _preset)
