@@ -36,6 +36,7 @@ verl clamps the sum to ±20, TRL does not.
 from __future__ import annotations
 
 import inspect
+import math
 import textwrap
 import types
 from collections import defaultdict
@@ -56,6 +57,7 @@ from rolloutopt.ratios import (
     StageContext,
     from_trl_vllm_is,
     from_verl_rollout_is,
+    offpolicy_metrics,
     opsm_keep,
 )
 
@@ -556,3 +558,25 @@ def test_trl_and_verl_agree_within_the_clamp(
     w_verl, _ = helper.compute_rollout_correction_weights(batch.old - batch.behav, batch.mask, level, verl_threshold)
     trl = trl_is_ratio(batch, trl_mode, clip_min, clip_max)
     assert_close(on_mask(trl, batch.mask), on_mask(w_verl, batch.mask), rtol=1e-12, atol=0)
+
+
+# ------------------------------------------------------------------------------------------ verl diagnostics
+
+
+@pytest.mark.verl
+@pytest.mark.parametrize("seed", [0, 1])
+def test_offpolicy_metrics_match_verl(seed: int) -> None:
+    helper = verl_helper()
+    batch = make_batch(seed)
+    verl = helper.compute_offpolicy_metrics(batch.old, batch.behav, batch.mask)
+    ours_all = offpolicy_metrics(batch.old, batch.behav, batch.mask, count_empty_rows=True)
+    assert set(ours_all) == set(verl)
+    for key, value in verl.items():
+        assert_close(ours_all[key].item(), value, rtol=1e-7, atol=1e-12, msg=key)
+    # default: sequence metrics over non-empty rows only (the batch has one empty row)
+    ours = offpolicy_metrics(batch.old, batch.behav, batch.mask)
+    assert not math.isclose(ours["training_ppl"].item(), verl["training_ppl"], rel_tol=1e-9)
+    rows = batch.mask.any(-1)
+    sub = helper.compute_offpolicy_metrics(batch.old[rows], batch.behav[rows], batch.mask[rows])
+    for key, value in sub.items():
+        assert_close(ours[key].item(), value, rtol=1e-7, atol=1e-12, msg=key)

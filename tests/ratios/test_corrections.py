@@ -25,6 +25,7 @@ from rolloutopt.ratios import (
     from_trl_vllm_is,
     from_verl_rollout_is,
     mis_weight,
+    offpolicy_metrics,
     opsm_keep,
     rejection_keep,
     rs_statistic,
@@ -640,3 +641,43 @@ def test_chain_compiles_fullgraph() -> None:
     for key in eager.metrics:
         torch.testing.assert_close(comp.metrics[key], eager.metrics[key], msg=key)
     assert g_eager.abs().sum() > 0 and 0 < float(eager.metrics["masked_frac"]) < 1
+
+
+# ----------------------------------------------------------------------------------------------- diagnostics
+
+
+def test_offpolicy_metrics_by_hand() -> None:
+    old = t([[LN(0.5), LN(0.25)], [-1.0, 7.0]])
+    behav = t([[LN(0.25), LN(0.25)], [0.0, math.nan]])
+    mask = torch.tensor([[True, True], [False, False]])  # an empty row with garbage in it
+    m = offpolicy_metrics(old, behav, mask)
+    expected = {
+        "kl": -LN(2.0) / 2,
+        "k3_kl": (1 - LN(2.0)) / 2,
+        "training_ppl": math.sqrt(8.0),
+        "training_log_ppl": LN(8.0) / 2,
+        "rollout_ppl": 4.0,
+        "rollout_log_ppl": LN(4.0),
+        "log_ppl_diff": -LN(2.0) / 2,
+        "log_ppl_abs_diff": LN(2.0) / 2,
+        "log_ppl_diff_max": -LN(2.0) / 2,
+        "log_ppl_diff_min": -LN(2.0) / 2,
+        "ppl_ratio": 1 / math.sqrt(2.0),
+        "chi2_token": 1.5,
+        "chi2_seq": 3.0,
+    }
+    assert set(m) == set(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(m[key], t(value), msg=key)
+    # verl's convention: the empty row counts as log-prob 0 (perplexity 1)
+    torch.testing.assert_close(offpolicy_metrics(old, behav, mask, count_empty_rows=True)["rollout_ppl"], t(2.5))
+    empty = offpolicy_metrics(old, behav, torch.zeros_like(mask))
+    assert all(float(v) == 0 for v in empty.values())
+    huge = offpolicy_metrics(t([[-1e6, 0.0]]), t([[0.0, -1e6]]), ones_mask(1, 2))
+    assert all(torch.isfinite(v) for v in huge.values())
+    with pytest.raises(InputError) as e:
+        offpolicy_metrics(old, behav, mask, count_empty_rows=1)  # type: ignore[arg-type]
+    assert e.value.argument == "count_empty_rows"
+    with pytest.raises(InputError) as e:
+        offpolicy_metrics(old, t([[0.0, math.inf], [0.0, 0.0]]), mask)
+    assert e.value.argument == "behav_logp"

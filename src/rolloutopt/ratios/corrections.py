@@ -52,6 +52,7 @@ __all__ = [
     "from_trl_vllm_is",
     "from_verl_rollout_is",
     "mis_weight",
+    "offpolicy_metrics",
     "opsm_keep",
     "rejection_keep",
     "rs_statistic",
@@ -865,3 +866,82 @@ def from_trl_vllm_is(
     if mode.endswith("truncate"):
         return TIS(cap=clip_max, lower=clip_min, level=level, clamp=clamp)
     return MIS(low=clip_min, high=clip_max, level=level, in_band="ratio", clamp=clamp)
+
+
+# ----------------------------------------------------------------------------------------------- diagnostics
+
+_EXP_BOUND = 80.0  # keeps exp finite in fp32 (e^88 overflows); binds only for absurd perplexities
+
+
+def offpolicy_metrics(
+    old_logp: FloatBT, behav_logp: FloatBT, mask: BoolBT, *, count_empty_rows: bool = False
+) -> dict[str, Tensor]:
+    r"""verl's off-policy diagnostics of the rollout/trainer mismatch, as detached 0-d tensors (no host sync).
+
+    With :math:`\delta = \ell^{old} - \ell^{beh}`, :math:`\bar\ell_i` the per-sequence mean log-prob and
+    means over loss tokens (token metrics) or sequences (sequence metrics):
+
+    .. math::
+        \mathrm{kl} = \overline{-\delta}, \quad \mathrm{k3\_kl} = \overline{e^{\delta} - 1 - \delta}, \quad
+        \mathrm{ppl} = \operatorname{mean}_i e^{-\bar\ell_i}, \quad
+        \chi^2_{tok} = \overline{e^{2\operatorname{clip}(\delta, \pm 20)}} - 1, \quad
+        \chi^2_{seq} = \operatorname{mean}_i e^{2\operatorname{clip}(\sum_t m\delta, \pm 20)} - 1
+
+    Keys (verl ``compute_offpolicy_metrics``, without the ``rollout_corr/`` prefix): ``training_ppl``,
+    ``training_log_ppl``, ``kl``, ``k3_kl``, ``rollout_ppl``, ``rollout_log_ppl``, ``log_ppl_diff``,
+    ``log_ppl_abs_diff``, ``log_ppl_diff_max``, ``log_ppl_diff_min``, ``ppl_ratio``, ``chi2_token``,
+    ``chi2_seq``. Reference: verl 0.9.1 ``rollout_corr_helper``; "When Speed Kills Stability" (Yao et al.,
+    2025; no arXiv id).
+
+    Differences from verl, for finiteness: the k3 log-ratio is clamped to ±20 (verl exponentiates it raw),
+    and perplexity exponents are clamped to ±80. Sequence means are over non-empty sequences; verl averages
+    over every row, an empty row counting as log-prob 0 (perplexity 1): ``count_empty_rows=True`` does that.
+
+    Args:
+        old_logp: trainer log-probs ``[B, T]``.
+        behav_logp: rollout-engine log-probs ``[B, T]``.
+        mask: loss mask ``[B, T]``.
+        count_empty_rows: average sequence metrics over every row (verl) instead of non-empty ones.
+
+    Edge cases: an empty mask gives 0 for every metric except the χ² terms (−1 … 0 by the formula, reported
+    as 0 too).
+    """
+    if not isinstance(count_empty_rows, bool):
+        raise InputError("count_empty_rows", "a bool", repr(count_empty_rows), "pass True (verl) or False")
+    dims = Dims()
+    old = as_float(old_logp, "old_logp", dims, "B T")
+    behav = as_float(behav_logp, "behav_logp", dims, "B T", device=old.device)
+    m = as_mask(mask, "mask", dims, "B T", device=old.device)
+    finite(old, "old_logp", m)
+    finite(behav, "behav_logp", m)
+    dt = old.dtype
+    old, behav = _masked_lr(old.detach(), m), _masked_lr(behav.detach(), m)
+    lr = old - behav
+    rows = m.any(-1) if not count_empty_rows else torch.ones_like(m[:, 0])
+    lengths = _lengths(m, dt).clamp(min=1)
+    mean_old, mean_beh = old.sum(-1) / lengths, behav.sum(-1) / lengths
+    diff = mean_beh - mean_old
+    lrc = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    has = m.any()
+
+    def ppl(x: Tensor) -> Tensor:
+        return _mean(torch.exp(x.clamp(-_EXP_BOUND, _EXP_BOUND)), rows, dt)
+
+    chi2_tok = _mean(torch.exp(2 * lrc), m, dt) - 1
+    chi2_seq = _mean(torch.exp(2 * lr.sum(-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)), rows, dt) - 1
+    out = {
+        "training_ppl": ppl(-mean_old),
+        "training_log_ppl": _mean(-mean_old, rows, dt),
+        "kl": _mean(-lr, m, dt),
+        "k3_kl": _mean(torch.expm1(lrc) - lrc, m, dt),
+        "rollout_ppl": ppl(-mean_beh),
+        "rollout_log_ppl": _mean(-mean_beh, rows, dt),
+        "log_ppl_diff": _mean(diff, rows, dt),
+        "log_ppl_abs_diff": _mean(diff.abs(), rows, dt),
+        "log_ppl_diff_max": _max(diff, rows),
+        "log_ppl_diff_min": _min(diff, rows),
+        "ppl_ratio": ppl(diff),
+        "chi2_token": torch.where(has, chi2_tok, _zeros(chi2_tok)),
+        "chi2_seq": torch.where(has, chi2_seq, _zeros(chi2_seq)),
+    }
+    return out
