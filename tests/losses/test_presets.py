@@ -140,3 +140,67 @@ def test_experimental_preset_needs_acknowledgement_and_required_inputs_are_named
         preset(logp, old, adv, mask, experimental=True)
     got = preset(logp, old, adv, mask, behav_logp=old, versions=torch.zeros(4, 6, dtype=torch.long), experimental=True)
     torch.testing.assert_close(got.loss, policy_loss(logp, old, adv, mask, trust=None).loss)
+
+
+def _all_inputs(seed: int = 3) -> dict[str, Any]:
+    """Every input any preset may need, float64, with a ragged mask, an all-masked row and stale versions."""
+    g = torch.Generator().manual_seed(seed)
+    b, t, k = 6, 7, 4
+    f64 = torch.float64
+    old = -2 * torch.rand(b, t, generator=g, dtype=f64) - 0.05
+    mask = torch.arange(t)[None, :] < torch.tensor([7, 5, 1, 0, 3, 6])[:, None]
+    topk_behav = torch.log_softmax(torch.randn(b, t, k, generator=g, dtype=f64), -1)
+    return {
+        "logp": old + 0.3 * torch.randn(b, t, generator=g, dtype=f64),
+        "old_logp": old,
+        "advantages": torch.randn(b, generator=g, dtype=f64),
+        "mask": mask,
+        "behav_logp": old + 0.2 * torch.randn(b, t, generator=g, dtype=f64),
+        "versions": 5 - torch.randint(0, 3, (b, t), generator=g),
+        "policy_version": 5,
+        "topk_behav_logp": topk_behav,
+        "topk_logp": topk_behav + 0.1 * torch.randn(b, t, k, generator=g, dtype=f64),
+        "confidence": torch.rand(b, generator=g, dtype=f64),
+        "max_len": t,
+    }
+
+
+@pytest.mark.parametrize("name", L.names())
+def test_every_preset_runs_with_its_inputs_and_names_missing_ones(name: str) -> None:
+    preset = L.get(name)
+    x = _all_inputs()
+    lp = x.pop("logp").requires_grad_()
+    old, adv, mask = x.pop("old_logp"), x.pop("advantages"), x.pop("mask")
+    ack = {"experimental": True} if preset.experimental is not None else {}
+    out = preset(lp, old, adv, mask, **x, **ack)
+    (grad,) = torch.autograd.grad(out.loss, lp)
+    assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
+    assert torch.equal(grad[~mask], torch.zeros_like(grad[~mask]))
+    for key, value in out.metrics.items():
+        assert value.ndim == 0 and not value.requires_grad and torch.isfinite(value), key
+    if preset.experimental is not None:
+        with pytest.raises(InputError, match="experimental"):
+            preset(lp, old, adv, mask, **x)
+    for missing in preset.requires:
+        kwargs = {k: v for k, v in x.items() if k != missing}
+        with pytest.raises(InputError, match=missing):
+            preset(lp, old, adv, mask, **kwargs, **ack)
+
+
+@pytest.mark.parametrize("name", L.names())
+def test_every_preset_on_policy_gives_ratio_one(name: str) -> None:
+    """logp == old_logp == behav_logp: every ratio and weight is 1, nothing is clipped or masked by staleness."""
+    preset = L.get(name)
+    x = _all_inputs(4)
+    old, adv, mask = x.pop("old_logp"), x.pop("advantages"), x.pop("mask")
+    x.pop("logp")
+    x["behav_logp"] = old
+    x["topk_logp"] = x["topk_behav_logp"]
+    x["versions"] = torch.full_like(x["versions"], 5)
+    ack = {"experimental": True} if preset.experimental is not None else {}
+    out = preset(old.clone().requires_grad_(), old, adv, mask, **x, **ack)
+    m = out.metrics
+    torch.testing.assert_close(m["ratio_mean"], torch.tensor(1.0, dtype=torch.float64))
+    torch.testing.assert_close(m["log_ratio_max"], torch.tensor(0.0, dtype=torch.float64))
+    assert float(m["masked_frac"]) == 0.0, name
+    assert float(m.get("clipfrac", torch.tensor(0.0))) == 0.0, name
