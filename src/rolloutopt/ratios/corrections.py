@@ -63,6 +63,8 @@ TisLevel = Literal["token", "sequence"]
 MisLevel = Literal["token", "sequence", "geometric"]
 Source = Literal["old", "current"]
 SAFETY_BOUND = 20.0  # verl's SAFETY_BOUND: |log ratio| clamp before exp
+_SUM_BOUND = 1e6  # token values are clamped to this before an unclamped row sum (verl's sequence IS, TRL's OPSM),
+# so that +inf and -inf partial sums cannot meet (NaN); no real log-ratio comes near it
 
 RS_OPTIONS: tuple[str, ...] = (
     "token_k1",
@@ -164,7 +166,7 @@ def _rho_log(lr: Tensor, m: Tensor, level: str, clamp: float) -> Tensor:
     if level == "token":
         return lr.clamp(-clamp, clamp)
     if level == "sequence":  # verl / TRL: the product of token ratios (sum of logs), clamped after the sum
-        return lr.sum(-1, keepdim=True).clamp(-clamp, clamp)
+        return lr.clamp(-_SUM_BOUND, _SUM_BOUND).sum(-1, keepdim=True).clamp(-clamp, clamp)
     # geometric: mean of the clamped token log-ratios (verl's seq_mean_k1 statistic), length invariant
     lengths = _lengths(m, lr.dtype).clamp(min=1)
     return (lr.clamp(-clamp, clamp).sum(-1) / lengths)[:, None]
@@ -222,7 +224,8 @@ def tis_weight(
         w^{seq}_{i} = \min\big(\max(e^{\operatorname{clip}(\sum_t m_{i,t}\delta_{i,t}, \pm c)}, C_{low}), C\big)
 
     The sequence weight is the *product* of the token ratios (the sum of logs, clamped after the sum), as in
-    verl ``rollout_is="sequence"`` and TRL ``sequence_truncate`` — not a geometric mean. With
+    verl ``rollout_is="sequence"`` and TRL ``sequence_truncate`` — not a geometric mean (token values are
+    bounded at ±1e6 before the sum so that no finite input gives NaN; real log-ratios never get there). With
     ``batch_normalize`` (verl ``rollout_is_batch_normalize``) the truncated weights are divided by their
     mean: over loss tokens at token level, over non-empty sequences at sequence level; a mean ≤ 1e-8 leaves
     them unchanged. The mean is over the local batch (verl uses a distributed mean when torch.distributed is
@@ -490,7 +493,7 @@ def fp8_token_mis(
 
 def _opsm(logp: Tensor, behav: Tensor, adv: Tensor, m: Tensor, delta: float) -> tuple[Tensor, Tensor]:
     """(keep [B, T], per-sequence mean divergence [B])."""
-    kl = torch.where(m, behav - logp.detach(), _zeros(logp))
+    kl = torch.where(m, behav - logp.detach(), _zeros(logp)).clamp(-_SUM_BOUND, _SUM_BOUND)
     seq_kl = kl.sum(-1) / _lengths(m, kl.dtype).clamp(min=1)
     keep = (adv >= 0) | (seq_kl <= delta)[:, None]
     return keep.expand_as(logp), seq_kl
@@ -915,7 +918,8 @@ def offpolicy_metrics(
     finite(old, "old_logp", m)
     finite(behav, "behav_logp", m)
     dt = old.dtype
-    old, behav = _masked_lr(old.detach(), m), _masked_lr(behav.detach(), m)
+    old = _masked_lr(old.detach(), m).clamp(-_SUM_BOUND, _SUM_BOUND)
+    behav = _masked_lr(behav.detach(), m).clamp(-_SUM_BOUND, _SUM_BOUND)
     lr = old - behav
     rows = m.any(-1) if not count_empty_rows else torch.ones_like(m[:, 0])
     lengths = _lengths(m, dt).clamp(min=1)
