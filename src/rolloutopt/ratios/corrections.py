@@ -263,6 +263,10 @@ class TIS:
     \ell^{beh}))`. Needs ``behav_logp``. Defaults: ``cap=2.0`` (verl ``rollout_is_threshold``; FP8-RL's
     token TIS C=2), token level, no lower clamp, no batch normalisation.
 
+    Reference: the TIS blog (Yao et al., 2025; no arXiv paper), verl ``rollout_is``, FP8-RL arXiv 2601.18150.
+    Edge cases: an empty row has sequence weight 1 before masking; weights are 0 outside ``mask``; an
+    all-masked batch gives zero weights and zero metrics.
+
     Metrics (raw = before truncation, over loss tokens at token level and non-empty rows at sequence level):
     ``tis_high_frac`` / ``tis_low_frac`` (fraction truncated from above / below), ``tis_raw_mean``,
     ``tis_raw_max``, ``tis_raw_min``, ``tis_log_ratio_mean`` (mean of :math:`\log\rho` at the level, i.e.
@@ -400,6 +404,11 @@ class MIS:
     (spec §3 B5, §6.1). ``source`` as in :class:`TIS`. Needs ``behav_logp``. Masked tokens stay in the
     denominator with ``policy_loss``'s default ``removed_in_denominator=True`` — as verl's IcePop (weight 0,
     ``response_mask`` unchanged) and TRL's ``*_mask`` modes.
+
+    References: IcePop (Ant Ling/Ring team blog; Ring-1T report, arXiv id not confirmed), verl
+    ``compute_rollout_correction_weights``, TRL ``vllm_importance_sampling_mode="*_mask"``. Edge cases: an empty
+    row has sequence ratio 1 (kept when 1 is in the band) and contributes nothing; weights are 0 outside
+    ``mask``.
 
     Metrics: ``mis_high_frac`` / ``mis_low_frac`` (fraction of loss tokens whose ratio is above / below the
     band), ``mis_oob_frac`` (their sum; verl ``rollout_is_oob_ratio``), and at the sequence levels
@@ -554,6 +563,8 @@ class OPSM:
     in the denominator with ``policy_loss``'s default ``removed_in_denominator=True`` (TRL multiplies the
     per-token loss by the mask and keeps the denominator). Default ``delta=1e-4`` (slime ``--opsm-delta``;
     TRL's ``off_policy_mask_threshold`` defaults to None = off).
+
+    Edge cases: an empty row has divergence 0; a row with A ≥ 0 is always kept.
 
     Metrics: ``opsm_masked_frac`` (fraction of loss tokens dropped), ``opsm_seq_masked_frac`` (fraction of
     non-empty sequences with a dropped token), ``opsm_kl_mean`` (mean over non-empty sequences of the
@@ -761,6 +772,10 @@ class RejectionFilter:
     ``policy_loss(..., removed_in_denominator=False)`` for verl's numbers. ``source`` as in :class:`TIS`
     (``"current"`` is verl's bypass mode, which recomputes RS from the current policy). Needs ``behav_logp``.
     :meth:`from_verl` parses verl's ``rollout_rs`` / ``rollout_rs_threshold`` strings.
+
+    References: verl 0.9.1 ``compute_rollout_rejection_mask`` and "When Speed Kills Stability" (Yao et al.,
+    2025; no arXiv id); ROLL ``InferCorrectionHandler`` for ``catastrophic``. Edge cases: an empty row has
+    statistic 0; an all-masked batch gives zero metrics.
 
     Metrics: per option ``rs_<opt>_masked_frac`` (fraction of loss tokens the option rejects, verl's
     ``rollout_rs_<opt>_masked_fraction``) and ``rs_<opt>_mean`` (token-weighted mean of its statistic); overall
