@@ -15,7 +15,7 @@ import torch
 
 import rolloutopt
 from rolloutopt.losses import KL, Denominators, get, policy_loss
-from rolloutopt.ratios import CISPO, SAPO, GSPORatio, PPOClip, TokenRatio
+from rolloutopt.ratios import CISPO, SAPO, TBPO, GSPORatio, PPOClip, TokenRatio
 
 
 def _inputs() -> dict[str, torch.Tensor]:
@@ -94,5 +94,47 @@ def test_cispo_cap_gspo_and_sapo_stages_compile() -> None:
         return type(a)(
             a.loss + b.loss, a.per_token + b.per_token, {**a.metrics, **{f"b_{k}": v for k, v in b.metrics.items()}}
         )
+
+    _check(fn)
+
+
+NEW_PRESET_INPUTS = ("behav_logp", "versions", "topk_logp", "topk_behav_logp", "confidence")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "decoupled_ppo",
+        "copris",
+        "cumulative",
+        "pnpo",
+        "m2po",
+        "m2po_clip",
+        "sat",
+        "tbpo",
+        "dppo_tv",
+        "dppo_predictive",
+        "echo_clip",
+    ],
+)
+def test_ratio_and_trust_region_presets_compile(name: str) -> None:
+    preset = get(name)
+    g = torch.Generator().manual_seed(1)
+    extra: dict[str, Any] = {
+        "behav_logp": _inputs()["old_logp"] + 0.1 * torch.randn(3, 5, generator=g),
+        "versions": 4 - torch.randint(0, 3, (3, 5), generator=g),
+        "policy_version": 4,
+        "topk_behav_logp": torch.log_softmax(torch.randn(3, 5, 4, generator=g), -1),
+        "confidence": torch.rand(3, generator=g),
+        "max_len": 5,
+    }
+    extra["topk_logp"] = extra["topk_behav_logp"] + 0.1 * torch.randn(3, 5, 4, generator=g)
+    if preset.experimental is not None:
+        extra["experimental"] = True
+    if name == "tbpo":  # GSPO's 3e-4 bounds clip every sequence of these inputs: widen them for a non-zero gradient
+        extra["trust"] = TBPO(low=0.5, high=0.5, band=10.0, experimental=True)
+
+    def fn(lp: torch.Tensor, x: dict[str, torch.Tensor]) -> Any:
+        return preset(lp, x["old_logp"], x["advantages"], x["mask"], **extra)
 
     _check(fn)
