@@ -84,7 +84,7 @@ def official_bounds(
             if k == 0:
                 tau_c, after = 0.0, csum[-1] / n
             else:
-                tau_c = (v[k - 1] - 1e-12) ** 0.5
+                tau_c = max(v[k - 1] - 1e-12, 0.0) ** 0.5  # the code would take sqrt(<0) here; ours clamps at 0
                 after = (v[k - 1] * (rest + 1) + csum[k - 1]) / n
             break
     return 1 - math.exp(-tau_c), math.exp(tau_c) - 1, m2_now, after

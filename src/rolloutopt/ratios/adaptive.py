@@ -23,8 +23,8 @@ from torch import Tensor
 from rolloutopt._validation import Dims, as_float, as_mask, as_seq_or_token, choice, finite, positive
 from rolloutopt.errors import InputError
 from rolloutopt.ratios.context import StageContext, masked_quantiles
-from rolloutopt.ratios.m2po import _bounded_clip_loss, _need_ctx
-from rolloutopt.ratios.reference import TrustOutput, _check_clip, _gspo_token
+from rolloutopt.ratios.m2po import _need_ctx
+from rolloutopt.ratios.reference import TrustOutput, _check_clip, _gspo_token, bounded_clip_loss
 from rolloutopt.typing import BoolBT, FloatBT, PerSeqOrToken
 
 __all__ = ["TBPO", "SATBounds", "SATClip", "sat_bounds", "tbpo_loss"]
@@ -204,7 +204,7 @@ class SATClip:
         old = c.need("old_logp", "SATClip")
         behav = c.need("behav_logp", "SATClip")
         b = _sat_bounds(old, behav, c.mask, self.low, self.high, self.tail, self.kappa, self.level)
-        loss, ind = _bounded_clip_loss(ratio, advantages, 1 - b.low, 1 + b.high, self.dual)
+        loss, ind = bounded_clip_loss(ratio, advantages, 1 - b.low, 1 + b.high, self.dual)
         ind["sat_tail_frac"] = b.tail
         ind["sat_shrunk_high_frac"] = b.tail & (b.d > 0)
         ind["sat_shrunk_low_frac"] = b.tail & (b.d < 0)

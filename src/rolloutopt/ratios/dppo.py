@@ -24,7 +24,7 @@ from torch import Tensor
 from rolloutopt._validation import Dims, as_float, as_mask, checks_enabled, choice, finite, positive
 from rolloutopt.errors import InputError
 from rolloutopt.ratios.context import StageContext, masked_mean
-from rolloutopt.ratios.reference import TrustOutput
+from rolloutopt.ratios.reference import TrustOutput, bounded_clip_loss
 from rolloutopt.typing import BoolBT, FloatB, FloatBT, PerSeqOrToken
 
 __all__ = [
@@ -732,22 +732,7 @@ def echo_clip_loss(
     """
     eps = epsilon[:, None] if epsilon.ndim == 1 else epsilon
     eps = eps.detach().to(ratio.dtype)
-    l1 = -advantages * ratio
-    clipped = torch.minimum(torch.maximum(ratio, 1 - eps), 1 + eps)
-    l2 = -advantages * clipped
-    lc = torch.maximum(l1, l2)
-    neg = (advantages < 0).expand_as(ratio)
-    ind = {
-        "clipfrac": l2 > l1,
-        "clip_low_frac": (ratio < 1 - eps) & neg,
-        "clip_high_frac": (ratio > 1 + eps) & (advantages > 0),
-    }
-    if dual is None:
-        ind["dual_clip_frac"] = torch.zeros_like(neg)
-        return lc, ind
-    l3 = -advantages * dual
-    ind["dual_clip_frac"] = (lc > l3) & neg
-    return torch.where(neg, torch.minimum(lc, l3), lc), ind
+    return bounded_clip_loss(ratio, advantages, 1 - eps, 1 + eps, dual)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from torch import Tensor
 from rolloutopt._validation import Dims, as_float, as_mask, as_seq_or_token, choice, finite, positive
 from rolloutopt.errors import InputError
 from rolloutopt.ratios.context import StageContext
-from rolloutopt.ratios.reference import PPOClip, TrustOutput, ppo_clip_loss
+from rolloutopt.ratios.reference import PPOClip, TrustOutput, bounded_clip_loss, ppo_clip_loss
 from rolloutopt.typing import BoolBT, FloatBT, PerSeqOrToken
 
 __all__ = ["M2POBounds", "M2POClip", "M2POMask", "m2po_clip_bounds", "m2po_mask"]
@@ -342,27 +342,6 @@ def _check_bounds_args(tau: float, miniclip_low: float | None, miniclip_high: fl
         positive(miniclip_high, f"{owner}miniclip_high", strict=False)
 
 
-def _bounded_clip_loss(
-    ratio: Tensor, advantages: Tensor, lo: Tensor, hi: Tensor, dual: float | None = None
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clip (and dual clip) with tensor bounds ``lo <= r <= hi`` (0-d or ``[B, T]``); same indicators as
-    :func:`~rolloutopt.ratios.ppo_clip_loss`."""
-    l1 = -advantages * ratio
-    l2 = -advantages * torch.clamp(ratio, min=lo, max=hi)
-    lc = torch.maximum(l1, l2)
-    neg = advantages < 0
-    ind = {
-        "clipfrac": l2 > l1,
-        "clip_low_frac": (ratio < lo) & neg,
-        "clip_high_frac": (ratio > hi) & (advantages > 0),
-    }
-    if dual is None:
-        return lc, ind
-    l3 = -advantages * dual
-    ind["dual_clip_frac"] = (lc > l3) & neg
-    return torch.where(neg, torch.minimum(lc, l3), lc), ind
-
-
 @dataclass(frozen=True)
 class M2POClip:
     r"""Trust region: PPO clip with the official M2PO code's batch-adaptive bounds (:func:`m2po_clip_bounds`).
@@ -393,7 +372,7 @@ class M2POClip:
     ) -> TrustOutput:
         m = ctx.mask if ctx is not None else torch.ones_like(ratio, dtype=torch.bool)
         b = _m2po_bounds(log_ratio, advantages, m, self.tau, self.miniclip_low, self.miniclip_high)
-        loss, ind = _bounded_clip_loss(ratio, advantages, 1 - b.low, 1 + b.high)
+        loss, ind = bounded_clip_loss(ratio, advantages, 1 - b.low, 1 + b.high)
         ind["m2po_harmful_frac"] = b.harmful
         metrics = {
             "m2po_clip_low": b.low,

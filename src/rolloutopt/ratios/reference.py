@@ -25,6 +25,7 @@ __all__ = [
     "PPOClip",
     "TokenRatio",
     "TrustOutput",
+    "bounded_clip_loss",
     "cispo_weight",
     "gspo_token_log_ratio",
     "log_ratio",
@@ -166,14 +167,26 @@ def ppo_clip_loss(
     tokens have zero gradient.
     """
     _check_clip(low, high, dual, "ppo_clip_loss")
+    return bounded_clip_loss(ratio, advantages, ratio.new_tensor(1 - low), ratio.new_tensor(1 + high), dual)
+
+
+def bounded_clip_loss(
+    ratio: Tensor, advantages: Tensor, lo: Tensor, hi: Tensor, dual: float | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clip and dual clip with the ratio interval ``[lo, hi]`` given directly as tensors that broadcast
+    against ``ratio`` (0-d batch bounds, ``[B, 1]`` per rollout, ``[B, T]`` per token; detached).
+
+    The shared core of :func:`ppo_clip_loss` and the adaptive trust regions (M2PO's batch bounds, SAT's
+    per-token bounds, ECHO's per-rollout radius); indicators as :func:`ppo_clip_loss`. No validation (hot path).
+    """
     l1 = -advantages * ratio
-    l2 = -advantages * ratio.clamp(1 - low, 1 + high)
+    l2 = -advantages * torch.clamp(ratio, lo, hi)
     lc = torch.maximum(l1, l2)
-    neg = advantages < 0
+    neg = (advantages < 0).expand_as(ratio)
     ind = {
         "clipfrac": (l2 > l1),
-        "clip_low_frac": (ratio < 1 - low) & neg,
-        "clip_high_frac": (ratio > 1 + high) & (advantages > 0),
+        "clip_low_frac": (ratio < lo) & neg,
+        "clip_high_frac": (ratio > hi) & (advantages > 0),
     }
     if dual is None:
         ind["dual_clip_frac"] = torch.zeros_like(neg)
