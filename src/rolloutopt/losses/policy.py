@@ -16,7 +16,14 @@ from rolloutopt.groups import Groups
 from rolloutopt.losses.aggregation import AGG_MODES, AggMode, Denominators, aggregate
 from rolloutopt.losses.regularizers import KL
 from rolloutopt.ratios import PPOClip, TokenRatio, TrustOutput
-from rolloutopt.ratios.context import StageContext, as_weights, masked_max, masked_mean, masked_quantiles
+from rolloutopt.ratios.context import (
+    CorrectionOutput,
+    StageContext,
+    as_weights,
+    masked_max,
+    masked_mean,
+    masked_quantiles,
+)
 from rolloutopt.typing import BoolBT, FloatB, FloatBT, IntB, PerSeqOrToken
 
 __all__ = [
@@ -76,15 +83,6 @@ class ProximalStage(Protocol):
     """
 
     def __call__(self, ctx: StageContext) -> Tensor: ...
-
-
-@dataclass(frozen=True)
-class CorrectionOutput:
-    """Per-token off-policy correction: a detached weight ``[B, T]``, an optional keep mask ``[B, T]`` and metrics."""
-
-    weight: Tensor
-    keep: Tensor | None = None
-    metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -15,8 +15,10 @@ from rolloutopt.ratios import (
     CISPO,
     DPPO,
     MIS,
+    OPSM,
     SAPO,
     TBPO,
+    TIS,
     CoPRISProximal,
     CumulativeRatio,
     ECHOClip,
@@ -113,6 +115,44 @@ for _preset in (
         "sapo",
         "SAPO arXiv 2511.20347: soft sigmoid gate, tau_pos 1.0 / tau_neg 1.05, per-sequence token mean",
         {"ratio": TokenRatio(), "trust": SAPO(), "agg": "seq-mean-token-mean"},
+    ),
+    # --- rollout-engine / trainer mismatch (docs/methods/corrections.md)
+    Preset(
+        "tis",
+        "Truncated importance sampling (blog 'Your efficient RL framework secretly brings you off-policy RL "
+        "training'; verl decoupled_token_is): token weight min(exp(old - behav), 2) on verl's default PPO loss "
+        "(clip 0.2/0.2, dual clip 3), token mean",
+        {
+            "ratio": TokenRatio(),
+            "trust": PPOClip(low=0.2, high=0.2, dual=3.0),
+            "correction": TIS(cap=2.0),
+            "agg": "token-mean",
+        },
+        requires=("behav_logp",),
+    ),
+    Preset(
+        "icepop",
+        "IcePop / masked IS (Ring-1T report; verl decoupled_token_icepop): token weight exp(old - behav) inside "
+        "[0.5, 5], tokens outside masked, on verl's default PPO loss (clip 0.2/0.2, dual clip 3), token mean",
+        {
+            "ratio": TokenRatio(),
+            "trust": PPOClip(low=0.2, high=0.2, dual=3.0),
+            "correction": MIS(low=0.5, high=5.0, in_band="ratio"),
+            "agg": "token-mean",
+        },
+        requires=("behav_logp",),
+    ),
+    Preset(
+        "opsm",
+        "Off-policy sequence masking (DeepSeek-V3.2 arXiv 2512.02556; TRL off_policy_mask_threshold, slime "
+        "--opsm-delta 1e-4): negative-advantage sequences whose mean log(behav / current) exceeds 1e-4 are "
+        "masked, on the dapo loss; uses behav_logp when given, else old_logp (TRL's fallback)",
+        {
+            "ratio": TokenRatio(),
+            "trust": PPOClip(low=0.2, high=0.28, dual=None),
+            "correction": OPSM(delta=1e-4),
+            "agg": "token-mean",
+        },
     ),
     # --- stale and partial rollouts (docs/methods/offpolicy.md)
     Preset(

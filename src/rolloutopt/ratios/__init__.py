@@ -18,7 +18,14 @@ from __future__ import annotations
 
 from rolloutopt.ratios import adaptive, corrections, dppo, m2po, offpolicy, prefix, reference
 from rolloutopt.ratios.adaptive import *  # noqa: F403
-from rolloutopt.ratios.context import StageContext, as_weights, masked_max, masked_mean, masked_quantiles
+from rolloutopt.ratios.context import (
+    CorrectionOutput,
+    StageContext,
+    as_weights,
+    masked_max,
+    masked_mean,
+    masked_quantiles,
+)
 from rolloutopt.ratios.corrections import *  # noqa: F403
 from rolloutopt.ratios.dppo import *  # noqa: F403
 from rolloutopt.ratios.m2po import *  # noqa: F403
@@ -26,7 +33,7 @@ from rolloutopt.ratios.offpolicy import *  # noqa: F403
 from rolloutopt.ratios.prefix import *  # noqa: F403
 from rolloutopt.ratios.reference import *  # noqa: F403
 
-__all__ = ["StageContext", "as_weights", "masked_max", "masked_mean", "masked_quantiles"]
+__all__ = ["CorrectionOutput", "StageContext", "as_weights", "masked_max", "masked_mean", "masked_quantiles"]
 __all__ += reference.__all__
 __all__ += corrections.__all__
 __all__ += offpolicy.__all__

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from rolloutopt.errors import InputError
 
-__all__ = ["StageContext", "as_weights", "masked_max", "masked_mean", "masked_quantiles"]
+__all__ = ["CorrectionOutput", "StageContext", "as_weights", "masked_max", "masked_mean", "masked_quantiles"]
 
 _OPTIONAL = {
     "behav_logp": "the rollout engine's log-probs of the sampled tokens [B, T]",
@@ -77,6 +77,16 @@ class StageContext:
     def count(self) -> Tensor:
         """Number of loss tokens, at least 1, in the logp dtype (a 0-d tensor, no host sync)."""
         return self.mask.sum().clamp(min=1).to(self.logp.dtype)
+
+
+@dataclass(frozen=True)
+class CorrectionOutput:
+    """Per-token off-policy correction: a detached weight ``[B, T]`` (or ``[B, 1]``), an optional keep mask
+    ``[B, T]`` and metrics (detached 0-d tensors)."""
+
+    weight: Tensor
+    keep: Tensor | None = None
+    metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
 def as_weights(mask: Tensor, dtype: torch.dtype) -> Tensor:

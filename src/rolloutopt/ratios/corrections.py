@@ -28,18 +28,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from rolloutopt._validation import Dims, as_float, as_mask, as_seq_or_token, choice, finite, positive
 from rolloutopt.errors import InputError
-from rolloutopt.ratios.context import StageContext, as_weights
+from rolloutopt.ratios.context import CorrectionOutput, StageContext, as_weights
 from rolloutopt.typing import BoolBT, FloatBT, PerSeqOrToken
-
-if TYPE_CHECKING:  # ratios sits below losses; CorrectionOutput is built lazily in _output
-    from rolloutopt.losses.policy import CorrectionOutput
 
 __all__ = [
     "MIS",
@@ -84,14 +81,6 @@ RS_OPTIONS: tuple[str, ...] = (
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-
-
-def _output(weight: Tensor, keep: Tensor | None, metrics: dict[str, Tensor]) -> CorrectionOutput:
-    # CorrectionOutput lives in rolloutopt.losses.policy (a layer above); imported at call time, when policy_loss
-    # (its only caller) is loaded anyway, so importing this module never imports losses.
-    from rolloutopt.losses.policy import CorrectionOutput
-
-    return CorrectionOutput(weight, keep, metrics)
 
 
 def _zeros(x: Tensor) -> Tensor:
@@ -303,7 +292,7 @@ class TIS:
         }
         if factor is not None:
             metrics["tis_batch_norm_factor"] = factor
-        return _output(w, None, metrics)
+        return CorrectionOutput(w, None, metrics)
 
 
 # ----------------------------------------------------------------------------------------------- MIS
@@ -445,7 +434,7 @@ class MIS:
             metrics["mis_seq_oob_frac"] = _mean(hi | lo, m.any(-1, keepdim=True), dt)
         if factor is not None:
             metrics["mis_batch_norm_factor"] = factor
-        return _output(w, keep, metrics)
+        return CorrectionOutput(w, keep, metrics)
 
 
 # ----------------------------------------------------------------------------------------------- FP8-RL
@@ -593,7 +582,7 @@ class OPSM:
             "opsm_seq_masked_frac": _mean(dropped.any(-1), rows, dt),
             "opsm_kl_mean": _mean(seq_kl, rows, dt),
         }
-        return _output(torch.ones_like(ctx.logp), keep, metrics)
+        return CorrectionOutput(torch.ones_like(ctx.logp), keep, metrics)
 
 
 # ----------------------------------------------------------------------------------------------- rejection
@@ -829,7 +818,7 @@ class RejectionFilter:
         lr = _mismatch_log_ratio(ctx, self.source, "RejectionFilter").clamp(-self.clamp, self.clamp)
         bounds = _rs_bounds(self.options, self.thresholds, "RejectionFilter.")
         keep, metrics = _rejection(lr, ctx.mask, self.options, bounds)
-        return _output(torch.ones_like(lr), keep, metrics)
+        return CorrectionOutput(torch.ones_like(lr), keep, metrics)
 
 
 # ----------------------------------------------------------------------------------------------- adapters
