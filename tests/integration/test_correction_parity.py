@@ -51,6 +51,7 @@ from rolloutopt.losses import policy_loss
 from rolloutopt.ratios import (
     MIS,
     OPSM,
+    REINFORCE,
     TIS,
     PPOClip,
     RejectionFilter,
@@ -580,3 +581,52 @@ def test_offpolicy_metrics_match_verl(seed: int) -> None:
     sub = helper.compute_offpolicy_metrics(batch.old[rows], batch.behav[rows], batch.mask[rows])
     for key, value in sub.items():
         assert_close(ours[key].item(), value, rtol=1e-7, atol=1e-12, msg=key)
+
+
+# ------------------------------------------------------------------------------------------ verl bypass mode
+
+
+@pytest.mark.verl
+@pytest.mark.parametrize(
+    ("preset", "rollout_is", "threshold", "agg"),
+    [
+        ("bypass_pg_is", "sequence", 2.0, "seq-mean-token-sum"),  # verl's REINFORCE default aggregation
+        ("bypass_pg_is", "sequence", 2.0, "token-mean"),
+        ("bypass_pg_token_icepop", "token", "0.5_5.0", "token-mean"),
+    ],
+)
+def test_bypass_reinforce_matches_verl(preset: str, rollout_is: str, threshold: Any, agg: str) -> None:
+    """verl's bypass_mode ``reinforce`` loss (IS recomputed from the current policy against the rollout) equals
+    ``trust=REINFORCE()`` with the correction's ``source="current"``, old_logp = the rollout log-probs."""
+    core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+    verl_config = pytest.importorskip("verl.workers.config")
+    algorithm = pytest.importorskip("verl.trainer.config.algorithm")
+    rc = getattr(algorithm.RolloutCorrectionConfig, preset)()
+    assert rc.rollout_is == rollout_is and rc.loss_type == "reinforce"
+    cfg = verl_config.ActorConfig(
+        strategy="fsdp",
+        ppo_micro_batch_size_per_gpu=1,
+        rollout_n=1,
+        policy_loss=verl_config.PolicyLossConfig(loss_mode="bypass_mode", rollout_correction=rc),
+    )
+    batch = make_batch(7)
+    lp = batch.logp.clone().requires_grad_(True)
+    loss, _ = core_algos.get_policy_loss_fn("bypass_mode")(
+        old_log_prob=batch.behav,
+        log_prob=lp,
+        advantages=batch.adv[:, None].expand_as(lp).contiguous(),
+        response_mask=batch.mask,
+        loss_agg_mode=agg,
+        config=cfg,
+        rollout_is_weights=None,
+    )
+    (g_verl,) = torch.autograd.grad(loss, lp)
+    correction = from_verl_rollout_is(rollout_is, rc.rollout_is_threshold, source="current")
+    mine = policy_loss(
+        lp, batch.behav, batch.adv, batch.mask, behav_logp=batch.behav, trust=REINFORCE(), correction=correction,
+        agg=agg,  # type: ignore[arg-type]
+    )  # fmt: skip
+    (g,) = torch.autograd.grad(mine.loss, lp)
+    assert_close(mine.loss.detach(), loss.detach(), rtol=1e-7, atol=1e-12)
+    assert_close(g, g_verl, rtol=1e-7, atol=1e-12)
+    assert float(g.abs().sum()) > 0

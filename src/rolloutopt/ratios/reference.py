@@ -20,6 +20,7 @@ from rolloutopt.typing import BoolBT, FloatB, FloatBT
 
 __all__ = [
     "CISPO",
+    "REINFORCE",
     "SAPO",
     "GSPORatio",
     "PPOClip",
@@ -312,3 +313,20 @@ class SAPO:
         self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
     ) -> TrustOutput:
         return TrustOutput(sapo_gate(ratio, advantages, tau_pos=self.tau_pos, tau_neg=self.tau_neg), None, {})
+
+
+@dataclass(frozen=True)
+class REINFORCE:
+    r"""Trust region: none, the plain policy-gradient term :math:`L = -A\,\ell^	heta` (the ratio is ignored).
+
+    With an off-policy correction (e.g. :class:`~rolloutopt.ratios.TIS` with ``source="current"``, weight
+    :math:`\operatorname{sg}(\min(\pi_	heta/\pi_{beh}, C))`) this is verl's bypass-mode ``reinforce`` loss
+    :math:`-\operatorname{sg}(w)\,A\,\ell^	heta` (``compute_policy_loss_reinforce``, default aggregation
+    ``seq-mean-token-sum``). Its gradient equals the unclipped surrogate's on-policy. Reference: Williams 1992
+    (REINFORCE); verl rollout correction docs.
+    """
+
+    def __call__(
+        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+    ) -> TrustOutput:
+        return TrustOutput(-advantages * logp, None, {})
