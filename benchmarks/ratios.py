@@ -62,7 +62,7 @@ def ours(name: str, x: dict[str, Any]) -> Callable[[], Any]:
     kwargs: dict[str, Any] = {k: x[k] for k in preset.requires}
     if "behav_logp" not in kwargs:
         kwargs["behav_logp"] = x["behav_logp"]
-    if name == "dr_grpo":
+    if preset.config.get("agg") == "seq-mean-token-sum-norm":
         kwargs["max_len"] = x["mask"].shape[1]
     if preset.experimental is not None:
         kwargs["experimental"] = True
@@ -114,8 +114,9 @@ def verl_runs(x: dict[str, Any]) -> dict[str, Callable[[], Any]]:
         "sapo": loss("sapo", "seq-mean-token-mean", config()),
         "tis": loss("vanilla", "token-mean", config(clip_ratio_c=NO_DUAL), threshold=2.0),
         "icepop": loss("vanilla", "token-mean", config(clip_ratio_c=NO_DUAL), threshold="0.5_5.0"),
-        "dppo_tv": loss("dppo_tv", "token-mean", config()),
-        "dppo_kl": loss("dppo_kl", "token-mean", config()),
+        "dr_grpo": loss("vanilla", "seq-mean-token-sum-norm", vanilla),
+        "dppo_tv": loss("dppo_tv", "seq-mean-token-sum-norm", config(clip_ratio_low=0.15, clip_ratio_high=0.15)),
+        "dppo_kl": loss("dppo_kl", "seq-mean-token-sum-norm", config(clip_ratio_low=0.05, clip_ratio_high=0.05)),
     }
 
 

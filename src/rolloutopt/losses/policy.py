@@ -304,31 +304,35 @@ def policy_loss(
     }
     loss = aggregate(per_token, loss_mask, agg, **agg_kw)
 
-    count = m.sum().clamp(min=1).to(lp.dtype)
+    # Metrics: one float mask for every masked mean (a bool mask is converted once, not per metric), and the
+    # policy-term loss is the loss itself when no regulariser was added.
+    n_tok = m.sum()
+    count = n_tok.clamp(min=1).to(lp.dtype)
+    mf = as_weights(m, lp.dtype)
     rd = r.detach()
     lrd = log_r.detach()
     metrics: dict[str, Tensor] = {
-        "pg_loss": aggregate(pg.detach(), loss_mask, agg, **agg_kw).detach(),
-        "ratio_mean": _masked_mean(rd, m, count),
-        "ratio_max": _masked_max(rd, m),
-        "log_ratio_max": _masked_max(lrd.abs(), m),
-        "approx_kl": _masked_mean(-lrd, m, count),
-        "masked_frac": _masked_mean(~kept, m, count),
+        "pg_loss": loss.detach() if total is pg else aggregate(pg.detach(), loss_mask, agg, **agg_kw).detach(),
+        "ratio_mean": _masked_mean(rd, mf, count),
+        "ratio_max": _masked_max(rd, mf),
+        "log_ratio_max": _masked_max(lrd.abs(), mf),
+        "approx_kl": -_masked_mean(lrd, mf, count),
+        "masked_frac": (n_tok - kept.sum()).to(lp.dtype) / count if keep is not None else torch.zeros_like(count),
     }
     for q, v in zip(RATIO_QUANTILES, masked_quantiles(rd, m, RATIO_QUANTILES), strict=True):
         metrics[f"ratio_q{round(q * 100)}"] = v
     for name, ind in out.indicators.items():
-        metrics[name] = _masked_mean(ind, m, count)
+        metrics[name] = _masked_mean(ind, mf, count)
     metrics.update({k: v.detach() for k, v in out.metrics.items()})
     if weight is not None:
-        metrics.update(weight_metrics(weight.expand_as(lp), m))
+        metrics.update(weight_metrics(weight.expand_as(lp), mf))
     if ctx.versions is not None:
         metrics.update(staleness_metrics(ctx.versions, m, ctx.policy_version))
     metrics.update(extra)
     if ent is not None:
-        metrics["entropy"] = _masked_mean(ent.detach(), m, count)
+        metrics["entropy"] = _masked_mean(ent.detach(), mf, count)
     if kl is not None:
-        metrics["kl"] = _masked_mean(kl_tok.detach(), m, count)
+        metrics["kl"] = _masked_mean(kl_tok.detach(), mf, count)
     return LossOutput(loss=loss, per_token=per_token, metrics=metrics)
 
 
