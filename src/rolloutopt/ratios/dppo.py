@@ -78,10 +78,19 @@ def _binary_kl(lp: Tensor, old: Tensor) -> Tensor:
     return p_old * (old - lp) + (1 - p_old) * torch.log((1.0 - p_old + _BINARY_EPS) / (1.0 - p + _BINARY_EPS))
 
 
-def _topk(topk_logp: Tensor, topk_behav_logp: Tensor, kind: str) -> Tensor:
+_TopK = tuple[Tensor, Tensor, Tensor, Tensor]
+
+
+def _topk_probs(topk_logp: Tensor, topk_behav_logp: Tensor) -> _TopK:
+    """``(log pi, log mu, pi, mu)`` at the top-K ids, clamped and detached: computed once per call, since the
+    ``[B, T, K]`` tensors dominate the cost of the top-K divergences and the predictive mask."""
     lq = topk_logp.detach().clamp(_LOGP_FLOOR, 0.0)  # pi, the trained policy, at the reference ids
     lp = topk_behav_logp.detach().clamp(_LOGP_FLOOR, 0.0)  # mu, the reference (rollout) policy's top-K
-    q, p = torch.exp(lq), torch.exp(lp)
+    return lq, lp, torch.exp(lq), torch.exp(lp)
+
+
+def _topk(probs: _TopK, kind: str) -> Tensor:
+    lq, lp, q, p = probs
     rest_q = (1.0 - q.sum(-1)).clamp(min=_MASS_FLOOR)
     rest_p = (1.0 - p.sum(-1)).clamp(min=_MASS_FLOOR)
     if kind == "kl":
@@ -146,7 +155,7 @@ def topk_divergence(topk_logp: Tensor, topk_behav_logp: Tensor, *, kind: Literal
     p = as_float(topk_behav_logp, "topk_behav_logp", dims, "B T K", device=q.device)
     finite(q, "topk_logp")
     finite(p, "topk_behav_logp")
-    return _topk(q, p, kind)
+    return _topk(_topk_probs(q, p), kind)
 
 
 # ----------------------------------------------------------------------------------------------- predictive
@@ -159,14 +168,12 @@ def _in_topk(topk_logp: Tensor, logp: Tensor, tol: float) -> Tensor:
 def _predicted_change(
     lp: Tensor,
     old: Tensor,
-    topk_logp: Tensor,
-    topk_behav_logp: Tensor,
+    probs: _TopK,
     in_topk: Tensor,
     tail: str,
     vocab_size: int | None,
 ) -> Tensor:
-    q = torch.exp(topk_logp.detach().clamp(_LOGP_FLOOR, 0.0))  # pi_j, j in top-K
-    p = torch.exp(topk_behav_logp.detach().clamp(_LOGP_FLOOR, 0.0))  # mu_j
+    _, _, q, p = probs  # pi_j and mu_j, j in top-K
     pi_k, mu_k = _probs(lp), _probs(old)  # the sampled token
     head = (q * (p - q)).sum(-1)
     rest_q = (1.0 - q.sum(-1)).clamp(min=0.0)
@@ -178,7 +185,7 @@ def _predicted_change(
     tail_sum = tail_q * (tail_p - tail_q)
     if tail == "uniform":
         assert vocab_size is not None
-        k = topk_logp.shape[-1]
+        k = q.shape[-1]
         n = (vocab_size - k) - out.to(lp.dtype)  # tail tokens, the sampled one excluded when it is there
         tail_sum = tail_sum / n.clamp(min=1.0)
     return (pi_k - mu_k) + head + own + tail_sum
@@ -282,7 +289,7 @@ def predicted_kl_change(
         finite(x, name)
     _check_k(vocab_size, q.shape[-1], "topk_logp")
     inside = _in_topk(q, lp, match_tol) if sampled_in_topk is None else _sampled(sampled_in_topk, dims, lp.device)
-    return _predicted_change(lp, old, q, p, inside, tail, vocab_size)
+    return _predicted_change(lp, old, _topk_probs(q, p), inside, tail, vocab_size)
 
 
 def _sampled(x: Any, dims: Dims, device: torch.device) -> Tensor:
@@ -452,7 +459,8 @@ class DPPO:
                     "None",
                     "pass topk_logp=... and topk_behav_logp=...",
                 )
-            d = _topk(topk_logp, topk_behav_logp, "kl" if self.divergence == "topk_kl" else "tv")
+            probs = _topk_probs(topk_logp, topk_behav_logp)
+            d = _topk(probs, "kl" if self.divergence == "topk_kl" else "tv")
         pos = adv > 0
         far_high = pos & (d > self.high)
         far_low = ~pos & (d > self.low)
@@ -461,7 +469,7 @@ class DPPO:
         if self.predictive:
             assert topk_logp is not None and topk_behav_logp is not None
             inside = _in_topk(topk_logp, lp, self.match_tol) if sampled_in_topk is None else sampled_in_topk
-            g = _predicted_change(lp, old, topk_logp, topk_behav_logp, inside, self.tail, self.vocab_size)
+            g = _predicted_change(lp, old, probs, inside, self.tail, self.vocab_size)
             away = adv * g > 0
             high, low = far_high & away, far_low & away
             flip = (high ^ local_high) | (low ^ local_low)
