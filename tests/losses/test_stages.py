@@ -219,3 +219,18 @@ def test_trust_stage_batch_metrics_are_reported() -> None:
 
     out = policy_loss(torch.zeros(2, 4), None, ADV.float(), MASK, trust=trust)
     assert float(out.metrics["my_bound"]) == 0.125 and not out.metrics["my_bound"].requires_grad
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    values=st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=60),
+    keep=st.lists(st.booleans(), min_size=60, max_size=60),
+    qs=st.lists(st.floats(0.5, 1.0), min_size=1, max_size=3),
+)
+def test_masked_quantiles_topk_path_equals_sort_path(values: list[float], keep: list[bool], qs: list[float]) -> None:
+    """Upper quantiles use a top-k; adding a quantile below 0.5 forces the sort: both give the same values."""
+    x = torch.tensor(values, dtype=D)
+    m = torch.tensor(keep[: len(values)])
+    top = masked_quantiles(x, m, tuple(qs), max_samples=None)
+    via_sort = masked_quantiles(x, m, (*qs, 0.0), max_samples=None)[:-1]
+    assert [float(v) for v in top] == [float(v) for v in via_sort]
