@@ -36,6 +36,7 @@ test: lint typecheck docs pytest
 
 bench: $(STAMP)
 	$(PY) benchmarks/groups.py
+	$(PY) benchmarks/ratios.py
 
 clean:
 	rm -rf $(VENV) .site .pytest_cache .mypy_cache .ruff_cache .hypothesis
