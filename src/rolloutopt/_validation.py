@@ -27,6 +27,7 @@ __all__ = [
     "checks_enabled",
     "describe",
     "finite",
+    "require_experimental",
 ]
 
 _ENABLED = [True]
@@ -227,4 +228,17 @@ def choice(value: Any, name: str, options: tuple[Any, ...]) -> None:
             f"one of {', '.join(map(repr, options))}",
             describe(value),
             f"pick one of the listed values for {name}",
+        )
+
+
+def require_experimental(flag: Any, what: str, spec: str, *, argument: str = "experimental") -> None:
+    """Raise unless ``flag is True``: ``what`` is reconstructed (``specs/`` section ``spec``), not taken from a
+    primary source, so the caller must acknowledge it with ``experimental=True``."""
+    if flag is not True:
+        raise InputError(
+            argument,
+            f"experimental=True: {what} is reconstructed, not taken from a primary source, and may change when one is "
+            "checked",
+            repr(flag),
+            f"pass experimental=True to acknowledge the reconstruction (see {spec})",
         )

@@ -21,7 +21,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rolloutopt._validation import Dims, as_float, as_mask, checks_enabled, choice, describe, finite, positive
+from rolloutopt._validation import (
+    Dims,
+    as_float,
+    as_mask,
+    checks_enabled,
+    choice,
+    describe,
+    finite,
+    positive,
+    require_experimental,
+)
 from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
 from rolloutopt.advantages.reference import grpo
 from rolloutopt.errors import InputError
@@ -193,15 +203,12 @@ def ace(
     With non-binary rewards "error" means "negative advantage": below-baseline rollouts are penalised in
     proportion to their confidence shift.
     """
-    if not experimental:
-        raise InputError(
-            "experimental",
-            "experimental=True: ACE's exact form (multiplicative softplus of the detached confidence shift, the "
-            "alpha default, summed vs mean c_i) is reconstructed from the abstract and summaries of arXiv "
-            "2602.21420, not from a primary source",
-            "experimental=False",
-            "pass experimental=True to acknowledge the reconstruction (see specs/advantages.md §A9)",
-        )
+    require_experimental(
+        experimental,
+        "ACE's exact form (multiplicative softplus of the detached confidence shift, the alpha default, summed vs "
+        "mean c_i, from the abstract and summaries of arXiv 2602.21420)",
+        "specs/advantages.md §A9",
+    )
     choice(confidence, "confidence", ("sum", "mean"))
     choice(penalty, "penalty", ("softplus", "softplus_shifted", "relu"))
     positive(alpha, "alpha", strict=False)

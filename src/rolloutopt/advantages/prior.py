@@ -18,7 +18,17 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import Dims, as_float, as_index, as_mask, checks_enabled, choice, finite, positive
+from rolloutopt._validation import (
+    Dims,
+    as_float,
+    as_index,
+    as_mask,
+    checks_enabled,
+    choice,
+    finite,
+    positive,
+    require_experimental,
+)
 from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
 from rolloutopt.advantages.reference import _prepare, _reference
 from rolloutopt.errors import InputError
@@ -31,14 +41,11 @@ Variance = Literal["bernoulli", "sample", "population"]
 
 
 def _experimental(name: str, section: str, experimental: bool) -> None:
-    if experimental is not True:
-        raise InputError(
-            "experimental",
-            f"experimental=True: {name}'s formula is reconstructed from the abstract and public summaries of its "
-            f"paper (specs/advantages.md {section}) and may change when a primary source is checked",
-            repr(experimental),
-            f"pass experimental=True to acknowledge the reconstruction (see specs/advantages.md {section})",
-        )
+    require_experimental(
+        experimental,
+        f"{name}'s formula (from the abstract and public summaries of its paper)",
+        f"specs/advantages.md {section}",
+    )
 
 
 def _number(value: Any, name: str, low: float, high: float, *, fix: str) -> None:

@@ -20,7 +20,16 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import Dims, as_float, as_mask, as_seq_or_token, choice, finite, positive
+from rolloutopt._validation import (
+    Dims,
+    as_float,
+    as_mask,
+    as_seq_or_token,
+    choice,
+    finite,
+    positive,
+    require_experimental,
+)
 from rolloutopt.errors import InputError
 from rolloutopt.ratios.context import StageContext, masked_quantiles
 from rolloutopt.ratios.m2po import _need_ctx
@@ -34,13 +43,9 @@ _LEVELS = ("token", "sequence")
 
 
 def _experimental(flag: object, owner: str, what: str, spec: str) -> None:
-    if flag is not True:
-        raise InputError(
-            f"{owner}experimental" if owner else "experimental",
-            f"experimental=True: {what} is reconstructed from public summaries, not from a primary source",
-            repr(flag),
-            f"pass experimental=True to acknowledge the reconstruction (see specs/ratios_and_losses.md {spec})",
-        )
+    require_experimental(
+        flag, f"{what} (from public summaries)", f"specs/ratios_and_losses.md {spec}", argument=f"{owner}experimental"
+    )
 
 
 # ------------------------------------------------------------------------------------------------------ SAT

@@ -33,7 +33,16 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import Dims, as_float, as_mask, as_seq_or_token, choice, finite, positive
+from rolloutopt._validation import (
+    Dims,
+    as_float,
+    as_mask,
+    as_seq_or_token,
+    choice,
+    finite,
+    positive,
+    require_experimental,
+)
 from rolloutopt.errors import InputError
 from rolloutopt.ratios.context import CorrectionOutput, StageContext, as_weights
 from rolloutopt.typing import BoolBT, FloatBT, PerSeqOrToken
@@ -470,14 +479,11 @@ def fp8_token_mis(
     (``in_band`` overrides the in-band weight of either). ``cap=2.0`` follows the report's TIS C = 2,
     ``low=0.5`` follows IcePop; both unconfirmed. Out-of-band tokens get ``keep=False``.
     """
-    if experimental is not True:
-        raise InputError(
-            "experimental",
-            "experimental=True: the FP8-RL report's MIS form (upper-only ratio mask or double-sided pure mask) is "
-            "reconstructed",
-            repr(experimental),
-            "pass experimental=True to acknowledge the reconstruction (see specs/ratios_and_losses.md §3 B6)",
-        )
+    require_experimental(
+        experimental,
+        "the FP8-RL report's MIS form (upper-only ratio mask or double-sided pure mask)",
+        "specs/ratios_and_losses.md §3 B6",
+    )
     choice(variant, "variant", ("upper", "band"))
     positive(cap, "cap")
     if variant == "upper":

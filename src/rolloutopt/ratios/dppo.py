@@ -21,7 +21,16 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import Dims, as_float, as_mask, checks_enabled, choice, finite, positive
+from rolloutopt._validation import (
+    Dims,
+    as_float,
+    as_mask,
+    checks_enabled,
+    choice,
+    finite,
+    positive,
+    require_experimental,
+)
 from rolloutopt.errors import InputError
 from rolloutopt.ratios.context import StageContext, masked_mean
 from rolloutopt.ratios.reference import TrustOutput, bounded_clip_loss
@@ -213,16 +222,13 @@ def _check_k(vocab_size: int | None, k: int, name: str) -> None:
         )
 
 
-def _require_experimental(experimental: bool, what: str, fix: str) -> None:
-    if experimental is not True:
-        raise InputError(
-            "experimental",
-            "experimental=True: the Predictive Divergence Mask's closed form "
-            "A·[(π_k − μ_k) + Σ_j π_j(μ_j − π_j)] and its top-K tail estimators are reconstructed from digests of "
-            f"arXiv 2607.10848 (specs B13), not from a primary source ({what})",
-            repr(experimental),
-            fix,
-        )
+def _require_experimental(experimental: bool, what: str) -> None:
+    require_experimental(
+        experimental,
+        f"{what}: the Predictive Divergence Mask's closed form A·[(π_k − μ_k) + Σ_j π_j(μ_j − π_j)] and its "
+        "top-K tail estimators (from digests of arXiv 2607.10848)",
+        "specs/ratios_and_losses.md B13",
+    )
 
 
 def predicted_kl_change(
@@ -277,7 +283,7 @@ def predicted_kl_change(
         match_tol: absolute log-prob tolerance of the detection (default 1e-5).
         experimental: must be True (reconstructed closed form).
     """
-    _require_experimental(experimental, "predicted_kl_change", "pass experimental=True to acknowledge it")
+    _require_experimental(experimental, "predicted_kl_change")
     _check_vocab(vocab_size, tail, "")
     positive(match_tol, "match_tol", strict=False)
     dims = Dims()
@@ -421,9 +427,7 @@ class DPPO:
                     f"divergence={self.divergence!r}",
                     "use DPPO(divergence='topk_kl', predictive=True, experimental=True)",
                 )
-            _require_experimental(
-                self.experimental, "DPPO(predictive=True)", "pass DPPO(..., predictive=True, experimental=True)"
-            )
+            _require_experimental(self.experimental, "DPPO(predictive=True)")
         elif self.tail != "aggregate" or self.vocab_size is not None:
             raise InputError(
                 "DPPO.tail",

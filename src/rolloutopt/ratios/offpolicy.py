@@ -28,7 +28,17 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import Dims, as_float, as_index, as_mask, checks_enabled, choice, describe, finite
+from rolloutopt._validation import (
+    Dims,
+    as_float,
+    as_index,
+    as_mask,
+    checks_enabled,
+    choice,
+    describe,
+    finite,
+    require_experimental,
+)
 from rolloutopt.errors import InputError
 from rolloutopt.ratios.context import StageContext
 from rolloutopt.typing import BoolBT, FloatBT, IntB
@@ -324,14 +334,12 @@ class EWMAProximal:
     """
 
     def __init__(self, beta: float = 0.9, capacity: int = 65_536, *, experimental: bool = False) -> None:
-        if experimental is not True:
-            raise InputError(
-                "experimental",
-                "experimental=True: the PPO-EWMA revision (an EWMA of the log-probs used as the missing old "
-                "logits) is reconstructed from the abstract of arXiv 2605.12070, not from a primary source",
-                repr(experimental),
-                "pass EWMAProximal(..., experimental=True) to acknowledge the reconstruction (specs B8)",
-            )
+        require_experimental(
+            experimental,
+            "the PPO-EWMA revision (an EWMA of the log-probs used as the missing old logits, from the abstract of "
+            "arXiv 2605.12070)",
+            "specs/ratios_and_losses.md B8",
+        )
         ok = isinstance(beta, (int, float)) and not isinstance(beta, bool) and 0 <= beta < 1
         if not ok:
             raise InputError("beta", "a decay in [0, 1)", describe(beta), "use e.g. beta=0.9 (0: no averaging)")

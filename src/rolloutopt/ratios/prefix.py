@@ -21,8 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import Dims, as_float, as_mask, choice, finite, positive
-from rolloutopt.errors import InputError
+from rolloutopt._validation import Dims, as_float, as_mask, choice, finite, positive, require_experimental
 from rolloutopt.typing import BoolBT, FloatBT
 
 __all__ = ["CumulativeRatio", "PNPORatio", "cumulative_log_ratio", "pnpo_log_ratio"]
@@ -166,15 +165,12 @@ class PNPORatio:
     experimental: bool = False
 
     def __post_init__(self) -> None:
-        if self.experimental is not True:
-            raise InputError(
-                "experimental",
-                "experimental=True: PNPO's loss wiring (the prefix-normalised weight in a clipped surrogate, and "
-                "the gradient routing 'prefix' vs 'token') is reconstructed from the abstract and a digest of "
-                "arXiv 2608.01418, not from a primary source",
-                repr(self.experimental),
-                "pass PNPORatio(experimental=True) to acknowledge the reconstruction (specs B12)",
-            )
+        require_experimental(
+            self.experimental,
+            "PNPO's loss wiring (the prefix-normalised weight in a clipped surrogate, and the gradient routing "
+            "'prefix' vs 'token', from the abstract and a digest of arXiv 2608.01418)",
+            "specs/ratios_and_losses.md B12",
+        )
         positive(self.clamp, "PNPORatio.clamp")
         choice(self.grad, "PNPORatio.grad", _GRADS)
 
