@@ -1,0 +1,616 @@
+"""TRL adapter: :class:`GRPOTrainer`, TRL 1.16's ``GRPOTrainer`` with a rolloutopt objective and advantage.
+
+``rolloutopt.integrations.trl.GRPOTrainer(..., objective=rolloutopt.losses.get("m2po"),
+advantage=rolloutopt.advantages.get("mc_grpo"))`` trains with TRL's generation, rewards, reference model,
+optimizer and logging, and with rolloutopt's policy loss and advantage estimator in place of TRL's
+``loss_type`` and group normalisation. It overrides three methods of TRL's trainer (specs/integrations.md §2.4):
+
+- ``_calculate_rewards``: stores the rewards TRL gathered over every process, ``[N, n_funcs]``;
+- ``_generate_and_score_completions``: after TRL's own, recomputes the advantages from those rewards with the
+  rolloutopt estimator and TRL's prompt grouping (consecutive blocks of ``num_generations`` rows of the
+  gathered batch), and slices this process's rows;
+- ``_compute_loss``: the per-token log-probs from TRL's ``_get_per_token_logps_and_entropies``, then the
+  objective on TRL's tensors, with TRL's denominators (:func:`trl_denominators`).
+
+``trl`` is imported when ``GRPOTrainer`` is first looked up (a module ``__getattr__`` builds the subclass then),
+so importing this module, and ``import rolloutopt``, work without TRL installed. See ``docs/integrations/trl.md`` for the option table.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import rolloutopt.advantages as _advantages
+import rolloutopt.losses as _losses
+from rolloutopt.errors import InputError
+from rolloutopt.losses import KL, Denominators
+from rolloutopt.losses.aggregation import AGG_MODES
+
+__all__ = ["UNSUPPORTED_OPTIONS", "GRPOTrainer", "trl_denominators"]
+
+GRPOTrainer: type  # built on first access by __getattr__ below (imports TRL then)
+
+# Keys of TRL's inputs that the parent's _compute_loss forwards to the model (TRL 1.16, VLM support).
+_MM_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+_SEQ_WEIGHT = "rolloutopt_seq_weight"  # extra key carried through TRL's shuffle and split (first dim B)
+
+# loss_type values that name each aggregation's normalisation ("dapo", TRL's default, is accepted with any).
+_LOSS_TYPE_FOR_AGG: dict[str, tuple[str, ...]] = {
+    "token-mean": ("dapo", "bnpo"),
+    "seq-mean-token-mean": ("dapo", "grpo"),
+    "seq-mean-token-sum-norm": ("dapo", "dr_grpo"),
+    "seq-mean-token-sum": ("dapo", "luspo"),
+    "token-sum": ("dapo",),
+}
+
+UNSUPPORTED_OPTIONS: dict[str, str] = {
+    "loss_type": "sapo, cispo and vespo (and any loss_type that does not name the objective's aggregation): the "
+    "per-token form comes from the objective; use objective=rolloutopt.losses.get('sapo') / get('cispo')",
+    "importance_sampling_level": "'sequence': use objective=rolloutopt.losses.get('gspo')",
+    "delta": "TRL's two-sided clip: use an objective whose trust is PPOClip(low, high, dual=delta)",
+    "top_entropy_quantile": "< 1 (TRL's high-entropy token mask) is not reimplemented",
+    "off_policy_mask_threshold": "use objective=rolloutopt.losses.get('opsm') (OPSM(delta=...) as its correction)",
+    "use_adaptive_entropy": "the adaptive entropy controller is not reimplemented (a static entropy_coef is)",
+    "epsilon / epsilon_high": "values other than TRL's defaults must equal the objective's trust.low / trust.high",
+    "scale_rewards": "other than 'group' with advantage=...: configure the estimator instead",
+    "multi_objective_aggregation": "'normalize_then_sum' with a single-reward estimator: use advantage='gdpo'",
+}
+"""TRL options the adapter refuses when ``objective`` (or ``advantage``) is given, and what to use instead."""
+
+
+def trl_denominators(
+    agg: str,
+    *,
+    loss_type: str,
+    num_items_in_batch: float | Tensor,
+    rows: float | Tensor,
+    tokens: float | Tensor,
+    grad_accum: int,
+    steps_per_generation: int,
+    num_processes: int,
+    training: bool,
+) -> Denominators:
+    r"""The :class:`~rolloutopt.losses.Denominators` that reproduce TRL 1.16's ``loss_type`` normalisation.
+
+    With :math:`S = \sum_{i,t} m_{i,t}\ell_{i,t}` the masked sum of one micro-batch, GA the gradient
+    accumulation steps (1 in eval), spg ``steps_per_generation`` (not applied in eval), P the processes and
+    N ``num_items_in_batch`` (loss tokens of the whole generation batch, all processes):
+
+    .. math::
+        \texttt{dapo}:\ \frac{S}{N/P \cdot GA/\mathrm{spg}} \qquad
+        \texttt{bnpo}:\ \frac{S}{n_{tok} \cdot GA} \qquad
+        \texttt{grpo}:\ \frac{\sum_i \bar\ell_i}{B \cdot GA} \qquad
+        \texttt{dr\_grpo}:\ \frac{S}{B \cdot L_{max} \cdot GA}
+
+    that is ``Denominators(tokens=N·GA/spg, world_size=P)`` for a global token mean (``dapo``, TRL's
+    default), ``Denominators(tokens=n_tok·GA)`` for ``bnpo`` and ``Denominators(sequences=B·GA)`` for the
+    per-sequence modes (``grpo``, ``dr_grpo`` with ``max_len=max_completion_length``, ``luspo``), where B counts
+    every row of the micro-batch, empty completions included (TRL's ``.mean()`` over rows), and ``token-sum``
+    gets ``Denominators(world_size=P)``. Reference: TRL ``GRPOTrainer._compute_loss`` (1.16);
+    ``specs/ratios_and_losses.md`` §5.2. Masked tokens stay in TRL's denominators; rolloutopt's presets keep
+    them with ``removed_in_denominator=True`` (the default).
+
+    Args:
+        agg: the objective's aggregation mode (one of :data:`rolloutopt.losses.AGG_MODES` but ``prompt-mean``).
+        loss_type: TRL's ``loss_type``; only ``"bnpo"`` changes the token-mean denominator (local tokens).
+        num_items_in_batch: TRL's ``inputs["num_items_in_batch"]`` (a scalar).
+        rows: rows of the micro-batch that carry a loss (every row, or those of non-zero sequence weight).
+        tokens: loss tokens of the micro-batch (for ``bnpo``).
+        grad_accum: ``current_gradient_accumulation_steps``.
+        steps_per_generation: ``args.steps_per_generation``.
+        num_processes: ``accelerator.num_processes``.
+        training: ``model.training`` (eval divides by neither GA nor spg).
+
+    Edge cases: an empty generation batch (N = 0) gives a denominator clamped at 1, as TRL clamps N.
+    """
+    if agg not in _LOSS_TYPE_FOR_AGG:
+        raise InputError(
+            "objective",
+            f"an aggregation TRL can normalise ({', '.join(_LOSS_TYPE_FOR_AGG)})",
+            repr(agg),
+            "prompt-mean needs whole groups in one micro-batch, which TRL's shuffle breaks; use seq-mean-token-mean",
+        )
+    ga = grad_accum if training else 1
+    if agg == "token-mean":
+        if loss_type == "bnpo":
+            return Denominators(tokens=tokens * ga)
+        spg = steps_per_generation if training else 1
+        return Denominators(tokens=num_items_in_batch * ga / spg, world_size=num_processes)
+    if agg == "token-sum":
+        return Denominators(world_size=num_processes)
+    return Denominators(sequences=rows * ga)
+
+
+@dataclass(frozen=True)
+class _RatioWeightedKL(KL):
+    """TRL's ``use_bias_correction_kl``: the k3 term times the token ratio ``exp(logp - old)`` (with its gradient).
+
+    ``old`` is the proximal log-prob tensor of this micro-batch; positions outside the mask get ratio 1.
+    """
+
+    old: Tensor | None = None
+
+    def per_token(self, logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
+        """k3 (unclamped, as TRL) times the importance ratio to the proximal policy."""
+        base = super().per_token(logp, ref_logp, mask)
+        assert self.old is not None
+        log_r = torch.where(mask, logp - self.old.to(logp.dtype), torch.zeros_like(logp))
+        return base * torch.exp(log_r)
+
+
+def _unwrap(fn: Any) -> tuple[Any, dict[str, Any]]:
+    """The function under ``functools.partial`` layers and their bound keywords."""
+    kw: dict[str, Any] = {}
+    while isinstance(fn, functools.partial):
+        kw = {**fn.keywords, **kw}
+        fn = fn.func
+    return fn, kw
+
+
+def _objective_config(objective: Any) -> dict[str, Any]:
+    """The bound keywords of an objective: a Preset's config (plus partial keywords), else partial keywords."""
+    fn, kw = _unwrap(objective)
+    base = dict(fn.config) if isinstance(fn, _losses.Preset) else {}
+    return {**base, **kw}
+
+
+def _fail(argument: str, expected: str, got: Any, fix: str) -> InputError:
+    return InputError(argument, expected, repr(got), fix)
+
+
+@functools.cache
+def _trainer_class() -> type:
+    """Build the :class:`GRPOTrainer` subclass (imports TRL; called on first access of ``GRPOTrainer``)."""
+    from trl.trainer.grpo_config import GRPOConfig as _GRPOConfig
+    from trl.trainer.grpo_trainer import GRPOTrainer as _TRLGRPOTrainer
+
+    class GRPOTrainer(_TRLGRPOTrainer):
+        r"""TRL 1.16's ``GRPOTrainer`` with a rolloutopt objective and advantage estimator.
+
+        The loss of one micro-batch is the objective (:func:`rolloutopt.losses.policy_loss` or a preset),
+
+        .. math::
+            \mathcal L = \operatorname{agg}\big(w\, L^{trust}(r, A) + \beta\,\widehat{KL}, m\big)
+                         - c_H\,\frac{\sum m H}{\sum m}\,\frac{1}{GA} + c_{aux}\,\frac{\mathrm{aux}}{GA}
+
+        on TRL's tensors: ``logp`` from the model, ``old_logp`` = ``old_per_token_logps`` (None → ``logp.detach()``,
+        TRL's on-policy shortcut), ``behav_logp`` = ``sampling_per_token_logps`` (vLLM or a ``rollout_func``; NaN
+        entries, tokens vLLM could not score, are replaced by the proximal log-prob), ``is_weights`` =
+        ``importance_sampling_ratio`` (vLLM IS correction), ``ref_logp`` = ``ref_per_token_logps`` with a KL stage
+        ``KL("k3", coef=beta, clamp=False)`` when ``beta > 0`` (times the token ratio when
+        ``use_bias_correction_kl``, TRL's default), ``mask`` = ``completion_mask × tool_mask`` and the advantages.
+        The aggregation's denominators are TRL's for the matching ``loss_type`` (:func:`trl_denominators`), so
+        gradient accumulation and several processes give TRL's gradients. The entropy bonus (static
+        ``entropy_coef``) and the MoE router loss are added as TRL adds them. Reference: DeepSeekMath GRPO
+        arXiv 2402.03300; TRL ``GRPOTrainer`` 1.16; the objective's and estimator's own papers.
+
+        The advantage estimator runs on the rewards TRL gathered from every process, ``[N]`` (the weighted sum of
+        the reward functions, TRL's ``sum_then_normalize``; ``[N, K]`` with ``weights=reward_weights`` for
+        :func:`rolloutopt.advantages.gdpo`), with group ids ``arange(N) // num_generations`` (TRL's grouping), and
+        ``valid`` = rows with at least one reward (TRL's unscorable rows). Its ``weight`` becomes
+        ``policy_loss(seq_weight=...)``: a weight-0 rollout (MC-GRPO's pivot) leaves the loss and every
+        denominator, ``num_items_in_batch`` included. With ``objective=None`` TRL's own loss runs and the weight
+        multiplies the advantage instead (the row then stays in TRL's denominators).
+
+        Args:
+            *args, **kwargs: TRL's ``GRPOTrainer`` arguments (``model``, ``reward_funcs``, ``args``, ...).
+            objective: a :class:`~rolloutopt.losses.Preset` (or its name), or any callable with
+                :func:`~rolloutopt.losses.policy_loss`'s signature returning a ``LossOutput`` (a
+                ``functools.partial`` of ``policy_loss`` with ``agg=...`` bound is read for its aggregation; a
+                plain callable is assumed to aggregate with ``token-mean``). None keeps TRL's ``loss_type`` loss.
+            advantage: an estimator from :mod:`rolloutopt.advantages` (or its name) taking ``(rewards, group)``
+                plus keywords (bind others with ``functools.partial``), or None for TRL's group normalisation.
+            allocator: must be None (allocators are not available in this adapter yet).
+            use_fused: must be False (fused log-prob kernels are not available yet).
+            experimental: acknowledge an experimental preset or estimator (passed as ``experimental=True``).
+
+        Raises:
+            InputError: at construction, for the TRL options in :data:`UNSUPPORTED_OPTIONS`, for a preset whose
+                ``requires`` the trainer cannot provide (``behav_logp`` needs ``use_vllm=True`` or a
+                ``rollout_func`` that returns log-probs; ``versions``, ``topk_logp``, ``topk_behav_logp`` and
+                ``confidence`` are not available from TRL), for an estimator that needs more than rewards and
+                groups, and for an experimental preset without ``experimental=True``.
+
+        Metrics: every ``LossOutput.metrics`` entry is logged as ``rolloutopt/<name>`` and every
+        ``AdvantageOutput.metrics`` entry as ``rolloutopt/adv/<name>`` through TRL's ``self._metrics[mode]``
+        (means over processes; ``*_max`` entries take the max), beside TRL's own reward and completion metrics.
+
+        Edge cases: empty completions count as rows in the per-sequence denominators (TRL's convention) and add
+        nothing to the numerator; an all-masked micro-batch gives loss 0.
+        """
+
+        def __init__(
+            self,
+            *args: Any,
+            objective: Any = None,
+            advantage: Any = None,
+            allocator: Any = None,
+            use_fused: bool = False,
+            experimental: bool = False,
+            **kwargs: Any,
+        ) -> None:
+            if allocator is not None:
+                raise _fail(
+                    "allocator",
+                    "None: allocators are not available in the TRL adapter yet",
+                    allocator,
+                    "pass allocator=None (TRL's fixed num_generations per prompt)",
+                )
+            if use_fused is not False:
+                raise _fail(
+                    "use_fused",
+                    "False: fused log-prob kernels are not available in the TRL adapter yet",
+                    use_fused,
+                    "pass use_fused=False (TRL's own chunked log-probs are used)",
+                )
+            if not isinstance(experimental, bool):
+                raise _fail("experimental", "a bool", experimental, "pass experimental=True or False")
+            self._ro_experimental = experimental
+            self._ro_objective = _losses.get(objective) if isinstance(objective, str) else objective
+            self._ro_advantage = _advantages.get(advantage) if isinstance(advantage, str) else advantage
+            if self._ro_objective is not None and not callable(self._ro_objective):
+                raise _fail(
+                    "objective", "a loss Preset, its name or a policy_loss-like callable", objective, "see docs"
+                )
+            if self._ro_advantage is not None and not callable(self._ro_advantage):
+                raise _fail("advantage", "an advantage estimator, its name or a callable", advantage, "see docs")
+            args_ = kwargs.get("args", args[2] if len(args) > 2 else None)
+            config = args_ if args_ is not None else _GRPOConfig("rolloutopt-GRPO")
+            rollout_func = kwargs.get("rollout_func")
+            self._ro_agg = "token-mean"
+            self._ro_preset_call = False
+            if self._ro_objective is not None:
+                self._check_objective(config, rollout_func is not None)
+            self._ro_multi_reward = False
+            self._ro_adv_kwargs: dict[str, Any] = {}
+            if self._ro_advantage is not None:
+                self._check_advantage(config)
+            self._ro_rewards: Tensor | None = None
+            super().__init__(*args, **kwargs)
+
+        # ------------------------------------------------------------------ validation
+        def _check_objective(self, config: Any, has_rollout_func: bool) -> None:
+            obj = self._ro_objective
+            fn, _ = _unwrap(obj)
+            cfg = _objective_config(obj)
+            agg = cfg.get("agg", "token-mean")
+            if agg not in AGG_MODES or agg not in _LOSS_TYPE_FOR_AGG:
+                raise _fail(
+                    "objective",
+                    f"an aggregation TRL's micro-batches can normalise ({', '.join(_LOSS_TYPE_FOR_AGG)})",
+                    agg,
+                    "prompt-mean needs whole groups in one micro-batch, which TRL's shuffle breaks; use "
+                    "agg='seq-mean-token-mean'",
+                )
+            self._ro_agg = agg
+            if isinstance(fn, _losses.Preset):
+                self._ro_preset_call = True
+                if fn.experimental is not None and not self._ro_experimental:
+                    raise _fail(
+                        "experimental",
+                        f"experimental=True for the {fn.name!r} preset: {fn.experimental}",
+                        self._ro_experimental,
+                        "pass GRPOTrainer(..., experimental=True) to acknowledge the reconstruction",
+                    )
+                missing = [r for r in fn.requires if r not in ("behav_logp",)]
+                if missing:
+                    raise _fail(
+                        "objective",
+                        f"a preset whose inputs TRL provides; {fn.name!r} requires {', '.join(fn.requires)}",
+                        f"no {', '.join(missing)} in TRL's GRPOTrainer",
+                        "choose a preset without these requirements (rolloutopt.losses.get(name).requires)",
+                    )
+                if "behav_logp" in fn.requires and not (config.use_vllm or has_rollout_func):
+                    raise _fail(
+                        "behav_logp",
+                        f"the rollout engine's log-probs for the {fn.name!r} preset (TRL's sampling_per_token_logps)",
+                        "use_vllm=False and no rollout_func: TRL has no behaviour log-probs",
+                        "set use_vllm=True, pass a rollout_func that returns 'logprobs', or choose a preset without "
+                        "behav_logp in its requires",
+                    )
+            lt = config.loss_type
+            if lt not in _LOSS_TYPE_FOR_AGG[agg]:
+                raise _fail(
+                    "loss_type",
+                    f"'dapo' (TRL's default) or a loss_type that names the objective's aggregation {agg!r} "
+                    f"({', '.join(_LOSS_TYPE_FOR_AGG[agg])}); the per-token form comes from the objective",
+                    lt,
+                    "leave loss_type at its default; for TRL's sapo/cispo use objective=rolloutopt.losses.get(...)",
+                )
+            if config.importance_sampling_level != "token":
+                raise _fail(
+                    "importance_sampling_level",
+                    "'token' when objective is given (the ratio comes from the objective)",
+                    config.importance_sampling_level,
+                    "use objective=rolloutopt.losses.get('gspo') for sequence-level ratios",
+                )
+            if config.delta is not None:
+                raise _fail(
+                    "delta",
+                    "None when objective is given (TRL's two-sided clip is not reimplemented)",
+                    config.delta,
+                    "use an objective whose trust is PPOClip(low, high, dual=delta)",
+                )
+            if config.top_entropy_quantile < 1.0:
+                raise _fail(
+                    "top_entropy_quantile",
+                    "1.0 when objective is given (TRL's high-entropy token mask is not reimplemented)",
+                    config.top_entropy_quantile,
+                    "leave top_entropy_quantile=1.0",
+                )
+            if config.off_policy_mask_threshold is not None:
+                raise _fail(
+                    "off_policy_mask_threshold",
+                    "None when objective is given",
+                    config.off_policy_mask_threshold,
+                    "use objective=rolloutopt.losses.get('opsm') (its OPSM(delta=...) correction)",
+                )
+            if config.use_adaptive_entropy:
+                raise _fail(
+                    "use_adaptive_entropy",
+                    "False when objective is given (the adaptive entropy controller is not reimplemented)",
+                    True,
+                    "use a static entropy_coef",
+                )
+            trust = cfg.get("trust")
+            for name, value, default, attr in (
+                ("epsilon", config.epsilon, 0.2, "low"),
+                ("epsilon_high", config.epsilon_high, None, "high"),
+            ):
+                if value != default and getattr(trust, attr, None) != value:
+                    raise _fail(
+                        name,
+                        f"TRL's default ({default}) or the objective's trust.{attr} when objective is given (the "
+                        "objective's trust stage does the clipping)",
+                        value,
+                        f"leave {name} at its default and set the bound in the objective "
+                        "(e.g. functools.partial(preset, trust=PPOClip(low, high, dual=None)))",
+                    )
+            if config.beta == 0.0 and cfg.get("kl") is not None:
+                raise _fail(
+                    "beta",
+                    "beta > 0 when the objective has a KL stage (TRL computes reference log-probs only then)",
+                    config.beta,
+                    "set beta to the KL coefficient, or drop kl from the objective",
+                )
+            kl = cfg.get("kl")
+            if config.beta != 0.0 and kl is not None and getattr(kl, "coef", None) != config.beta:
+                raise _fail(
+                    "beta",
+                    "the objective's kl.coef when both are given",
+                    config.beta,
+                    "set beta equal to kl.coef (or drop kl from the objective and let beta build TRL's k3 term)",
+                )
+
+        def _check_advantage(self, config: Any) -> None:
+            fn, bound = _unwrap(self._ro_advantage)
+            try:
+                params = list(inspect.signature(fn).parameters.values())
+            except (TypeError, ValueError) as exc:  # pragma: no cover - builtins without signatures
+                raise _fail("advantage", "a Python callable with a signature", self._ro_advantage, "wrap it") from exc
+            names = [p.name for p in params]
+            if names[:2] != ["rewards", "group"]:
+                raise _fail(
+                    "advantage",
+                    "an estimator f(rewards, group, *, ...) -> AdvantageOutput",
+                    f"{getattr(fn, '__name__', fn)}({', '.join(names[:3])}, ...)",
+                    "choose an estimator from rolloutopt.advantages taking (rewards, group); reward shapers and "
+                    "token-level selectors are not advantage estimators",
+                )
+            required = [
+                p.name
+                for p in params[2:]
+                if p.default is inspect.Parameter.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                and p.name not in bound
+            ]
+            if required:
+                raise _fail(
+                    "advantage",
+                    "an estimator that needs only the rewards and the groups at TRL's advantage point",
+                    f"{getattr(fn, '__name__', fn)} also requires {', '.join(required)}",
+                    "choose another estimator or bind the extra arguments with functools.partial",
+                )
+            self._ro_multi_reward = fn in (_advantages.gdpo, _advantages.gd2po)
+            if config.scale_rewards != "group":
+                raise _fail(
+                    "scale_rewards",
+                    "'group' (TRL's default) when advantage is given: the estimator does the scaling",
+                    config.scale_rewards,
+                    "configure the estimator instead (e.g. functools.partial(rolloutopt.advantages.grpo, scale='batch'))",
+                )
+            if config.multi_objective_aggregation != "sum_then_normalize" and not self._ro_multi_reward:
+                raise _fail(
+                    "multi_objective_aggregation",
+                    "'sum_then_normalize' with a single-reward estimator (it sees the weighted sum of the rewards)",
+                    config.multi_objective_aggregation,
+                    "use advantage='gdpo' to normalise each reward function separately",
+                )
+            if "valid" in names:
+                self._ro_adv_kwargs["valid"] = True
+            if "experimental" in names and self._ro_experimental:
+                self._ro_adv_kwargs["experimental"] = True
+
+        # ------------------------------------------------------------------ advantages
+        def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Tensor:
+            rewards_per_func: Tensor = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            self._ro_rewards = rewards_per_func
+            return rewards_per_func
+
+        def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+            out: dict[str, Any] = super()._generate_and_score_completions(inputs)
+            if self._ro_advantage is None:
+                return out
+            rpf, self._ro_rewards = self._ro_rewards, None
+            if rpf is None:
+                raise RuntimeError("TRL did not call _calculate_rewards; the rolloutopt adapter needs TRL 1.16")
+            mode = "train" if getattr(self.model, "training", False) else "eval"
+            num_generations: Any = self.num_generations if mode == "train" else self.num_generations_eval
+            n = rpf.size(0)
+            group = torch.arange(n, device=rpf.device) // num_generations
+            valid = ~torch.isnan(rpf).all(dim=1)
+            weights = self.reward_weights.to(rpf.device)
+            kw: dict[str, Any] = {}
+            if self._ro_multi_reward:
+                rewards = rpf.nan_to_num(0.0)
+                kw["weights"] = weights
+            else:
+                rewards = (rpf * weights.unsqueeze(0)).nansum(dim=1)
+            if "valid" in self._ro_adv_kwargs:
+                kw["valid"] = valid
+            if "experimental" in self._ro_adv_kwargs:
+                kw["experimental"] = True
+            res = self._ro_advantage(rewards, group, **kw)
+            adv = res.advantages
+            if adv.dim() != 1:
+                raise _fail(
+                    "advantage",
+                    "per-sequence advantages [N] (TRL pads each process's completions to its own width)",
+                    f"a tensor of shape {tuple(adv.shape)}",
+                    "use a sequence-level estimator",
+                )
+            b = out["prompt_ids"].size(0)
+            local = slice(self.accelerator.process_index * b, (self.accelerator.process_index + 1) * b)
+            weight = res.weight.to(adv.dtype)
+            if self._ro_objective is None:
+                out["advantages"] = (adv * weight)[local].to(out["advantages"].dtype)
+            else:
+                out["advantages"] = adv[local].to(out["advantages"].dtype)
+                out[_SEQ_WEIGHT] = weight[local]
+                loss_mask = out["completion_mask"] * out.get("tool_mask", 1)
+                lengths = self.accelerator.gather(loss_mask.sum(dim=1))
+                out["num_items_in_batch"] = (lengths * (weight != 0).to(lengths.dtype)).sum()
+            logged: Any = self._logs["advantages"]
+            if len(logged) >= n:  # TRL logged its own advantages for the completions table: show ours
+                shown = (adv * weight).tolist()
+                for i in range(n):
+                    logged[len(logged) - n + i] = shown[i]
+            if res.metrics:
+                values = torch.stack([v.detach().float() for v in res.metrics.values()]).tolist()
+                for name, value in zip(res.metrics, values, strict=True):
+                    self._metrics[mode][f"rolloutopt/adv/{name}"].append(value)
+            return out
+
+        # ------------------------------------------------------------------ loss
+        def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Tensor:
+            if self._ro_objective is None:
+                loss: Tensor = super()._compute_loss(model, inputs)  # type: ignore[no-untyped-call]
+                return loss
+            prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+            completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+            attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+            logits_to_keep = completion_ids.size(1)
+            mask_int = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+            mask = mask_int.bool()
+            logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                compute_entropy=True,
+                compute_aux_loss=self.aux_loss_enabled,
+                **{k: inputs.get(k) for k in _MM_KEYS},
+            )
+            training = bool(getattr(self.model, "training", False))
+            targs: Any = self.args
+            mode = "train" if training else "eval"
+            ga = self.current_gradient_accumulation_steps if training else 1
+            old = inputs.get("old_per_token_logps")
+            proximal = logps.detach() if old is None else old
+            kw: dict[str, Any] = {"entropy": entropies}
+            behav = inputs.get("sampling_per_token_logps")
+            if behav is not None:  # NaN: a token vLLM could not score; neutral (ratio 1 to the proximal policy)
+                kw["behav_logp"] = torch.where(torch.isnan(behav), proximal.to(behav.dtype), behav)
+            if self.use_vllm and self.vllm_importance_sampling_correction:
+                w = inputs["importance_sampling_ratio"]
+                kw["is_weights"] = w.squeeze(-1) if w.dim() == 2 and w.size(1) == 1 and mask.size(1) != 1 else w
+            if self.beta != 0.0:
+                kw["ref_logp"] = inputs["ref_per_token_logps"]
+                if _objective_config(self._ro_objective).get("kl") is None:
+                    if targs.use_bias_correction_kl:
+                        kw["kl"] = _RatioWeightedKL("k3", coef=self.beta, clamp=False, old=proximal)
+                    else:
+                        kw["kl"] = KL("k3", coef=self.beta, clamp=False)
+            seq_weight = inputs.get(_SEQ_WEIGHT)
+            if seq_weight is not None:
+                kw["seq_weight"] = seq_weight
+                carries = seq_weight != 0
+                rows: float | Tensor = carries.sum()
+                tokens: float | Tensor = (mask & carries[:, None]).sum()
+            else:
+                rows, tokens = mask.size(0), mask.sum()
+            kw["denominators"] = trl_denominators(
+                self._ro_agg,
+                loss_type=self.loss_type,
+                num_items_in_batch=inputs["num_items_in_batch"].to(torch.float64),
+                rows=rows,
+                tokens=tokens,
+                grad_accum=self.current_gradient_accumulation_steps,
+                steps_per_generation=targs.steps_per_generation,
+                num_processes=self.accelerator.num_processes,
+                training=training,
+            )
+            if self._ro_agg == "seq-mean-token-sum-norm":
+                kw["max_len"] = self.max_completion_length
+            if self._ro_preset_call and self._ro_experimental:
+                kw["experimental"] = True
+            out = self._ro_objective(logps, old, inputs["advantages"], mask, **kw)
+            loss = out.loss
+            metrics = dict(out.metrics)
+            if self._entropy_bonus_enabled:  # TRL: a token mean of its own, divided by GA only, whatever the loss
+                mf = mask.to(entropies.dtype)
+                bonus = (entropies * mf).sum() / mf.sum().clamp(min=1.0) / ga
+                loss = loss - self.entropy_coef * bonus
+                if mode == "train" and self.accelerator.sync_gradients:
+                    self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+            if self.aux_loss_enabled:
+                loss = loss + self.router_aux_loss_coef * aux_loss / ga
+                metrics["aux_loss"] = aux_loss.detach()
+            self._log_rolloutopt(mode, metrics)
+            return loss
+
+        def _log_rolloutopt(self, mode: str, metrics: dict[str, Tensor]) -> None:
+            """Append the metrics to TRL's ``_metrics[mode]`` (one gather for all of them: mean, or max for ``*_max``)."""
+            if not metrics:
+                return
+            names = list(metrics)
+            local = torch.stack([metrics[k].detach().float().reshape(()) for k in names])
+            gathered = self.accelerator.gather(local).view(-1, len(names))
+            mean = gathered.nanmean(dim=0)
+            high = gathered.amax(dim=0)
+            is_max = torch.tensor([k.endswith("_max") for k in names], device=local.device)
+            values = torch.where(is_max, high, mean).tolist()
+            for name, value in zip(names, values, strict=True):
+                self._metrics[mode][f"rolloutopt/{name}"].append(value if math.isfinite(value) else float("nan"))
+
+    GRPOTrainer.__module__ = __name__
+    GRPOTrainer.__qualname__ = "GRPOTrainer"
+    return GRPOTrainer
+
+
+def __getattr__(name: str) -> Any:
+    """``GRPOTrainer`` is built on first access, so that this module imports without TRL (PEP 562)."""
+    if name == "GRPOTrainer":
+        cls = _trainer_class()
+        globals()["GRPOTrainer"] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,375 @@
+"""rolloutopt.integrations.trl.GRPOTrainer against TRL 1.16's own GRPOTrainer, end to end on the CPU.
+
+Everything is built in code, nothing is downloaded: a 1-layer Llama (hidden 16, vocabulary 64) with random
+weights, a character-level ``PreTrainedTokenizerFast`` (``<pad>`` 0, ``<eos>`` 1), four prompts and a reward
+function. Stock TRL and the adapter run with the same ``GRPOConfig`` and seed, so they sample the same
+completions; with ``num_iterations=2`` and ``gradient_accumulation_steps=2`` TRL recomputes the old log-probs
+and the second pass over a generation batch is off-policy, so the ratio differs from 1 and the clip fires.
+
+- ``test_logged_losses_equal_stock_trl``: the dapo / grpo / dr_grpo presets (and a rolloutopt advantage
+  estimator configured as TRL's normalisation) log the same losses and gradient norms as TRL's ``loss_type``.
+- ``test_compute_loss_matches_trl_on_one_batch``: the ``_compute_loss`` override against TRL's, on one
+  hand-made micro-batch with every optional tensor TRL can pass (old, reference and sampling log-probs, the vLLM
+  IS ratio, a tool mask), the bias-corrected KL, the entropy bonus, GA = 2, train and eval: value and gradient.
+- ``test_other_presets_run``: every other preset TRL can feed trains for two steps, finite, with metrics logged;
+  presets needing inputs TRL lacks are refused at construction, naming the input.
+- MC-GRPO through the advantage override; refused options; :func:`trl_denominators`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import rolloutopt.advantages as advantages
+import rolloutopt.losses as losses
+from rolloutopt.errors import InputError
+from rolloutopt.losses import Denominators
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from trl.trainer.grpo_trainer import GRPOTrainer as StockTrainer  # noqa: E402
+
+from rolloutopt.integrations.trl import GRPOTrainer, trl_denominators  # noqa: E402
+
+pytestmark = [
+    pytest.mark.trl,
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 "
+PROMPTS = ["abc", "hello", "xyz 1", "count"]
+
+
+def tokenizer() -> Any:
+    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", padding_side="left"
+    )
+
+
+def model(seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def reward(completions: list[str], **kwargs: Any) -> list[float]:
+    """Count of 'a' plus a small length term: varied within each group, so advantages are non-zero."""
+    return [float(c.count("a")) + 0.1 * len(c) + 0.01 * sum(map(ord, c[:2])) for c in completions]
+
+
+def config(**overrides: Any) -> Any:
+    kw: dict[str, Any] = {
+        "output_dir": tempfile.mkdtemp(prefix="rolloutopt-trl-"),
+        "max_steps": 2,
+        "per_device_train_batch_size": 4,
+        "num_generations": 4,
+        "max_completion_length": 8,
+        "use_vllm": False,
+        "report_to": [],
+        "logging_steps": 1,
+        "seed": 0,
+        "use_cpu": True,
+        "save_strategy": "no",
+        "learning_rate": 0.05,
+        "disable_tqdm": True,
+    }
+    kw.update(overrides)
+    return trl.GRPOConfig(**kw)
+
+
+def train(cls: type, *, args: Any, **kwargs: Any) -> Any:
+    ds = datasets.Dataset.from_dict({"prompt": PROMPTS})
+    trainer = cls(
+        model=model(), reward_funcs=reward, args=args, train_dataset=ds, processing_class=tokenizer(), **kwargs
+    )
+    trainer.train()
+    return trainer
+
+
+def step_logs(trainer: Any) -> list[dict[str, float]]:
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+OFF_POLICY = {"num_iterations": 2, "gradient_accumulation_steps": 2, "max_steps": 3}
+
+# (preset, TRL's matching settings, rolloutopt advantage or None)
+PARITY = [
+    ("dapo", {"loss_type": "dapo", "epsilon_high": 0.28}, None),
+    ("grpo", {"loss_type": "grpo"}, None),
+    ("dr_grpo", {"loss_type": "dr_grpo"}, None),
+    # TRL's advantages: group mean and unbiased std over blocks of num_generations, eps 1e-4 added to the std
+    ("dapo", {"loss_type": "dapo", "epsilon_high": 0.28}, functools.partial(advantages.grpo, eps=1e-4)),
+]
+
+
+@pytest.mark.parametrize(("preset", "trl_kw", "advantage"), PARITY, ids=["dapo", "grpo", "dr_grpo", "dapo+grpo_adv"])
+def test_logged_losses_equal_stock_trl(preset: str, trl_kw: dict[str, Any], advantage: Any) -> None:
+    args = {**OFF_POLICY, **trl_kw}
+    stock = step_logs(train(StockTrainer, args=config(**args)))
+    ours_trainer = train(GRPOTrainer, args=config(**args), objective=losses.get(preset), advantage=advantage)
+    ours = step_logs(ours_trainer)
+    assert len(stock) == len(ours) == 3
+    for s, o in zip(stock, ours, strict=True):
+        assert_close(o["loss"], s["loss"], rtol=1e-5, atol=1e-6)  # losses near 0: fp32 noise of the advantages
+        assert_close(o["grad_norm"], s["grad_norm"], rtol=1e-4, atol=1e-7)
+        assert o.get("reward") == s.get("reward")  # the same completions were sampled (logged at generation)
+        assert math.isfinite(o["rolloutopt/pg_loss"])
+    # the comparison is not trivial: a loss is non-zero, the ratio moved and the clip fired somewhere
+    assert any(abs(s["loss"]) > 1e-4 for s in stock)
+    assert any(o["rolloutopt/ratio_max"] > 1.0 + 1e-3 for o in ours)
+    assert any(o["rolloutopt/clip_low_frac"] + o["rolloutopt/clip_high_frac"] > 0 for o in ours)
+    if advantage is not None:
+        assert all(("rolloutopt/adv/reward_mean" in o) == ("reward" in o) for o in ours)  # at each generation
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# _compute_loss on one micro-batch: the override against TRL's method, on the same trainer and model
+
+
+def one_batch(b: int = 6, p: int = 3, t: int = 7) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([0, 1, 3, 7, 5, 7])
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).long()
+    tool = torch.ones(b, t, dtype=torch.long)
+    tool[3, 2:4] = 0  # tool-output tokens: attended to, not trained on
+    return {
+        "prompt_ids": torch.randint(2, 40, (b, p), generator=gen),
+        "prompt_mask": torch.ones(b, p, dtype=torch.long),
+        "completion_ids": torch.randint(2, 40, (b, t), generator=gen),
+        "completion_mask": mask,
+        "tool_mask": tool,
+        "advantages": torch.tensor([0.5, -1.3, 0.2, -0.5, -2.2, 0.3]),  # both signs where ratios leave the band
+        "num_items_in_batch": torch.tensor(61),  # the whole generation batch (two micro-batches, here spg = 2)
+        "noise": torch.randn(3, b, t, generator=gen),
+    }
+
+
+def with_logps(trainer: Any, batch: dict[str, Any], *, vllm: bool, beta: float) -> dict[str, Any]:
+    inputs = {k: v for k, v in batch.items() if k != "noise"}
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logp, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, att, inputs["completion_ids"].size(1)
+        )
+    noise = batch["noise"]
+    inputs["old_per_token_logps"] = logp + 0.5 * noise[0]  # ratios in e^{±1}: both clip sides fire
+    if beta:
+        inputs["ref_per_token_logps"] = logp + 0.3 * noise[1]
+    if vllm:
+        inputs["sampling_per_token_logps"] = logp + 0.2 * noise[2]
+        inputs["importance_sampling_ratio"] = torch.exp(0.2 * noise[2]).clamp(max=2.0)
+    return inputs
+
+
+def loss_and_grads(fn: Any, trainer: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    loss = fn(trainer.model, inputs)
+    return loss.detach(), list(torch.autograd.grad(loss, params, allow_unused=True))
+
+
+@pytest.mark.parametrize(
+    ("preset", "trl_kw"),
+    [
+        ("dapo", {"loss_type": "dapo", "epsilon_high": 0.28}),
+        ("grpo", {"loss_type": "grpo"}),
+        ("dr_grpo", {"loss_type": "dr_grpo"}),
+        ("dapo", {"loss_type": "bnpo", "epsilon_high": 0.28}),
+    ],
+    ids=["dapo", "grpo", "dr_grpo", "bnpo"],
+)
+def test_compute_loss_matches_trl_on_one_batch(preset: str, trl_kw: dict[str, Any]) -> None:
+    args = config(gradient_accumulation_steps=2, steps_per_generation=1, entropy_coef=0.01, **trl_kw)  # GA/spg = 2
+    ds = datasets.Dataset.from_dict({"prompt": PROMPTS})
+    trainer = GRPOTrainer(
+        model=model(), reward_funcs=reward, args=args, train_dataset=ds, processing_class=tokenizer(),
+        objective=losses.get(preset),
+    )  # fmt: skip
+    batch = one_batch()
+    seen = 0
+    for training, vllm, beta, bias in [(True, True, 0.04, True), (True, False, 0.04, False), (False, True, 0.0, True)]:
+        trainer.model.train(training)
+        trainer.current_gradient_accumulation_steps = 2
+        trainer.beta, trainer.use_vllm = beta, vllm
+        trainer.args.use_bias_correction_kl = bias
+        inputs = with_logps(trainer, batch, vllm=vllm, beta=beta)
+        want = loss_and_grads(functools.partial(StockTrainer._compute_loss, trainer), trainer, inputs)
+        trainer._metrics["train"].clear()
+        got = loss_and_grads(trainer._compute_loss, trainer, inputs)
+        assert_close(got[0], want[0], rtol=1e-5, atol=1e-7)
+        for g, w in zip(got[1], want[1], strict=True):
+            if w is None:
+                assert g is None or not g.any()
+                continue
+            seen += 1
+            assert_close(g, w, rtol=1e-4, atol=1e-7)
+        metrics = trainer._metrics["train" if training else "eval"]
+        assert metrics["rolloutopt/clip_low_frac"] and metrics["rolloutopt/clip_high_frac"]
+        assert metrics["rolloutopt/clip_low_frac"][-1] > 0 and metrics["rolloutopt/clip_high_frac"][-1] > 0
+    assert seen > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every other preset
+
+
+TRL_INPUTS = {"behav_logp"}  # available from TRL, but only with vLLM (sampling_per_token_logps) or a rollout_func
+
+
+def test_other_presets_run() -> None:
+    done, refused = [], []
+    for name in losses.names():
+        if name in ("dapo", "grpo", "dr_grpo"):
+            continue
+        preset = losses.get(name)
+        kw = {"experimental": True} if preset.experimental else {}
+        if preset.requires:  # behav_logp needs vLLM; versions, top-k log-probs and confidence do not exist in TRL
+            with pytest.raises(InputError) as err:
+                train(GRPOTrainer, args=config(), objective=preset, **kw)
+            missing = [r for r in preset.requires if r not in TRL_INPUTS] or ["behav_logp"]
+            assert any(m in str(err.value) for m in missing), str(err.value)
+            refused.append(name)
+            continue
+        trainer = train(GRPOTrainer, args=config(num_iterations=2, max_steps=2), objective=preset, **kw)
+        logs = step_logs(trainer)
+        assert len(logs) == 2
+        for log in logs:
+            assert math.isfinite(log["loss"]) and math.isfinite(log["grad_norm"])
+            assert math.isfinite(log["rolloutopt/pg_loss"]) and "rolloutopt/ratio_mean" in log
+        assert logs[1]["rolloutopt/ratio_max"] != 1.0  # the second pass is off-policy
+        done.append(name)
+    assert {"cispo", "gspo", "sapo", "m2po_clip", "opsm", "dppo_tv", "cumulative", "pnpo"} <= set(done)
+    assert {"tis", "icepop", "m2po", "copris", "echo_clip", "dppo_predictive"} <= set(refused)
+
+
+def test_experimental_preset_needs_acknowledgement() -> None:
+    with pytest.raises(InputError, match="experimental"):
+        GRPOTrainer(model=model(), reward_funcs=reward, args=config(), objective="pnpo")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MC-GRPO through the advantage override
+
+
+def test_mc_grpo_advantages_and_pivot_denominator() -> None:
+    captured: list[dict[str, Any]] = []
+    rewards: list[torch.Tensor] = []
+
+    class Capture(GRPOTrainer):
+        def _calculate_rewards(self, *a: Any) -> torch.Tensor:
+            out = super()._calculate_rewards(*a)
+            rewards.append(out.clone())
+            return out
+
+        def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+            out = super()._generate_and_score_completions(inputs)
+            captured.append({k: v for k, v in out.items() if isinstance(v, torch.Tensor)})
+            return out
+
+    args = config(num_generations=5, per_device_train_batch_size=5, max_steps=2)  # G + 1 = 5 per prompt
+    trainer = train(Capture, args=args, objective="dapo", advantage="mc_grpo")
+    assert len(captured) == 2
+    for out, rpf in zip(captured, rewards, strict=True):
+        r = rpf.sum(1)
+        group = torch.arange(r.numel()) // 5
+        ref = advantages.mc_grpo(r, group)
+        assert_close(out["advantages"], ref.advantages)
+        assert_close(out["rolloutopt_seq_weight"], ref.weight)
+        assert int((out["rolloutopt_seq_weight"] == 0).sum()) == 1  # one prompt, one pivot
+        lengths = (out["completion_mask"]).sum(1)
+        assert int(out["num_items_in_batch"]) == int((lengths * (ref.weight != 0)).sum())
+    logs = step_logs(trainer)
+    assert all(math.isfinite(h["loss"]) for h in logs)
+    assert all(h["rolloutopt/adv/pivot_frac"] == pytest.approx(0.2) for h in logs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# refusals
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "overrides", "argument"),
+    [
+        ({"allocator": object()}, {}, "allocator"),
+        ({"use_fused": True}, {}, "use_fused"),
+        ({}, {"loss_type": "cispo"}, "loss_type"),
+        ({}, {"loss_type": "grpo"}, "loss_type"),  # dapo's token-mean is not grpo's normalisation
+        ({}, {"importance_sampling_level": "sequence"}, "importance_sampling_level"),
+        ({}, {"delta": 3.0}, "delta"),
+        ({}, {"top_entropy_quantile": 0.5}, "top_entropy_quantile"),
+        ({}, {"off_policy_mask_threshold": 0.1}, "off_policy_mask_threshold"),
+        ({}, {"use_adaptive_entropy": True}, "use_adaptive_entropy"),
+        ({}, {"epsilon_high": 0.3}, "epsilon_high"),
+        ({"advantage": "grpo"}, {"scale_rewards": "batch"}, "scale_rewards"),
+        ({"advantage": "reinforce_pp_baseline"}, {}, "advantage"),
+        ({"advantage": "fapo_penalty"}, {}, "advantage"),
+        ({"objective": functools.partial(losses.policy_loss, agg="prompt-mean")}, {}, "objective"),
+        ({"objective": "tis"}, {}, "behav_logp"),
+        ({"objective": "echo_clip"}, {}, "objective"),
+        ({"objective": functools.partial(losses.get("dapo"), kl=losses.KL())}, {}, "beta"),
+    ],
+)
+def test_refused_options(kwargs: dict[str, Any], overrides: dict[str, Any], argument: str) -> None:
+    kw = {"objective": "dapo", **kwargs}
+    with pytest.raises(InputError, match=f"^{argument}:"):
+        GRPOTrainer(model=model(), reward_funcs=reward, args=config(**overrides), **kw)
+
+
+def test_matching_epsilon_is_accepted() -> None:
+    """TRL's epsilon_high equal to the preset's clip (dapo: 0.28) is accepted; the objective clips."""
+    ds = datasets.Dataset.from_dict({"prompt": PROMPTS})
+    trainer = GRPOTrainer(
+        model=model(), reward_funcs=reward, args=config(epsilon_high=0.28), train_dataset=ds,
+        processing_class=tokenizer(), objective="dapo",
+    )  # fmt: skip
+    assert trainer.epsilon_high == 0.28
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# trl_denominators: TRL's normalisers, by hand
+
+
+def test_trl_denominators_by_hand() -> None:
+    common = {"num_items_in_batch": 400.0, "rows": 6, "tokens": 30, "steps_per_generation": 2, "num_processes": 4}
+    # dapo: S / (N/P · GA/spg) = S · P / (N·GA/spg) -> tokens = 400·3/2 = 600, world_size = 4
+    d = trl_denominators("token-mean", loss_type="dapo", grad_accum=3, training=True, **common)
+    assert d == Denominators(tokens=600.0, world_size=4)
+    # eval: neither GA nor spg
+    d = trl_denominators("token-mean", loss_type="dapo", grad_accum=3, training=False, **common)
+    assert d == Denominators(tokens=400.0, world_size=4)
+    assert trl_denominators("token-mean", loss_type="bnpo", grad_accum=3, training=True, **common) == Denominators(
+        tokens=90
+    )
+    for agg in ("seq-mean-token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum"):
+        got = trl_denominators(agg, loss_type="dapo", grad_accum=3, training=True, **common)
+        assert got == Denominators(sequences=18)
+    assert trl_denominators("token-sum", loss_type="dapo", grad_accum=3, training=True, **common) == Denominators(
+        world_size=4
+    )
+    with pytest.raises(InputError, match=r"^objective:"):
+        trl_denominators("prompt-mean", loss_type="dapo", grad_accum=1, training=True, **common)
