@@ -330,6 +330,7 @@ def test_mc_grpo_advantages_and_pivot_denominator() -> None:
         ({"advantage": "fapo_penalty"}, {}, "advantage"),
         ({"objective": functools.partial(losses.policy_loss, agg="prompt-mean")}, {}, "objective"),
         ({"objective": "tis"}, {}, "behav_logp"),
+        ({"objective": "tis"}, {"use_vllm": True}, "vllm_importance_sampling_correction"),
         ({"objective": "echo_clip"}, {}, "objective"),
         ({"objective": functools.partial(losses.get("dapo"), kl=losses.KL())}, {}, "beta"),
     ],
@@ -373,3 +374,43 @@ def test_trl_denominators_by_hand() -> None:
     )
     with pytest.raises(InputError, match=r"^objective:"):
         trl_denominators("prompt-mean", loss_type="dapo", grad_accum=1, training=True, **common)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# behaviour log-probs from a rollout_func (TRL's sampling_per_token_logps without vLLM)
+
+
+def fake_engine(prompts: list[str], trainer: Any) -> dict[str, Any]:
+    """A stand-in rollout engine: random completions (seeded) and log-probs near the untrained model's (≈ log 1/64).
+
+    TRL's ``rollout_func`` contract: one completion per prompt row, ``logprobs`` per completion token (None where
+    the engine could not score a token; the adapter treats it as on-policy).
+    """
+    gen = torch.Generator().manual_seed(len(trainer._logs["prompt"]))
+    tok = trainer.processing_class
+    out: dict[str, Any] = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+    for prompt in prompts:
+        n = int(torch.randint(2, 9, (1,), generator=gen))
+        ids = torch.randint(2, 40, (n,), generator=gen).tolist()
+        out["prompt_ids"].append(tok(prompt)["input_ids"])
+        out["completion_ids"].append(ids)
+        out["logprobs"].append((-math.log(64) + 0.3 * torch.randn(n, generator=gen)).tolist())
+    out["logprobs"][0][0] = None  # a token the engine could not score (vLLM's None): TRL makes it NaN
+    return out
+
+
+def test_behaviour_logprob_presets_run_with_a_rollout_func() -> None:
+    names = [n for n in losses.names() if losses.get(n).requires == ("behav_logp",)]
+    assert {"tis", "icepop", "decoupled_ppo", "m2po"} <= set(names)
+    for name in names:
+        preset = losses.get(name)
+        kw = {"experimental": True} if preset.experimental else {}
+        args = config(num_iterations=2, max_steps=2)
+        trainer = train(GRPOTrainer, args=args, objective=preset, rollout_func=fake_engine, **kw)
+        logs = step_logs(trainer)
+        assert len(logs) == 2, name
+        for log in logs:
+            assert math.isfinite(log["loss"]) and math.isfinite(log["grad_norm"]), name
+            assert math.isfinite(log["rolloutopt/pg_loss"]), name
+        if "correction" in preset.config:  # the behaviour weights were computed from the engine's log-probs
+            assert any(log["rolloutopt/is_weight_mean"] != 1.0 for log in logs), name

@@ -72,6 +72,8 @@ UNSUPPORTED_OPTIONS: dict[str, str] = {
     "epsilon / epsilon_high": "values other than TRL's defaults must equal the objective's trust.low / trust.high",
     "scale_rewards": "other than 'group' with advantage=...: configure the estimator instead",
     "multi_objective_aggregation": "'normalize_then_sum' with a single-reward estimator: use advantage='gdpo'",
+    "vllm_importance_sampling_correction": "True with a preset that requires behav_logp (it corrects for the "
+    "rollout engine itself; TRL's ratio would be a second correction): set it to False",
 }
 """TRL options the adapter refuses when ``objective`` (or ``advantage``) is given, and what to use instead."""
 
@@ -318,6 +320,14 @@ def _trainer_class() -> type:
                         f"no {', '.join(missing)} in TRL's GRPOTrainer",
                         "choose a preset without these requirements (rolloutopt.losses.get(name).requires)",
                     )
+                if "behav_logp" in fn.requires and config.use_vllm and config.vllm_importance_sampling_correction:
+                    raise _fail(
+                        "vllm_importance_sampling_correction",
+                        f"False with the {fn.name!r} preset, which corrects for the rollout engine itself from "
+                        "behav_logp (TRL's importance_sampling_ratio would apply a second correction)",
+                        True,
+                        "set vllm_importance_sampling_correction=False (vLLM's log-probs still reach the objective)",
+                    )
                 if "behav_logp" in fn.requires and not (config.use_vllm or has_rollout_func):
                     raise _fail(
                         "behav_logp",
@@ -561,10 +571,10 @@ def _trainer_class() -> type:
             kw["denominators"] = trl_denominators(
                 self._ro_agg,
                 loss_type=self.loss_type,
-                num_items_in_batch=inputs["num_items_in_batch"].to(torch.float64),
+                num_items_in_batch=inputs["num_items_in_batch"].float(),
                 rows=rows,
                 tokens=tokens,
-                grad_accum=self.current_gradient_accumulation_steps,
+                grad_accum=ga,
                 steps_per_generation=targs.steps_per_generation,
                 num_processes=self.accelerator.num_processes,
                 training=training,
