@@ -10,7 +10,8 @@ and the second pass over a generation batch is off-policy, so the ratio differs 
   estimator configured as TRL's normalisation) log the same losses and gradient norms as TRL's ``loss_type``.
 - ``test_compute_loss_matches_trl_on_one_batch``: the ``_compute_loss`` override against TRL's, on one
   hand-made micro-batch with every optional tensor TRL can pass (old, reference and sampling log-probs, the vLLM
-  IS ratio, a tool mask), the bias-corrected KL, the entropy bonus, GA = 2, train and eval: value and gradient.
+  IS ratio, a tool mask), the bias-corrected KL, the entropy bonus, GA = 2, 1 or a pretend 2 or 3 processes,
+  train and eval: value and gradient.
 - ``test_other_presets_run``: every other preset TRL can feed trains for two steps, finite, with metrics logged;
   presets needing inputs TRL lacks are refused at construction, naming the input.
 - MC-GRPO through the advantage override; refused options; :func:`trl_denominators`.
@@ -187,6 +188,16 @@ def with_logps(trainer: Any, batch: dict[str, Any], *, vllm: bool, beta: float) 
     return inputs
 
 
+class PretendWorld:
+    """The trainer's accelerator, reporting ``n`` processes (gathers stay local): TRL's P in the normalisers."""
+
+    def __init__(self, accelerator: Any, n: int) -> None:
+        self._inner, self.num_processes = accelerator, n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 def loss_and_grads(fn: Any, trainer: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     loss = fn(trainer.model, inputs)
@@ -212,7 +223,10 @@ def test_compute_loss_matches_trl_on_one_batch(preset: str, trl_kw: dict[str, An
     )  # fmt: skip
     batch = one_batch()
     seen = 0
-    for training, vllm, beta, bias in [(True, True, 0.04, True), (True, False, 0.04, False), (False, True, 0.0, True)]:
+    real = trainer.accelerator
+    cases = [(True, True, 0.04, True, 1), (True, False, 0.04, False, 3), (False, True, 0.0, True, 2)]
+    for training, vllm, beta, bias, procs in cases:
+        trainer.accelerator = PretendWorld(real, procs) if procs > 1 else real
         trainer.model.train(training)
         trainer.current_gradient_accumulation_steps = 2
         trainer.beta, trainer.use_vllm = beta, vllm
@@ -231,6 +245,7 @@ def test_compute_loss_matches_trl_on_one_batch(preset: str, trl_kw: dict[str, An
         metrics = trainer._metrics["train" if training else "eval"]
         assert metrics["rolloutopt/clip_low_frac"] and metrics["rolloutopt/clip_high_frac"]
         assert metrics["rolloutopt/clip_low_frac"][-1] > 0 and metrics["rolloutopt/clip_high_frac"][-1] > 0
+    trainer.accelerator = real
     assert seen > 0
 
 
@@ -306,6 +321,33 @@ def test_mc_grpo_advantages_and_pivot_denominator() -> None:
     logs = step_logs(trainer)
     assert all(math.isfinite(h["loss"]) for h in logs)
     assert all(h["rolloutopt/adv/pivot_frac"] == pytest.approx(0.2) for h in logs)
+
+
+def length_reward(completions: list[str], **kwargs: Any) -> list[float]:
+    return [len(c) / 8.0 for c in completions]
+
+
+def test_gdpo_sees_each_reward_function() -> None:
+    """A multi-reward estimator gets TRL's [N, K] rewards and reward_weights (per-function normalisation)."""
+    seen: list[tuple[torch.Tensor, Any]] = []
+
+    def spy(rewards: torch.Tensor, group: torch.Tensor, **kw: Any) -> Any:
+        seen.append((rewards.clone(), kw.get("weights")))
+        return advantages.gdpo(rewards, group, **kw)
+
+    ds = datasets.Dataset.from_dict({"prompt": PROMPTS})
+    args = config(reward_weights=[1.0, 0.5])
+    trainer = GRPOTrainer(
+        model=model(), reward_funcs=[reward, length_reward], args=args, train_dataset=ds,
+        processing_class=tokenizer(), objective="grpo", advantage=functools.partial(advantages.gdpo),
+    )  # fmt: skip
+    trainer._ro_advantage = functools.partial(spy)  # the same checks passed for gdpo; spy on the call
+    trainer.train()
+    assert len(seen) == 2
+    for rewards, weights in seen:
+        assert rewards.shape == (4, 2)
+        assert_close(weights, torch.tensor([1.0, 0.5]))
+    assert all(math.isfinite(h["loss"]) for h in step_logs(trainer))
 
 
 # ---------------------------------------------------------------------------------------------------------------
