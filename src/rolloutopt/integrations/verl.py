@@ -475,7 +475,9 @@ def make_advantage_fn(name: str) -> AdvantageFn:
     ``token_level_rewards`` ``[bs, T]``, ``response_mask`` ``[bs, T]``, ``index`` a 1-d object array of uid
     strings, ``config`` verl's ``algorithm`` config. Extra keyword hyper-parameters come from
     ``config.rolloutopt.<name>`` (``+algorithm.rolloutopt.mc_grpo.eps=1e-3``; unknown keys raise);
-    ``algorithm.norm_adv_by_std_in_grpo=false`` gives ``rolloutopt_grpo`` ``scale=None``, as verl's GRPO.
+    ``algorithm.norm_adv_by_std_in_grpo=false`` gives ``rolloutopt_grpo`` ``scale=None``, as verl's GRPO. An
+    estimator's ``mask`` is the response mask, and its ``max_len`` (DRPO, Latent-GRPO's truncation rule)
+    defaults to the padded response width, which verl pads to ``rollout.response_length``.
     A required input other than the rewards, groups and ``mask`` is taken from ``kwargs`` (same name, or
     ``old_log_probs`` for ``logp``), else an :class:`~rolloutopt.errors.InputError` names it; estimators that
     need per-component rewards ``[B, K]`` and reward shapers (which return rewards, not advantages) raise an
@@ -532,6 +534,8 @@ def make_advantage_fn(name: str) -> AdvantageFn:
             hyper = _adv_hyper(config, name, params, fixed)
             if "mask" in params and "mask" not in required:
                 hyper["mask"] = response_mask
+            if "max_len" in params and "max_len" not in hyper:
+                hyper["max_len"] = int(response_mask.shape[-1])  # verl pads responses to rollout.response_length
             missing = [
                 p.name
                 for p in params.values()
