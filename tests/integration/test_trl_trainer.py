@@ -14,13 +14,19 @@ and the second pass over a generation batch is off-policy, so the ratio differs 
   train and eval: value and gradient.
 - ``test_other_presets_run``: every other preset TRL can feed trains for two steps, finite, with metrics logged;
   presets needing inputs TRL lacks are refused at construction, naming the input.
-- MC-GRPO through the advantage override; refused options; :func:`trl_denominators`.
+- ``test_two_processes_equal_stock_trl``: two processes (``torch.distributed.run``, gloo): equal to stock TRL.
+- MC-GRPO and GDPO through the advantage override; refused options; :func:`trl_denominators`.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
+import pathlib
+import subprocess
+import sys
 import tempfile
 from typing import Any
 
@@ -348,6 +354,52 @@ def test_gdpo_sees_each_reward_function() -> None:
         assert rewards.shape == (4, 2)
         assert_close(weights, torch.tensor([1.0, 0.5]))
     assert all(math.isfinite(h["loss"]) for h in step_logs(trainer))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# two processes (torch.distributed.run, gloo on the CPU): the gathers, the process slices and P
+
+TWO_PROCESS_SCRIPT = """
+import functools, json, os, sys
+sys.path.insert(0, {here!r})
+import test_trl_trainer as t
+from trl.trainer.grpo_trainer import GRPOTrainer as Stock
+from rolloutopt.integrations.trl import GRPOTrainer
+import rolloutopt.advantages as advantages
+import rolloutopt.losses as losses
+args = dict(num_iterations=2, gradient_accumulation_steps=2, max_steps=2, epsilon_high=0.28)
+runs = {{
+    "stock": (Stock, {{}}),
+    "dapo": (GRPOTrainer, {{"objective": losses.get("dapo")}}),
+    "dapo+grpo_adv": (GRPOTrainer, {{"objective": "dapo", "advantage": functools.partial(advantages.grpo, eps=1e-4)}}),
+}}
+out = {{}}
+for name, (cls, kw) in runs.items():
+    trainer = t.train(cls, args=t.config(**args), **kw)
+    assert trainer.accelerator.num_processes == 2
+    out[name] = [[h["loss"], h["grad_norm"], h.get("rolloutopt/ratio_max", 0.0)] for h in t.step_logs(trainer)]
+if os.environ["RANK"] == "0":
+    print("RESULT " + json.dumps(out))
+"""
+
+
+def test_two_processes_equal_stock_trl(tmp_path: Any) -> None:
+    """Under 2 processes (each with its own prompts) the adapter logs stock TRL's losses and gradient norms."""
+    here = str(pathlib.Path(__file__).parent)
+    script = tmp_path / "two.py"
+    script.write_text(TWO_PROCESS_SCRIPT.format(here=here))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    res = json.loads(line[len("RESULT ") :])
+    assert len(res["stock"]) == 2
+    for name in ("dapo", "dapo+grpo_adv"):
+        for s, o in zip(res["stock"], res[name], strict=True):
+            assert_close(o[0], s[0], rtol=1e-5, atol=1e-6)
+            assert_close(o[1], s[1], rtol=1e-4, atol=1e-7)
+    assert any(abs(s[0]) > 1e-4 for s in res["stock"]) and any(o[2] > 1.0 + 1e-3 for o in res["dapo"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
