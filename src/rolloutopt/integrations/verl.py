@@ -17,7 +17,7 @@ registration failure is logged here at ERROR level on the ``"rolloutopt"`` logge
 
 Selected with ``actor_rollout_ref.actor.policy_loss.loss_mode=rolloutopt_<preset>`` and
 ``algorithm.adv_estimator=rolloutopt_<estimator>``; extra loss hyper-parameters go through
-:class:`RolloutOptPolicyLossConfig` (``policy_loss._target_=rolloutopt.integrations.verl.RolloutOptPolicyLossConfig``),
+``RolloutOptPolicyLossConfig`` (``policy_loss._target_=rolloutopt.integrations.verl.RolloutOptPolicyLossConfig``),
 extra estimator hyper-parameters under ``+algorithm.rolloutopt.<estimator>.<keyword>=...``. The page
 ``docs/integrations/verl.md`` lists, per preset, the verl fields read.
 """
@@ -268,7 +268,7 @@ def policy_loss_kwargs(name: str, config: Any, loss_agg_mode: str, response_mask
     - :class:`~rolloutopt.ratios.SAPO`: ``tau_pos``, ``tau_neg``;
     - :class:`~rolloutopt.ratios.DPPO` (``tv``/``kl``): thresholds ``clip_ratio_low/high``, truncation
       ``c=clip_ratio_c``;
-    - M2PO's ``tau`` (and ``pair``), OPSM's ``delta``: from :class:`RolloutOptPolicyLossConfig`;
+    - M2PO's ``tau`` (and ``pair``), OPSM's ``delta``: from ``RolloutOptPolicyLossConfig``;
     - ``agg=loss_agg_mode``; ``config.global_batch_info`` → ``denominators=Denominators(tokens=batch_num_tokens,
       sequences=global_batch_size, world_size=dp_size)`` and, for ``seq-mean-token-sum-norm``,
       ``max_len=loss_scale_factor`` or the mask width (verl's ``agg_loss``).
@@ -676,7 +676,7 @@ _CONFIG_CLASS: list[type[Any]] = []
 
 
 def _config_class() -> type[Any]:
-    """Define :class:`RolloutOptPolicyLossConfig` (a subclass of verl's ``PolicyLossConfig``) on first use."""
+    """Define ``RolloutOptPolicyLossConfig`` (a subclass of verl's ``PolicyLossConfig``) on first use."""
     if _CONFIG_CLASS:
         return _CONFIG_CLASS[0]
     from verl.workers.config import PolicyLossConfig
