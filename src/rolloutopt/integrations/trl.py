@@ -106,7 +106,8 @@ def trl_denominators(
     default), ``Denominators(tokens=n_tok·GA)`` for ``bnpo`` and ``Denominators(sequences=B·GA)`` for the
     per-sequence modes (``grpo``, ``dr_grpo`` with ``max_len=max_completion_length``, ``luspo``), where B counts
     every row of the micro-batch, empty completions included (TRL's ``.mean()`` over rows), and ``token-sum``
-    gets ``Denominators(world_size=P)``. Reference: TRL ``GRPOTrainer._compute_loss`` (1.16);
+    gets ``Denominators(world_size=P)``. Reference: TRL ``GRPOTrainer._compute_loss`` (1.16); the token mean is
+    DAPO's (arXiv 2503.14476), the ``B · L_max`` denominator Dr.GRPO's (arXiv 2503.20783);
     ``specs/ratios_and_losses.md`` §5.2. Masked tokens stay in TRL's denominators; rolloutopt's presets keep
     them with ``removed_in_denominator=True`` (the default).
 
@@ -278,6 +279,7 @@ def _trainer_class() -> type:
             config = args_ if args_ is not None else _GRPOConfig("rolloutopt-GRPO")
             rollout_func = kwargs.get("rollout_func")
             self._ro_agg = "token-mean"
+            self._ro_has_kl = _objective_config(self._ro_objective).get("kl") is not None
             self._ro_preset_call = False
             if self._ro_objective is not None:
                 self._check_objective(config, rollout_func is not None)
@@ -555,7 +557,7 @@ def _trainer_class() -> type:
                 kw["is_weights"] = w.squeeze(-1) if w.dim() == 2 and w.size(1) == 1 and mask.size(1) != 1 else w
             if self.beta != 0.0:
                 kw["ref_logp"] = inputs["ref_per_token_logps"]
-                if _objective_config(self._ro_objective).get("kl") is None:
+                if not self._ro_has_kl:
                     if targs.use_bias_correction_kl:
                         kw["kl"] = _RatioWeightedKL("k3", coef=self.beta, clamp=False, old=proximal)
                     else:
