@@ -116,6 +116,7 @@ def loss_of(
     mode: str,
     denominators: Any = None,
     trust: Any = None,
+    **overrides: Any,
 ) -> torch.Tensor:
     logits = model(b["features"])
     logp = torch.log_softmax(logits, -1).gather(-1, b["ids"][..., None])[..., 0]
@@ -133,6 +134,7 @@ def loss_of(
         kw["trust"] = trust
     if name in EXPERIMENTAL:
         kw["experimental"] = True
+    kw.update(overrides)
     return losses.get(name)(logp, old, b["advantages"], b["mask"], **kw).loss
 
 
@@ -170,6 +172,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                     ddp.zero_grad()
                     loss_of(ddp, b, name, mode, d, trust).backward()
                     averaged[label, mode] = grads(ddp)
+        # removed_in_denominator=False: masked tokens leave the local denominator, but not the global count
+        plain.zero_grad()
+        loss_of(plain, b, "icepop", "token-mean", d, removed_in_denominator=False).backward()
+        raw["icepop_removed", "token-mean"] = (None, grads(plain))
         # stage_inputs cannot be gathered: every rank raises before any collective
         try:
             loss_of_extra = losses.get("m2po_clip")
@@ -254,11 +260,18 @@ def test_two_ranks_gloo(tmp_path: Path) -> None:
                 assert close(ranks[0]["ddp"][name, mode], ranks[1]["ddp"][name, mode])
                 assert close(ranks[0]["ddp"][name, mode], summed)
 
-    # 3. GlobalBatchTrust refuses stage_inputs on every rank (before any collective, so nothing hangs)
+    # 3. removed_in_denominator=False (verl's folding of rejection masks into the denominator) is not exact with
+    #    global_denominators: the counts are taken before IcePop's mask (here rank 1's token with exp(-1.5) < 0.5)
+    model = make_model()
+    loss_of(model, concatenated(), "icepop", "token-mean", removed_in_denominator=False).backward()
+    summed = [sum(gs) / WORLD for gs in zip(*(r["raw"]["icepop_removed", "token-mean"][1] for r in ranks), strict=True)]
+    assert not close(summed, grads(model))
+
+    # 4. GlobalBatchTrust refuses stage_inputs on every rank (before any collective, so nothing hangs)
     for r in ranks:
         assert r["extra_error"].startswith("stage_inputs: ")
 
-    # 4. per-rank seeds: different, and reproducible outside the run
+    # 5. per-rank seeds: different, and reproducible outside the run
     seeds = [r["seed"] for r in ranks]
     assert seeds[0] != seeds[1]
     assert seeds == [rank_seed(SEED, rank) for rank in range(WORLD)]
