@@ -48,6 +48,8 @@ BATCH_STAT = ("m2po_clip", "m2po", "sat")
 EXPERIMENTAL = {"sat"}
 # GSPO's band is 3e-4 / 4e-4 around the sequence ratio: a smaller policy lag keeps some sequences unclipped
 OLD_SCALE = {"gspo": 1e-3}
+# wrapped in GlobalBatchTrust: the batch-statistic presets, and ECHO (per rollout; gathers the [B] confidence)
+WRAPPED = (*BATCH_STAT, "echo_clip")
 
 
 def micro_batch(rank: int) -> dict[str, torch.Tensor]:
@@ -160,7 +162,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         raw: dict[tuple[str, str], Any] = {}
         averaged: dict[tuple[str, str], Any] = {}
         cases = [(n, None) for n in (*EXACT, *BATCH_STAT)]
-        cases += [(f"{n}+global", GlobalBatchTrust(losses.get(n).config["trust"])) for n in BATCH_STAT]
+        cases += [(f"{n}+global", GlobalBatchTrust(losses.get(n).config["trust"])) for n in WRAPPED]
         for label, trust in cases:
             name = label.split("+")[0]
             for mode in AGG_MODES:
@@ -186,7 +188,22 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             extra_error = ""
         except InputError as e:
             extra_error = str(e)
+        # optional inputs must agree across ranks: both ranks raise after the shape all-reduce
+        try:
+            logp = torch.zeros(b["mask"].shape, dtype=torch.float64)
+            losses.policy_loss(
+                logp,
+                logp,
+                b["advantages"],
+                b["mask"],
+                trust=GlobalBatchTrust(M2POClip()),
+                behav_logp=logp if rank == 0 else None,
+            )
+            mismatch_error = ""
+        except InputError as e:
+            mismatch_error = str(e)
         result = {
+            "mismatch_error": mismatch_error,
             "raw": raw,
             "ddp": averaged,
             "extra_error": extra_error,
@@ -236,7 +253,7 @@ def test_two_ranks_gloo(tmp_path: Path) -> None:
     want = {(n, mode): single(n, mode) for n in (*EXACT, *BATCH_STAT) for mode in AGG_MODES}
 
     # 1. per-token presets, and batch-statistic presets wrapped in GlobalBatchTrust: exact equality
-    for label in (*EXACT, *(f"{n}+global" for n in BATCH_STAT)):
+    for label in (*EXACT, *(f"{n}+global" for n in WRAPPED)):
         for mode in AGG_MODES:
             case = f"{label}/{mode}"
             want_loss, want_grad = want[label.split("+")[0], mode]
@@ -270,6 +287,7 @@ def test_two_ranks_gloo(tmp_path: Path) -> None:
     # 4. GlobalBatchTrust refuses stage_inputs on every rank (before any collective, so nothing hangs)
     for r in ranks:
         assert r["extra_error"].startswith("stage_inputs: ")
+        assert r["mismatch_error"].startswith("ctx: ") and "behav_logp" in r["mismatch_error"]
 
     # 5. per-rank seeds: different, and reproducible outside the run
     seeds = [r["seed"] for r in ranks]
