@@ -416,7 +416,7 @@ def _adv_hyper(config: Any, name: str, params: Mapping[str, inspect.Parameter], 
             allowed = [
                 p
                 for p, v in params.items()
-                if v.kind == v.KEYWORD_ONLY or (p not in fixed and v.default is not v.empty)
+                if p not in fixed and (v.kind == v.KEYWORD_ONLY or v.default is not v.empty)
             ]
             raise InputError(
                 f"algorithm.rolloutopt.{name}.{key}",
