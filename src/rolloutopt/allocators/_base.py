@@ -1,0 +1,241 @@
+"""The allocation protocol every allocator speaks (``DESIGN.md`` §4), and the bookkeeping they share.
+
+A step is a short conversation::
+
+    plan = allocator.plan(prompt_ids, budget)    # int64 [P] candidate prompts, budget in rollouts
+    while (request := plan.next()) is not None:  # which prompts, how many more rollouts each
+        plan.observe(request, rewards)           # float [request.counts.sum()], ordered by request row
+    result = plan.finish()                       # rollouts to train on, with groups, weights and reasons
+    allocator.update(result)                     # learn from this step
+
+:class:`Conversation` implements the bookkeeping once (pending request, validation of observations, budget
+accounting, assembling the result); an allocator's plan subclasses it and decides only *what to request next*
+(:meth:`Conversation.decide`) and *which rollouts to keep* (:meth:`Conversation.select`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from rolloutopt._validation import checks_enabled, describe
+from rolloutopt.errors import InputError
+
+__all__ = ["AllocationResult", "Allocator", "Conversation", "Request", "as_prompt_ids", "check_budget"]
+
+
+@dataclass(frozen=True)
+class Request:
+    """Rollouts to generate: ``counts[r]`` more samples of prompt ``prompt_ids[r]`` (both int64 ``[R]``)."""
+
+    prompt_ids: Tensor
+    counts: Tensor
+
+    @property
+    def total(self) -> int:
+        """Number of rollouts requested (``counts.sum()``)."""
+        return int(self.counts.sum())
+
+
+@dataclass(frozen=True)
+class AllocationResult:
+    """What a step produced, per rollout and per planned prompt.
+
+    Per rollout (``[N]``, in the order the rewards were observed): ``prompt_ids``, ``group`` (the prompt's
+    position in the plan, ``0..P-1``, so rollouts of one prompt from several requests share it), ``rewards``
+    (float64),
+    ``weight`` (0 for rollouts kept out of the loss, e.g. a zero-variance group dropped by dynamic sampling).
+    Per planned prompt (``[P]``, the order given to ``plan``): ``plan_prompt_ids``, ``counts`` (rollouts it
+    got), ``reasons`` (int codes into ``reason_names``, why it got them). ``metrics``: detached 0-d tensors.
+    """
+
+    prompt_ids: Tensor
+    group: Tensor
+    rewards: Tensor
+    weight: Tensor
+    plan_prompt_ids: Tensor
+    counts: Tensor
+    reasons: Tensor
+    reason_names: tuple[str, ...]
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+    def reason_of(self, prompt_id: int) -> str:
+        """The reason recorded for one planned prompt (a convenience for logs and tests)."""
+        hit = (self.plan_prompt_ids == prompt_id).nonzero()
+        if hit.numel() == 0:
+            raise InputError("prompt_id", "a prompt id of this plan", repr(prompt_id), "use result.plan_prompt_ids")
+        return self.reason_names[int(self.reasons[int(hit[0, 0])])]
+
+
+class Allocator(Protocol):
+    """An allocator: keyword-only construction with the paper's defaults, a plan per step, an update after it."""
+
+    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation: ...
+
+    def update(self, result: AllocationResult) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def as_prompt_ids(prompt_ids: Any, name: str = "prompt_ids") -> Tensor:
+    """Validate distinct int64 prompt ids ``[P]`` (any integer dtype is accepted and returned as int64 on CPU)."""
+    if not isinstance(prompt_ids, Tensor):
+        raise InputError(name, "an int64 tensor of prompt ids [P]", describe(prompt_ids), "pass torch.tensor(ids)")
+    if prompt_ids.is_floating_point() or prompt_ids.is_complex() or prompt_ids.dtype == torch.bool:
+        raise InputError(name, "integer prompt ids", describe(prompt_ids), f"cast with {name}.long()")
+    if prompt_ids.ndim != 1:
+        raise InputError(name, "a 1-d tensor [P]", describe(prompt_ids), f"flatten {name}")
+    ids = prompt_ids.long().cpu()
+    if checks_enabled() and torch.unique(ids).numel() != ids.numel():
+        raise InputError(name, "distinct prompt ids", f"{describe(prompt_ids)} with repeats", "deduplicate the prompts")
+    return ids
+
+
+def check_budget(budget: Any, name: str = "budget") -> int:
+    """Validate a non-negative integer budget (in rollouts unless the allocator says otherwise)."""
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+        raise InputError(name, "a non-negative int (rollouts)", describe(budget), "pass e.g. budget=8 * len(prompts)")
+    return budget
+
+
+class Conversation:
+    """One step's plan: the request/observe bookkeeping shared by every allocator, vectorised.
+
+    Subclasses implement :meth:`decide` (the next request, or None when done; it may read :meth:`totals` and
+    :meth:`rollouts`) and may override :meth:`select` (weights and reasons at the end). The base class enforces
+    the protocol: one pending request at a time, ``observe`` gets exactly that request and ``counts.sum()``
+    finite rewards, the total requested never exceeds ``budget`` (an allocator bug raises ``AssertionError``),
+    and ``finish`` is called once, after the last request. No Python loop over prompts or rollouts.
+
+    Attributes:
+        prompt_ids: the planned prompts, int64 ``[P]``.
+        budget: the step's budget in rollouts.
+        spent: rollouts requested so far.
+    """
+
+    reason_names: tuple[str, ...] = ("allocated",)
+
+    def __init__(self, prompt_ids: Tensor, budget: int) -> None:
+        self.prompt_ids = prompt_ids
+        self.budget = budget
+        self.spent = 0
+        self._sorted, self._order = prompt_ids.sort()
+        p = prompt_ids.numel()
+        self._n = torch.zeros(p, dtype=torch.long)
+        self._sum = torch.zeros(p, dtype=torch.float64)
+        self._sumsq = torch.zeros(p, dtype=torch.float64)
+        self._pending: Request | None = None
+        self._log_pos: list[Tensor] = []
+        self._log_rewards: list[Tensor] = []
+        self._finished = False
+
+    def positions(self, ids: Tensor) -> Tensor:
+        """Positions ``0..P-1`` of ``ids`` in ``self.prompt_ids`` (every id must be planned)."""
+        pos = torch.searchsorted(self._sorted, ids).clamp(max=max(self._sorted.numel() - 1, 0))
+        if checks_enabled() and ids.numel() and not bool((self._sorted[pos] == ids).all()):
+            raise InputError("prompt_ids", "ids of this plan's prompts", "unknown ids", "request planned prompts only")
+        return self._order[pos]
+
+    # -- to implement ---------------------------------------------------------------------------------------
+    def decide(self) -> Request | None:
+        """The next request (prompt ids from ``self.prompt_ids``, counts >= 1), or None when the plan is done."""
+        raise NotImplementedError
+
+    def select(self) -> tuple[Tensor, Tensor]:
+        """Per observed rollout weight ``[N]`` and per planned prompt reason code ``[P]`` (default: keep all)."""
+        return torch.ones(self.spent_observed), torch.zeros(self.prompt_ids.numel(), dtype=torch.long)
+
+    # -- what a subclass reads ------------------------------------------------------------------------------
+    @property
+    def spent_observed(self) -> int:
+        """Rollouts observed so far."""
+        return int(self._n.sum())
+
+    def totals(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Per planned prompt ``[P]``: rollouts observed (int64), sum and sum of squares of their rewards (fp64)."""
+        return self._n, self._sum, self._sumsq
+
+    def rollouts(self) -> tuple[Tensor, Tensor]:
+        """Every observed rollout so far: prompt position ``[N]`` (into ``prompt_ids``) and reward ``[N]``."""
+        if not self._log_pos:
+            return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64)
+        return torch.cat(self._log_pos), torch.cat(self._log_rewards)
+
+    # -- the protocol ---------------------------------------------------------------------------------------
+    def next(self) -> Request | None:
+        """The next request, or None: then call :meth:`finish`."""
+        if self._finished:
+            raise InputError("plan", "a plan that is not finished", "finish() already called", "start a new plan")
+        if self._pending is not None:
+            raise InputError(
+                "plan.next", "observe(request, rewards) for the pending request first", "a pending request", "observe"
+            )
+        req = self.decide()
+        if req is None:
+            return None
+        assert req.prompt_ids.dtype == torch.long and req.counts.dtype == torch.long, "allocator bug: dtypes"
+        assert bool((req.counts >= 1).all()), "allocator bug: a request row with count < 1"
+        assert self.spent + req.total <= self.budget, "allocator bug: request exceeds the budget"
+        self.spent += req.total
+        self._pending = req
+        return req
+
+    def observe(self, request: Request, rewards: Any) -> None:
+        """Record the rewards of ``request``: a float tensor of ``request.counts.sum()`` values, row by row."""
+        if self._pending is None or request is not self._pending:
+            raise InputError(
+                "request",
+                "the request returned by the last plan.next()",
+                "another request" if self._pending is not None else "no pending request",
+                "observe each request once, in order",
+            )
+        if not isinstance(rewards, Tensor) or not rewards.is_floating_point():
+            raise InputError("rewards", "a float tensor", describe(rewards), "pass torch.tensor(rewards).float()")
+        if rewards.ndim != 1 or rewards.numel() != request.total:
+            raise InputError(
+                "rewards",
+                f"a 1-d tensor of request.counts.sum() = {request.total} rewards, ordered by request row",
+                describe(rewards),
+                "pass one reward per requested rollout",
+            )
+        r = rewards.detach().cpu().to(torch.float64)
+        if not bool(torch.isfinite(r).all()):
+            raise InputError("rewards", "finite rewards", f"{describe(rewards)} with NaN or inf", "fix the scorer")
+        pos = self.positions(request.prompt_ids).repeat_interleave(request.counts)
+        self._n.index_add_(0, pos, torch.ones_like(pos))
+        self._sum.index_add_(0, pos, r)
+        self._sumsq.index_add_(0, pos, r * r)
+        self._log_pos.append(pos)
+        self._log_rewards.append(r)
+        self._pending = None
+
+    def finish(self) -> AllocationResult:
+        """Assemble the step's :class:`AllocationResult` (after ``next()`` returned None)."""
+        if self._pending is not None:
+            raise InputError("plan.finish", "no pending request", "a request without observe()", "observe it first")
+        if self._finished:
+            raise InputError("plan.finish", "a single call", "a second call", "use the result of the first call")
+        self._finished = True
+        pos, rewards = self.rollouts()
+        weight, reasons = self.select()
+        n = pos.numel()
+        return AllocationResult(
+            prompt_ids=self.prompt_ids[pos],
+            group=pos,
+            rewards=rewards,
+            weight=weight.to(rewards.dtype),
+            plan_prompt_ids=self.prompt_ids,
+            counts=self._n.clone(),
+            reasons=reasons,
+            reason_names=self.reason_names,
+            metrics={
+                "rollouts": torch.tensor(float(n)),
+                "budget_used_frac": torch.tensor(n / max(self.budget, 1)),
+                "kept_frac": (weight != 0).double().mean() if n else torch.tensor(0.0, dtype=torch.float64),
+            },
+        )

@@ -1,0 +1,68 @@
+"""Reference allocators: :class:`Uniform` (every prompt gets the same number of rollouts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rolloutopt.allocators._base import AllocationResult, Conversation, Request, as_prompt_ids, check_budget
+from rolloutopt.errors import InputError
+
+__all__ = ["Uniform"]
+
+
+class _UniformPlan(Conversation):
+    reason_names = ("uniform", "remainder", "no_budget")
+
+    def __init__(self, prompt_ids: Tensor, budget: int, n: int | None) -> None:
+        super().__init__(prompt_ids, budget)
+        p = prompt_ids.numel()
+        per, extra = (budget // p, budget % p) if n is None else (min(n, budget // max(p, 1)), 0)
+        counts = torch.full((p,), per, dtype=torch.long)
+        counts[:extra] += 1
+        self._counts = counts
+        self._reasons = torch.where(counts == 0, 2, torch.where(torch.arange(p) < extra, 1, 0))
+        self._sent = False
+
+    def decide(self) -> Request | None:
+        if self._sent:
+            return None
+        self._sent = True
+        keep = self._counts > 0
+        if not bool(keep.any()):
+            return None
+        return Request(self.prompt_ids[keep], self._counts[keep])
+
+    def select(self) -> tuple[Tensor, Tensor]:
+        return torch.ones(self.spent_observed), self._reasons
+
+
+class Uniform:
+    """The baseline: every prompt gets the same number of rollouts, in one request.
+
+    ``n=None`` (default) spreads the budget evenly, the first ``budget % P`` prompts (in the given order) get one
+    more (reason ``"remainder"``); ``n=k`` gives every prompt exactly ``k`` rollouts (GRPO's fixed group size),
+    or ``budget // P`` when the budget is smaller. Prompts that get nothing are reported as ``"no_budget"``.
+    Every rollout is kept (weight 1). Stateless: ``update`` does nothing and the state dict is empty.
+    """
+
+    def __init__(self, *, n: int | None = None) -> None:
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise InputError("n", "None or an int >= 1 (rollouts per prompt)", repr(n), "pass e.g. n=8")
+        self.n = n
+
+    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+        """One request: ``budget`` spread over ``prompt_ids`` (see the class docstring)."""
+        return _UniformPlan(as_prompt_ids(prompt_ids), check_budget(budget), self.n)
+
+    def update(self, result: AllocationResult) -> None:
+        """Nothing to learn."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """No state."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """No state."""
