@@ -1,0 +1,455 @@
+"""DPS — Dynamics-Predictive Sampling: a per-prompt hidden Markov model picks prompts before rollout.
+
+Reference: "Dynamics-Predictive Sampling", arXiv 2603.10887 (ICLR 2026); code ``maoyixiu/DPS``,
+``recipe/dps/task_sampler.py`` (``BayesianHMMSampler``); ``specs/allocators.md`` §A2.
+
+Each prompt's *solving state* is one of three: S1 unsolved (group success 0), S2 partially solved
+(0 < success < 1), S3 solved (success 1). A prompt carries Dirichlet pseudo-counts ``alpha`` of its 3x3
+transition matrix and a predictive distribution ``pi`` of its state at the next visit; observations are
+deterministic (the success rate names the state), so filtering is exact. Before rollout the prompts with the
+highest predicted probability of S2 — the only state whose group has a non-zero GRPO advantage — are picked.
+
+The state of every prompt ever planned lives in sorted int64 tensors (ids ``[K]``, ``alpha [K, 3, 3]``,
+``pi [K, 3]``, ...), looked up with ``torch.searchsorted``: no Python loop over prompts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from rolloutopt._validation import describe
+from rolloutopt.allocators._base import AllocationResult, Conversation, Request, as_prompt_ids, check_budget
+from rolloutopt.errors import InputError
+
+__all__ = ["DPS"]
+
+# Named Dirichlet priors of the code (``task_sampler.py``); entry [j, i] is the pseudo-count of i -> j.
+_NAMED_ALPHA: dict[str, list[list[float]]] = {
+    "progress": [[1.0, 0.5, 0.5], [1.0, 1.0, 0.5], [1.0, 1.0, 1.0]],
+    "stability": [[1.0, 0.5, 0.5], [0.5, 1.0, 0.5], [0.5, 0.5, 1.0]],
+    "local": [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 1.0, 1.0]],
+}
+_NAMED_PI: dict[str, list[float]] = {
+    "uniform": [1 / 3, 1 / 3, 1 / 3],
+    "1": [1.0, 0.0, 0.0],
+    "2": [0.0, 1.0, 0.0],
+    "3": [0.0, 0.0, 1.0],
+}
+
+
+# -- helpers shared with rolloutopt.allocators.greso (private) -------------------------------------------------
+def _check_int(value: Any, name: str, low: int, fix: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise InputError(name, f"an int >= {low}", describe(value), fix)
+    return value
+
+
+def _check_float(value: Any, name: str, low: float, high: float, fix: str, *, open_low: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
+    if ok:
+        v = float(value)
+        ok = (v > low if open_low else v >= low) and v <= high
+    if not ok:
+        bracket = "(" if open_low else "["
+        raise InputError(name, f"a finite number in {bracket}{low}, {high}]", describe(value), fix)
+    return float(value)
+
+
+def _group_sizes(n: Any, n_min: Any, n_max: Any) -> tuple[int, int, int]:
+    """Validate the group size ``n`` and the per-prompt caps ``n_min <= n <= n_max`` (None means ``n``)."""
+    n = _check_int(n, "n", 1, "pass the rollouts per prompt, e.g. n=8")
+    n_min = n if n_min is None else _check_int(n_min, "n_min", 1, "pass 1 <= n_min <= n")
+    n_max = n if n_max is None else _check_int(n_max, "n_max", 1, "pass n_max >= n")
+    if n_min > n:
+        raise InputError("n_min", f"n_min <= n = {n}", repr(n_min), "lower n_min or raise n")
+    if n_max < n:
+        raise InputError("n_max", f"n_max >= n = {n}", repr(n_max), "raise n_max or lower n")
+    return n, n_min, n_max
+
+
+def _fill(length: int, budget: int, n: int, n_min: int, n_max: int) -> Tensor:
+    """Rollouts for ``length`` ranked prompts (best first) out of ``budget``: int64 ``[length]``.
+
+    The first ``budget // n`` prompts get a full group of ``n``. What is left, ``r < n`` when prompts remain,
+    goes to the next prompt as a partial group if ``r >= n_min``; then anything still left is spread one by one
+    over the full groups, best first, up to ``n_max`` each. With ``n_min = n_max = n`` (every default) this is
+    the papers' fixed group size and at most ``n - 1`` rollouts stay unspent. Every non-zero count lies in
+    ``[n_min, n_max]`` and the counts sum to at most ``budget``.
+    """
+    counts = torch.zeros(length, dtype=torch.long)
+    full = min(length, budget // n)
+    counts[:full] = n
+    rest = budget - full * n
+    if full < length and rest >= n_min:
+        counts[full] = rest
+        rest = 0
+    if full > 0 and rest > 0 and n_max > n:
+        extra = torch.full((full,), rest // full, dtype=torch.long)
+        extra[: rest % full] += 1
+        counts[:full] += extra.clamp(max=n_max - n)
+    return counts
+
+
+def _lookup(sorted_ids: Tensor, query: Tensor) -> tuple[Tensor, Tensor]:
+    """Positions of ``query`` in ``sorted_ids`` and whether each is there (positions of absent ids are junk)."""
+    k = sorted_ids.numel()
+    if k == 0:
+        return torch.zeros_like(query), torch.zeros(query.shape, dtype=torch.bool)
+    pos = torch.searchsorted(sorted_ids, query).clamp(max=k - 1)
+    return pos, sorted_ids[pos] == query
+
+
+def _insert(sorted_ids: Tensor, new_ids: Tensor, fields: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, list[Tensor]]:
+    """Add the distinct ``new_ids`` absent from ``sorted_ids``; each field grows by its fill row. Stays sorted."""
+    _, found = _lookup(sorted_ids, new_ids)
+    add = new_ids[~found]
+    if add.numel() == 0:
+        return sorted_ids, [f for f, _ in fields]
+    ids = torch.cat([sorted_ids, add])
+    ids, order = ids.sort()
+    out = [torch.cat([f, fill.expand(add.numel(), *fill.shape).to(f.dtype)])[order] for f, fill in fields]
+    return ids, out
+
+
+def _group_stats(result: AllocationResult, success_threshold: float | None) -> tuple[Tensor, Tensor]:
+    """Per planned prompt: rollouts it got (int64 ``[P]``) and its group mean of the (binarised) reward."""
+    values = result.rewards if success_threshold is None else (result.rewards >= success_threshold).double()
+    p = result.plan_prompt_ids.numel()
+    total = torch.zeros(p, dtype=torch.float64).index_add_(0, result.group, values)
+    return result.counts, total / result.counts.clamp(min=1)
+
+
+def _check_result(result: Any) -> AllocationResult:
+    if not isinstance(result, AllocationResult):
+        raise InputError("result", "the AllocationResult of plan.finish()", describe(result), "pass plan.finish()")
+    return result
+
+
+# -- the plan ---------------------------------------------------------------------------------------------------
+class _DPSPlan(Conversation):
+    reason_names = ("selected", "partial_group", "not_selected")
+
+    def __init__(self, prompt_ids: Tensor, budget: int, counts: Tensor, reasons: Tensor, scores: Tensor) -> None:
+        super().__init__(prompt_ids, budget)
+        self._counts = counts
+        self._reasons = reasons
+        self.scores = scores
+        self._sent = False
+
+    def decide(self) -> Request | None:
+        if self._sent:
+            return None
+        self._sent = True
+        keep = self._counts > 0
+        if not bool(keep.any()):
+            return None
+        return Request(self.prompt_ids[keep], self._counts[keep])
+
+    def select(self) -> tuple[Tensor, Tensor]:
+        return torch.ones(self.spent_observed), self._reasons
+
+
+class DPS:
+    r"""Dynamics-Predictive Sampling: pick the prompts most likely to be *partially solved* at the next visit.
+
+    Every prompt's solving state :math:`s \in \{S_1, S_2, S_3\}` (group success rate 0, in between, 1) is a
+    hidden Markov chain with its own transition matrix under a Dirichlet prior, :math:`\alpha_{ji}` the
+    pseudo-count of :math:`i \to j`. With :math:`P(\alpha)_{ji} = \alpha_{ji} / \sum_{j'} \alpha_{j'i}`:
+
+    .. math::
+
+        \text{predict:}\quad \pi \leftarrow \frac{P(\alpha)\,\pi_\text{new}}{\lVert P(\alpha)\,\pi_\text{new}
+        \rVert_1}, \qquad
+        C = \frac{\pi_\text{new}\,\pi_\text{before}^\top \odot P(\alpha)}
+        {\mathbf 1^\top (\pi_\text{new}\,\pi_\text{before}^\top \odot P(\alpha))\mathbf 1},
+
+    .. math::
+
+        \alpha \leftarrow \lambda\,\alpha + (1 - \lambda)\,\alpha_0 + \eta\,C, \qquad
+        \pi_\text{before} \leftarrow \pi_\text{new},
+
+    applied in ``update`` to every prompt ever planned (the code's order: ``alpha`` first, then the
+    prediction with the new ``alpha``). A prompt rolled out this step has
+    :math:`\pi_\text{new} = \mathrm{onehot}(s)` and :math:`\eta = 1`; every other known prompt has
+    :math:`\pi_\text{new} = \pi` (its current prediction) and :math:`\eta = 0`, so its counts decay towards
+    the prior and its prediction keeps diffusing through the expected transition matrix. ``plan`` ranks the
+    candidates by :math:`\pi[S_2]` (``strategy="topk"``), by :math:`\pi[S_2] + w H(\pi)` with
+    :math:`H(\pi) = -\sum \pi \log(\pi + 10^{-10})` (``"topk+entropy"``), or at random (``"uniform"``), and
+    gives the best ``budget // n`` of them ``n`` rollouts each, in one request.
+
+    Reference: arXiv 2603.10887 (ICLR 2026); code ``maoyixiu/DPS`` ``recipe/dps/task_sampler.py``
+    (``BayesianHMMSampler``), defaults from ``recipe/dps/config/our_trainer.yaml`` (``specs/allocators.md`` §A2).
+
+    Code quirks, reproduced deliberately (``specs/allocators.md`` Part D item 9):
+
+    - **Every known prompt decays every step** (O(#known) per ``update``, vectorised: about a millisecond per
+      10^4 prompts). A lazy per-access decay would be faster but is not the code's filter when
+      ``decay < 1`` (the prediction diffuses through a different matrix each step), so it is not offered.
+    - **A prompt becomes known when it is planned**, not only when it is rolled out: the code registers every
+      candidate of ``sample_batch`` and then decays it with the rest. ``update`` registers every
+      ``result.plan_prompt_ids`` entry. A never-planned prompt carries the prior ``pi`` (with the uniform prior,
+      :math:`\pi[S_2] = 1/3`, so fresh prompts compete with learned ones).
+
+    Deliberate fixes: where the soft count :math:`C` has zero mass (a one-hot ``prior_pi`` off its support)
+    the code divides 0 by 0 and writes NaN into ``alpha``; here :math:`C = 0` (no count). Ties in the score
+    keep the order of ``prompt_ids`` (a stable sort; the code's ``np.argsort`` leaves it unspecified).
+
+    Args:
+        n: rollouts per selected prompt (the scripts' ``rollout.n = 8``).
+        n_min: smallest group requested (default ``n``): budget left after the full groups, if at least
+            ``n_min``, goes to the next-ranked prompt as a partial group (reason ``"partial_group"``).
+        n_max: largest group (default ``n``): budget still left is spread over the selected prompts, best
+            first, up to ``n_max`` each. The defaults give the code's fixed group size.
+        strategy: ``"topk"`` (config default), ``"topk+entropy"`` or ``"uniform"``.
+        entropy_weight: ``w`` of ``"topk+entropy"`` (config ``hmm_entropy_weight = 0``).
+        prior_alpha: ``alpha_0``: a float (every entry; config ``hmm_prior_alpha = 1.0``), one of the code's
+            named priors ``"progress"``, ``"stability"``, ``"local"``, or a ``[3, 3]`` tensor (entry ``[j, i]``
+            is the pseudo-count of ``i -> j``; non-negative, every column sum positive).
+        prior_pi: the prior state distribution of an unseen prompt: ``"uniform"`` (config), ``"1"``, ``"2"``,
+            ``"3"`` (one-hot, the code's names), or a ``[3]`` tensor (non-negative, normalised here).
+        decay: :math:`\lambda`, ``hmm_transition_decay_ratio``: config 1.0 (no decay); the scripts use 0.7
+            (MATH, R1-Distill-1.5B) and 0.5 (Countdown).
+        learning_rate: :math:`\eta` (code: 1.0).
+        transitions: ``"learned"`` (the paper: Dirichlet counts learned online) or ``"fixed"``: ``alpha`` stays
+            at ``prior_alpha`` (no counts, no decay) while the filter still runs — the predictive prior of a
+            rolled-out prompt is then :math:`P(\alpha_0)\,\mathrm{onehot}(s)`.
+        no_update: the code's ``hmm_no_update``: ``update`` does nothing at all and every prompt keeps the
+            prior (the selection then only breaks ties).
+        success_threshold: a rollout succeeds when its reward is ``>= success_threshold`` (the code binarises
+            ``acc >= 1``, default 1.0); the group success rate names the state (0 -> S1, 1 -> S3, else S2).
+            ``None`` uses the raw group mean reward (the code's ``metric="score"``).
+        seed: seed of the generator behind ``strategy="uniform"``.
+
+    Budget: one request; it spends ``n * min(P, budget // n)`` rollouts with the defaults (at most ``n - 1``
+    stay unspent, or fewer than ``P`` groups exist), all of it when ``n_min``/``n_max`` allow. Every rollout
+    is kept (weight 1). Reasons: ``"selected"``, ``"partial_group"``, ``"not_selected"``.
+
+    Edge cases: an empty candidate pool or ``budget < n_min`` requests nothing. ``update`` ignores planned
+    prompts that got no rollouts (beyond registering them). The state grows with the number of distinct
+    prompts ever planned (the dataset), 23 numbers each.
+    """
+
+    def __init__(
+        self,
+        *,
+        n: int = 8,
+        n_min: int | None = None,
+        n_max: int | None = None,
+        strategy: Literal["topk", "topk+entropy", "uniform"] = "topk",
+        entropy_weight: float = 0.0,
+        prior_alpha: float | str | Tensor = 1.0,
+        prior_pi: str | Tensor = "uniform",
+        decay: float = 1.0,
+        learning_rate: float = 1.0,
+        transitions: Literal["learned", "fixed"] = "learned",
+        no_update: bool = False,
+        success_threshold: float | None = 1.0,
+        seed: int = 0,
+    ) -> None:
+        self.n, self.n_min, self.n_max = _group_sizes(n, n_min, n_max)
+        if strategy not in ("topk", "topk+entropy", "uniform"):
+            raise InputError("strategy", "'topk', 'topk+entropy' or 'uniform'", repr(strategy), "pick one of them")
+        self.strategy = strategy
+        self.entropy_weight = _check_float(entropy_weight, "entropy_weight", -1e6, 1e6, "pass e.g. 0.0")
+        self.prior_alpha = self._as_prior_alpha(prior_alpha)
+        self.prior_pi = self._as_prior_pi(prior_pi)
+        self.decay = _check_float(decay, "decay", 0.0, 1.0, "pass 1.0 (config), 0.7 or 0.5 (scripts)")
+        self.learning_rate = _check_float(learning_rate, "learning_rate", 0.0, 1e6, "pass 1.0 (the code)")
+        if transitions not in ("learned", "fixed"):
+            raise InputError("transitions", "'learned' or 'fixed'", repr(transitions), "pick one of them")
+        self.transitions = transitions
+        if not isinstance(no_update, bool):
+            raise InputError("no_update", "a bool", describe(no_update), "pass True or False")
+        self.no_update = no_update
+        if success_threshold is not None:
+            success_threshold = _check_float(success_threshold, "success_threshold", -1e300, 1e300, "pass 1.0")
+        self.success_threshold = success_threshold
+        self.seed = _check_int(seed, "seed", 0, "pass a non-negative int")
+        self._gen = torch.Generator().manual_seed(self.seed)
+        self._ids = torch.zeros(0, dtype=torch.long)
+        self._alpha = torch.zeros(0, 3, 3, dtype=torch.float64)
+        self._pi = torch.zeros(0, 3, dtype=torch.float64)
+        self._pi_before = torch.zeros(0, 3, dtype=torch.float64)
+        self._times = torch.zeros(0, dtype=torch.long)
+
+    @staticmethod
+    def _as_prior_alpha(value: Any) -> Tensor:
+        if isinstance(value, str):
+            if value not in _NAMED_ALPHA:
+                raise InputError(
+                    "prior_alpha",
+                    f"a float, one of {sorted(_NAMED_ALPHA)} or a [3, 3] tensor",
+                    repr(value),
+                    "pass e.g. prior_alpha=1.0",
+                )
+            return torch.tensor(_NAMED_ALPHA[value], dtype=torch.float64)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            v = _check_float(value, "prior_alpha", 0.0, 1e300, "pass a positive float", open_low=True)
+            return torch.full((3, 3), v, dtype=torch.float64)
+        if not isinstance(value, Tensor) or value.shape != (3, 3) or not value.is_floating_point():
+            raise InputError(
+                "prior_alpha",
+                "a float, a named prior or a float [3, 3] tensor",
+                describe(value),
+                "pass e.g. prior_alpha=1.0",
+            )
+        a = value.detach().cpu().to(torch.float64).clone()
+        if not bool(torch.isfinite(a).all()) or bool((a < 0).any()) or bool((a.sum(0) <= 0).any()):
+            raise InputError(
+                "prior_alpha",
+                "finite non-negative pseudo-counts, every column sum positive",
+                f"{a.tolist()}",
+                "fix the prior",
+            )
+        return a
+
+    @staticmethod
+    def _as_prior_pi(value: Any) -> Tensor:
+        if isinstance(value, str):
+            if value not in _NAMED_PI:
+                raise InputError(
+                    "prior_pi",
+                    f"one of {sorted(_NAMED_PI)} or a [3] tensor",
+                    repr(value),
+                    "pass e.g. prior_pi='uniform'",
+                )
+            return torch.tensor(_NAMED_PI[value], dtype=torch.float64)
+        if not isinstance(value, Tensor) or value.shape != (3,) or not value.is_floating_point():
+            raise InputError(
+                "prior_pi", "a named prior or a float [3] tensor", describe(value), "pass e.g. prior_pi='uniform'"
+            )
+        p = value.detach().cpu().to(torch.float64).clone()
+        if not bool(torch.isfinite(p).all()) or bool((p < 0).any()) or float(p.sum()) <= 0:
+            raise InputError(
+                "prior_pi", "finite non-negative probabilities with a positive sum", f"{p.tolist()}", "fix the prior"
+            )
+        return p / p.sum()
+
+    # -- reading the state ------------------------------------------------------------------------------------
+    def predictive(self, prompt_ids: Tensor) -> Tensor:
+        """The predictive state distribution ``pi`` of each prompt, float64 ``[P, 3]`` (the prior if unknown)."""
+        ids = as_prompt_ids(prompt_ids)
+        pos, found = _lookup(self._ids, ids)
+        known = self._pi[pos] if self._ids.numel() else self.prior_pi.expand(ids.numel(), 3)
+        return torch.where(found[:, None], known, self.prior_pi)
+
+    def transition_counts(self, prompt_ids: Tensor) -> Tensor:
+        """The Dirichlet pseudo-counts ``alpha`` of each prompt, float64 ``[P, 3, 3]`` (the prior if unknown)."""
+        ids = as_prompt_ids(prompt_ids)
+        pos, found = _lookup(self._ids, ids)
+        known = self._alpha[pos] if self._ids.numel() else self.prior_alpha.expand(ids.numel(), 3, 3)
+        return torch.where(found[:, None, None], known, self.prior_alpha)
+
+    def sampled_times(self, prompt_ids: Tensor) -> Tensor:
+        """How many steps each prompt was rolled out in, int64 ``[P]`` (0 if unknown)."""
+        ids = as_prompt_ids(prompt_ids)
+        pos, found = _lookup(self._ids, ids)
+        known = self._times[pos] if self._ids.numel() else torch.zeros_like(ids)
+        return torch.where(found, known, 0)
+
+    @property
+    def num_known(self) -> int:
+        """Number of prompts with a stored state."""
+        return int(self._ids.numel())
+
+    # -- the protocol -----------------------------------------------------------------------------------------
+    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+        """Rank the candidates ``prompt_ids`` by the predictive prior and give the best ones ``n`` rollouts."""
+        ids = as_prompt_ids(prompt_ids)
+        budget = check_budget(budget)
+        p = ids.numel()
+        pi = self.predictive(ids)
+        if self.strategy == "uniform":
+            order = torch.randperm(p, generator=self._gen)
+            scores = torch.zeros(p, dtype=torch.float64)
+        else:
+            scores = pi[:, 1].clone()
+            if self.strategy == "topk+entropy":
+                scores = scores - self.entropy_weight * (pi * torch.log(pi + 1e-10)).sum(-1)
+            order = torch.sort(scores, descending=True, stable=True).indices
+        ranked = _fill(p, budget, self.n, self.n_min, self.n_max)
+        counts = torch.zeros(p, dtype=torch.long)
+        counts[order] = ranked
+        rank_reason = torch.full((p,), 2, dtype=torch.long)
+        rank_reason[: min(p, budget // self.n)] = 0
+        rank_reason[(ranked > 0) & (rank_reason == 2)] = 1
+        reasons = torch.empty(p, dtype=torch.long)
+        reasons[order] = rank_reason
+        return _DPSPlan(ids, budget, counts, reasons, scores)
+
+    def update(self, result: AllocationResult) -> None:
+        """Filter every known prompt one step: observed prompts condition on their state, the rest diffuse."""
+        result = _check_result(result)
+        if self.no_update:
+            return
+        counts, rate = _group_stats(result, self.success_threshold)
+        plan_ids = result.plan_prompt_ids
+        self._ids, (self._alpha, self._pi, self._pi_before, self._times) = _insert(
+            self._ids,
+            plan_ids,
+            [
+                (self._alpha, self.prior_alpha),
+                (self._pi, self.prior_pi),
+                (self._pi_before, self.prior_pi),
+                (self._times, torch.zeros((), dtype=torch.long)),
+            ],
+        )
+        k = self._ids.numel()
+        seen = counts > 0
+        pos, _ = _lookup(self._ids, plan_ids[seen])
+        state = torch.where(rate[seen] == 0, 0, torch.where(rate[seen] == 1, 2, 1))
+        observed = torch.zeros(k, dtype=torch.bool)
+        observed[pos] = True
+        pi_new = self._pi.clone()
+        pi_new[pos] = torch.nn.functional.one_hot(state, 3).to(torch.float64)
+        alpha = self._alpha
+        if self.transitions == "learned":
+            trans = alpha / alpha.sum(1, keepdim=True)
+            joint = pi_new[:, :, None] * self._pi_before[:, None, :] * trans
+            mass = joint.sum((1, 2), keepdim=True)
+            soft = torch.where(mass > 0, joint / mass.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
+            lr = torch.where(observed, self.learning_rate, 0.0)[:, None, None]
+            alpha = self.decay * alpha + (1.0 - self.decay) * self.prior_alpha + lr * soft
+        trans = alpha / alpha.sum(1, keepdim=True)
+        pi_next = torch.einsum("kji,ki->kj", trans, pi_new)
+        self._alpha = alpha
+        self._pi = pi_next / pi_next.sum(-1, keepdim=True)
+        self._pi_before = pi_new
+        self._times = self._times + observed.long()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The per-prompt HMM state (sorted ids and aligned tensors) and the generator state; copies."""
+        return {
+            "ids": self._ids.clone(),
+            "alpha": self._alpha.clone(),
+            "pi": self._pi.clone(),
+            "pi_before": self._pi_before.clone(),
+            "sampled_times": self._times.clone(),
+            "generator": self._gen.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (validated: keys, shapes, sorted distinct ids)."""
+        keys = {"ids", "alpha", "pi", "pi_before", "sampled_times", "generator"}
+        if not isinstance(state, dict) or set(state) != keys:
+            raise InputError("state", f"a dict with keys {sorted(keys)}", describe(state), "pass DPS.state_dict()")
+        ids = state["ids"]
+        k = ids.numel() if isinstance(ids, Tensor) else -1
+        shapes = {"ids": (k,), "alpha": (k, 3, 3), "pi": (k, 3), "pi_before": (k, 3), "sampled_times": (k,)}
+        for key, shape in shapes.items():
+            if not isinstance(state[key], Tensor) or tuple(state[key].shape) != shape:
+                raise InputError(
+                    f"state[{key!r}]", f"a tensor of shape {shape}", describe(state[key]), "pass DPS.state_dict()"
+                )
+        if k > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            raise InputError("state['ids']", "sorted distinct ids", "unsorted ids", "pass DPS.state_dict()")
+        self._ids = ids.clone().long()
+        self._alpha = state["alpha"].clone().to(torch.float64)
+        self._pi = state["pi"].clone().to(torch.float64)
+        self._pi_before = state["pi_before"].clone().to(torch.float64)
+        self._times = state["sampled_times"].clone().long()
+        self._gen.set_state(state["generator"])
