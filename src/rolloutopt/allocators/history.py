@@ -1,0 +1,548 @@
+"""The shared prompt history: bounded, checkpointable per-prompt statistics keyed by stable int64 prompt ids.
+
+Every history-based allocator (GRESO, DPS, E3, CoBA, DOTS, HIVE, DEPO, Knapsack, the GDRO bins; see
+``specs/allocators.md`` Part D §3) reads the same few per-prompt facts: how often a prompt was rolled out and
+solved, when it was last seen, a smoothed pass rate, the last few group outcomes and how many consecutive groups
+came back all-correct or all-wrong. :class:`PromptHistory` keeps them once, for any number of allocators, in
+dense tensors sorted by prompt id (lookup is one ``torch.searchsorted``), with a hard ``capacity`` and an
+explicit eviction policy, and ``state_dict`` / ``load_state_dict`` that round-trip exactly.
+
+:func:`stable_prompt_ids` turns string ids (``"{data_source}_{index}"``, a hash of the prompt text, ...) into
+int64 ids that are identical across processes, machines and Python runs (unlike ``hash(str)``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from rolloutopt._validation import checks_enabled, choice, describe
+from rolloutopt.allocators._base import AllocationResult
+from rolloutopt.errors import InputError
+
+__all__ = ["SUCCESS_PRESETS", "PromptHistory", "PromptStats", "stable_prompt_ids"]
+
+Compare = Literal[">=", ">", "==", "<=", "<"]
+Unseen = Literal["prior", "nan", "raise"]
+Eviction = Literal["least_recent", "fewest_rollouts"]
+RunBasis = Literal["rollout", "mean"]
+
+SUCCESS_PRESETS: dict[str, dict[str, Any]] = {
+    "exact": {"success_threshold": 1.0, "success_compare": "==", "failure_threshold": None, "run_basis": "rollout"},
+    "dps": {"success_threshold": 1.0, "success_compare": ">=", "failure_threshold": None, "run_basis": "rollout"},
+    "greso": {
+        "success_threshold": 0.98,
+        "success_compare": ">=",
+        "failure_threshold": 0.11,
+        "failure_compare": "<=",
+        "run_basis": "mean",
+    },
+}
+"""Success rules of the papers, as :class:`PromptHistory` keywords (``PromptHistory(**SUCCESS_PRESETS["greso"])``).
+
+- ``"exact"``: a rollout succeeds iff its reward is exactly 1.0 (CoBA-RL ``BetaAllocator``, Pilot-Commit ``acc``;
+  ``specs/allocators.md`` A6, A7).
+- ``"dps"``: success iff ``acc >= 1`` (DPS ``task_sampler.py``, A2) — the default; equal to ``"exact"`` for
+  rewards in [0, 1].
+- ``"greso"``: GRESO's hard-coded thresholds (A1): a *group* counts as all-correct when its mean reward is
+  ``>= 0.98`` and as all-wrong when it is ``<= 0.11`` (0.11 tolerates a 0.1 partial reward for a wrong answer),
+  so the run lengths are computed on group means (``run_basis="mean"``); a rollout counts as a success iff its
+  reward is ``>= 0.98``.
+"""
+
+_MASK63 = (1 << 63) - 1
+
+
+def stable_prompt_ids(strings: Sequence[str]) -> Tensor:
+    r"""Stable int64 prompt ids from string ids: the first 8 bytes of BLAKE2b, little-endian, top bit cleared.
+
+    .. math::
+
+        \mathrm{id}(s) = \mathrm{int}_{\text{little}}\big(\mathrm{blake2b}_{8}(\mathrm{utf8}(s))\big)
+        \bmod 2^{63}
+
+    The ids are non-negative int64 values and identical across processes, machines and Python runs (Python's
+    ``hash(str)`` is salted per process). Two distinct strings collide with probability about
+    :math:`n^2 / 2^{64}` for :math:`n` strings (about :math:`5 \cdot 10^{-8}` for a million prompts).
+    This is a helper run once per dataset (a Python loop over the strings, since hashing is per string), not a
+    hot-path function. Keys used by the reference codes: GRESO ``"{data_source}_{index}"``, DPS and E3 the
+    dataset index (``specs/allocators.md`` Part D §3).
+
+    Args:
+        strings: a sequence of ``str`` (any length, including empty strings).
+
+    Returns:
+        int64 ``[len(strings)]``, on the CPU. An empty sequence gives an empty tensor.
+
+    Raises:
+        InputError: ``strings`` is a bare ``str`` or contains a non-``str`` item.
+    """
+    if isinstance(strings, (str, bytes)) or not isinstance(strings, Sequence):
+        raise InputError("strings", "a sequence of str", describe(strings), "pass a list of string ids")
+    out = []
+    for s in strings:
+        if not isinstance(s, str):
+            raise InputError("strings", "a sequence of str", f"an item {describe(s)}", "convert the ids with str()")
+        digest = hashlib.blake2b(s.encode("utf-8"), digest_size=8).digest()
+        out.append(int.from_bytes(digest, "little") & _MASK63)
+    return torch.tensor(out, dtype=torch.long).reshape(-1)
+
+
+@dataclass(frozen=True)
+class PromptStats:
+    """Per-prompt statistics returned by :meth:`PromptHistory.lookup`, every field ``[P]`` (window fields ``[P, W]``).
+
+    Attributes:
+        prompt_ids: int64 ``[P]``, the ids looked up, in the given order.
+        seen: bool ``[P]``, whether the prompt is in the history (never seen, or evicted, gives False).
+        rollouts: int64, rollouts observed in total (0 when unseen).
+        successes: int64, rollouts that met the success rule (0 when unseen).
+        groups: int64, updates (steps) in which the prompt was rolled out (0 when unseen).
+        reward_mean: float64, mean reward over every observed rollout (the unseen fill when unseen).
+        pass_rate: float64, ``successes / rollouts`` (the unseen fill when unseen).
+        ema_pass_rate: float64, exponential moving average of the per-group pass rate (the unseen fill).
+        last_step: int64, the ``step`` of the last update that saw the prompt (-1 when unseen).
+        correct_run: int64, consecutive most recent groups that were all-correct (0 when unseen).
+        wrong_run: int64, consecutive most recent groups that were all-wrong (0 when unseen).
+        flat_run: int64, consecutive most recent groups whose rewards were all equal (zero variance).
+        window: float64 ``[P, W]``, mean reward of the last ``W`` groups, most recent first; slots beyond
+            ``window_count`` hold 0.
+        window_rollouts: int64 ``[P, W]``, rollouts in each of those groups (0 in empty slots).
+        window_successes: int64 ``[P, W]``, successes in each of those groups (0 in empty slots).
+        window_count: int64, number of filled window slots (``min(groups, W)``).
+        window_pass_rate: float64, successes over rollouts in the window (CoBA's sliding-window ``p``; the
+            unseen fill when unseen).
+    """
+
+    prompt_ids: Tensor
+    seen: Tensor
+    rollouts: Tensor
+    successes: Tensor
+    groups: Tensor
+    reward_mean: Tensor
+    pass_rate: Tensor
+    ema_pass_rate: Tensor
+    last_step: Tensor
+    correct_run: Tensor
+    wrong_run: Tensor
+    flat_run: Tensor
+    window: Tensor
+    window_rollouts: Tensor
+    window_successes: Tensor
+    window_count: Tensor
+    window_pass_rate: Tensor
+
+    @property
+    def window_mask(self) -> Tensor:
+        """bool ``[P, W]``: True on the filled window slots."""
+        w = self.window.shape[1]
+        return torch.arange(w) < self.window_count[:, None]
+
+
+_INT_FIELDS = ("rollouts", "successes", "groups", "last_step", "last_touch", "correct_run", "wrong_run", "flat_run")
+_FLOAT_FIELDS = ("reward_sum", "ema")
+_WINDOW_FIELDS = ("window", "window_rollouts", "window_successes")
+_COMPARES = (">=", ">", "==", "<=", "<")
+
+
+def _compare(x: Tensor, op: str, threshold: float) -> Tensor:
+    if op == ">=":
+        return x >= threshold
+    if op == ">":
+        return x > threshold
+    if op == "==":
+        return x == threshold
+    if op == "<=":
+        return x <= threshold
+    return x < threshold
+
+
+def _check_number(value: Any, name: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+        raise InputError(name, "a real number", describe(value), f"pass e.g. {name}=1.0")
+    return float(value)
+
+
+def _check_int(value: Any, name: str, low: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise InputError(name, f"an int >= {low}", describe(value), f"pass {name} as an int >= {low}")
+    return value
+
+
+class PromptHistory:
+    r"""Bounded per-prompt statistics keyed by stable int64 prompt ids, updated from batches of rollouts.
+
+    An update takes the step's rollouts — ``prompt_ids`` ``[N]`` (one per rollout, any order, a prompt may
+    repeat) and ``rewards`` ``[N]`` — groups them by prompt with one ``torch.unique`` and segment sums (no Python
+    loop over prompts or rollouts) and, for every prompt :math:`i` in the batch with :math:`n_i` rollouts,
+    :math:`s_i` successes and mean reward :math:`\bar r_i`, sets
+
+    .. math::
+
+        \mathrm{rollouts}_i \mathrel{+}= n_i, \quad \mathrm{successes}_i \mathrel{+}= s_i, \quad
+        \mathrm{groups}_i \mathrel{+}= 1, \quad \mathrm{last\_step}_i = \mathrm{step},
+
+        \mathrm{ema}_i \leftarrow \begin{cases} s_i / n_i & \text{first group} \\
+        \beta\,\mathrm{ema}_i + (1-\beta)\, s_i / n_i & \text{otherwise} \end{cases}
+
+    pushes :math:`(\bar r_i, n_i, s_i)` at the front of a fixed window of the last ``window`` groups, and updates
+    three run lengths: ``correct_run`` (+1 if the group was all-correct, else reset to 0), ``wrong_run`` (+1 if
+    all-wrong, else 0) and ``flat_run`` (+1 if all rewards in the group were equal, else 0). All rollouts of a
+    prompt in one update form one group (call ``update`` once per training step). Reference: the state listed in
+    ``specs/allocators.md`` Part D §3 (GRESO arXiv 2506.02177, DPS 2603.10887, CoBA-RL 2602.03048, ...); the
+    data layout and the defaults below are this library's choices, not a paper's.
+
+    **Success rule** (explicit, since the papers disagree; presets in :data:`SUCCESS_PRESETS`). A rollout is a
+    *success* iff ``reward <success_compare> success_threshold`` and a *failure* iff
+    ``reward <failure_compare> failure_threshold`` (``failure_threshold=None``: iff it is not a success). With
+    ``run_basis="rollout"`` a group is all-correct when every rollout is a success and all-wrong when every
+    rollout is a failure; with ``run_basis="mean"`` the two rules are applied to the group's mean reward instead
+    (GRESO: mean ``>= 0.98`` / ``<= 0.11``). Paper presets: CoBA-RL and Pilot-Commit ``reward == 1.0``
+    (``success_compare="=="``); DPS ``acc >= 1`` (the default); GRESO ``>= 0.98`` and ``<= 0.11`` on group means.
+
+    **Never-seen prompts** (``unseen``; each paper has its own convention, Part D §8, so the allocator decides
+    what to do with them — the history only reports ``seen=False``): ``"prior"`` (default) fills
+    ``pass_rate``, ``ema_pass_rate``, ``window_pass_rate`` and ``reward_mean`` with ``prior_pass_rate``
+    (default 0.5, CoBA-RL's value for a missing ``p``); ``"nan"`` fills them with NaN (an explicit "unknown";
+    the only way a NaN leaves this class); ``"raise"`` raises :class:`~rolloutopt.errors.InputError` naming the
+    unknown ids. Counts and run lengths are 0, ``last_step`` is -1 and the window is empty in every mode.
+
+    **Bounded memory.** At most ``capacity`` prompts are stored (memory :math:`O(\mathrm{capacity} \cdot
+    W)`). When an update brings new prompts into a full history, the prompts not in the current batch are
+    evicted in this order: ``eviction="least_recent"`` (default) — least recently updated first (an internal
+    update counter, so a non-monotone ``step`` cannot confuse it), ties by smaller prompt id;
+    ``"fewest_rollouts"`` — fewest rollouts first, then least recent, then smaller id. An evicted prompt is
+    unseen again. A single update with more than ``capacity`` distinct prompts raises.
+
+    Args:
+        capacity: maximum number of stored prompts (default 1,000,000).
+        window: ``W``, number of recent groups kept per prompt (default 8).
+        ema_decay: :math:`\beta \in [0, 1)` of the pass-rate EMA (default 0.9).
+        success_threshold, success_compare: the success rule (default ``reward >= 1.0``).
+        failure_threshold, failure_compare: the failure rule (default None: failure = not success).
+        run_basis: ``"rollout"`` (default) or ``"mean"``, see above.
+        unseen: ``"prior"`` (default), ``"nan"`` or ``"raise"``, see above.
+        prior_pass_rate: the fill for unseen prompts with ``unseen="prior"`` (default 0.5).
+        eviction: ``"least_recent"`` (default) or ``"fewest_rollouts"``.
+
+    Example::
+
+        hist = PromptHistory(window=4)
+        hist.update(torch.tensor([7, 7, 9, 9]), torch.tensor([1.0, 0.0, 0.0, 0.0]), step=0)
+        s = hist.lookup(torch.tensor([7, 9, 11]))   # s.pass_rate == [0.5, 0.0, 0.5], s.seen == [T, T, F]
+    """
+
+    def __init__(
+        self,
+        *,
+        capacity: int = 1_000_000,
+        window: int = 8,
+        ema_decay: float = 0.9,
+        success_threshold: float = 1.0,
+        success_compare: Compare = ">=",
+        failure_threshold: float | None = None,
+        failure_compare: Compare = "<=",
+        run_basis: RunBasis = "rollout",
+        unseen: Unseen = "prior",
+        prior_pass_rate: float = 0.5,
+        eviction: Eviction = "least_recent",
+    ) -> None:
+        self.capacity = _check_int(capacity, "capacity", 1)
+        self.window = _check_int(window, "window", 1)
+        beta = _check_number(ema_decay, "ema_decay")
+        if not 0.0 <= beta < 1.0:
+            raise InputError("ema_decay", "a number in [0, 1)", describe(ema_decay), "pass e.g. ema_decay=0.9")
+        self.ema_decay = beta
+        self.success_threshold = _check_number(success_threshold, "success_threshold")
+        choice(success_compare, "success_compare", _COMPARES)
+        self.success_compare: Compare = success_compare
+        self.failure_threshold = (
+            None if failure_threshold is None else _check_number(failure_threshold, "failure_threshold")
+        )
+        choice(failure_compare, "failure_compare", _COMPARES)
+        self.failure_compare: Compare = failure_compare
+        choice(run_basis, "run_basis", ("rollout", "mean"))
+        self.run_basis: RunBasis = run_basis
+        choice(unseen, "unseen", ("prior", "nan", "raise"))
+        self.unseen: Unseen = unseen
+        prior = _check_number(prior_pass_rate, "prior_pass_rate")
+        if not 0.0 <= prior <= 1.0:
+            raise InputError("prior_pass_rate", "a number in [0, 1]", describe(prior_pass_rate), "pass e.g. 0.5")
+        self.prior_pass_rate = prior
+        choice(eviction, "eviction", ("least_recent", "fewest_rollouts"))
+        self.eviction: Eviction = eviction
+        self._clock = 0
+        self._ids = torch.zeros(0, dtype=torch.long)
+        self._f: dict[str, Tensor] = {}
+        self._reset_fields(0)
+
+    @classmethod
+    def from_preset(cls, preset: str, **kwargs: Any) -> PromptHistory:
+        """A history with a paper's success rule (:data:`SUCCESS_PRESETS`); ``kwargs`` override any keyword."""
+        choice(preset, "preset", tuple(SUCCESS_PRESETS))
+        return cls(**{**SUCCESS_PRESETS[preset], **kwargs})
+
+    # -- storage --------------------------------------------------------------------------------------------
+    def _reset_fields(self, size: int) -> None:
+        w = self.window
+        self._f = {name: torch.zeros(size, dtype=torch.long) for name in _INT_FIELDS}
+        self._f.update({name: torch.zeros(size, dtype=torch.float64) for name in _FLOAT_FIELDS})
+        self._f["window"] = torch.zeros(size, w, dtype=torch.float64)
+        self._f["window_rollouts"] = torch.zeros(size, w, dtype=torch.long)
+        self._f["window_successes"] = torch.zeros(size, w, dtype=torch.long)
+
+    def __len__(self) -> int:
+        """Number of stored prompts (at most ``capacity``)."""
+        return int(self._ids.numel())
+
+    @property
+    def prompt_ids(self) -> Tensor:
+        """The stored prompt ids, int64, sorted ascending (a copy)."""
+        return self._ids.clone()
+
+    def _find(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Positions of ``ids`` in the store (clamped) and whether each is stored."""
+        size = self._ids.numel()
+        if size == 0:
+            return torch.zeros_like(ids), torch.zeros(ids.shape, dtype=torch.bool)
+        pos = torch.searchsorted(self._ids, ids).clamp(max=size - 1)
+        return pos, self._ids[pos] == ids
+
+    def _success(self, r: Tensor) -> Tensor:
+        return _compare(r, self.success_compare, self.success_threshold)
+
+    def _failure(self, r: Tensor, success: Tensor) -> Tensor:
+        if self.failure_threshold is None:
+            return ~success
+        return _compare(r, self.failure_compare, self.failure_threshold)
+
+    def _insert(self, new_ids: Tensor, batch_known: Tensor) -> None:
+        """Make room (evicting) and insert ``new_ids`` (sorted, distinct, not stored) with empty statistics."""
+        size, k = self._ids.numel(), new_ids.numel()
+        overflow = size + k - self.capacity
+        keep = torch.ones(size, dtype=torch.bool)
+        if overflow > 0:
+            candidates = torch.ones(size, dtype=torch.bool)
+            candidates[batch_known] = False  # never evict a prompt of the current batch
+            cand = candidates.nonzero().squeeze(1)  # ascending id order (the store is sorted)
+            if self.eviction == "least_recent":
+                order = torch.sort(self._f["last_touch"][cand], stable=True).indices
+            else:
+                by_touch = torch.sort(self._f["last_touch"][cand], stable=True).indices
+                by_count = torch.sort(self._f["rollouts"][cand][by_touch], stable=True).indices
+                order = by_touch[by_count]
+            keep[cand[order[:overflow]]] = False
+        ids = torch.cat([self._ids[keep], new_ids])
+        ids, perm = torch.sort(ids)
+        fields: dict[str, Tensor] = {}
+        for name, t in self._f.items():
+            fresh = torch.zeros((k, *t.shape[1:]), dtype=t.dtype)
+            fields[name] = torch.cat([t[keep], fresh])[perm]
+        self._ids, self._f = ids, fields
+
+    # -- the public API -------------------------------------------------------------------------------------
+    def update(self, prompt_ids: Tensor, rewards: Tensor, *, step: int) -> None:
+        """Ingest one step's rollouts: ``prompt_ids`` int64 ``[N]`` (one per rollout) and ``rewards`` float ``[N]``.
+
+        All rollouts of a prompt form one group (see the class docstring for every statistic). Rollouts kept
+        out of the loss by an allocator (weight 0) are still observations of the prompt and are counted.
+        ``step`` (an int >= 0) is stored as ``last_step``. An empty batch only advances nothing.
+
+        Raises:
+            InputError: ``prompt_ids`` not integer 1-d, ``rewards`` not float or not ``[N]``, non-finite rewards,
+                a negative or non-int ``step``, or more than ``capacity`` distinct prompts in the batch.
+        """
+        if not isinstance(prompt_ids, Tensor) or prompt_ids.is_floating_point() or prompt_ids.dtype == torch.bool:
+            raise InputError("prompt_ids", "an int64 tensor [N], one id per rollout", describe(prompt_ids), "pass ids")
+        if prompt_ids.ndim != 1:
+            raise InputError("prompt_ids", "a 1-d tensor [N]", describe(prompt_ids), "flatten prompt_ids")
+        if not isinstance(rewards, Tensor) or not rewards.is_floating_point():
+            raise InputError("rewards", "a float tensor [N]", describe(rewards), "pass torch.tensor(rewards).float()")
+        if rewards.shape != prompt_ids.shape:
+            raise InputError(
+                "rewards",
+                f"a 1-d tensor [N] with N={prompt_ids.numel()} (from prompt_ids)",
+                describe(rewards),
+                "pass one reward per rollout",
+            )
+        _check_int(step, "step", 0)
+        ids = prompt_ids.detach().long().cpu()
+        r = rewards.detach().cpu().to(torch.float64)
+        if checks_enabled() and not bool(torch.isfinite(r).all()):
+            raise InputError("rewards", "finite rewards", f"{describe(rewards)} with NaN or inf", "fix the scorer")
+        if ids.numel() == 0:
+            return
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        self._ingest(uniq, inv, r, step)
+
+    def update_from_result(self, result: AllocationResult, *, step: int) -> None:
+        """:meth:`update` from an allocator's :class:`~rolloutopt.allocators.AllocationResult` (every rollout).
+
+        Uses the result's group index (positions into ``plan_prompt_ids``, which are distinct) instead of a
+        ``torch.unique`` over the rollouts, so it is cheaper than ``update(result.prompt_ids, result.rewards)``
+        and gives identical statistics.
+        """
+        if not isinstance(result, AllocationResult):
+            raise InputError("result", "an AllocationResult (plan.finish())", describe(result), "pass plan.finish()")
+        _check_int(step, "step", 0)
+        r = result.rewards.detach().cpu().to(torch.float64)
+        if checks_enabled() and not bool(torch.isfinite(r).all()):
+            raise InputError("result.rewards", "finite rewards", describe(result.rewards), "fix the scorer")
+        if r.numel() == 0:
+            return
+        plan_ids = result.plan_prompt_ids.long().cpu()
+        present = torch.zeros(plan_ids.numel(), dtype=torch.bool)
+        present[result.group] = True
+        uniq, order = plan_ids[present].sort()
+        remap = torch.full((plan_ids.numel(),), -1, dtype=torch.long)
+        remap[present.nonzero().squeeze(1)[order]] = torch.arange(uniq.numel())
+        self._ingest(uniq, remap[result.group.long().cpu()], r, step)
+
+    def _ingest(self, uniq: Tensor, inv: Tensor, r: Tensor, step: int) -> None:
+        u = uniq.numel()
+        if u > self.capacity:
+            raise InputError(
+                "prompt_ids",
+                f"at most capacity={self.capacity} distinct prompts in one update",
+                f"{u} distinct prompts",
+                "raise capacity or update in smaller batches",
+            )
+        success = self._success(r)
+        failure = self._failure(r, success)
+        n = torch.bincount(inv, minlength=u)
+        s = torch.zeros(u, dtype=torch.long).index_add_(0, inv, success.long())
+        fails = torch.zeros(u, dtype=torch.long).index_add_(0, inv, failure.long())
+        rsum = torch.zeros(u, dtype=torch.float64).index_add_(0, inv, r)
+        rmax = torch.full((u,), -torch.inf, dtype=torch.float64).scatter_reduce_(0, inv, r, "amax")
+        rmin = torch.full((u,), torch.inf, dtype=torch.float64).scatter_reduce_(0, inv, r, "amin")
+        mean = rsum / n
+        if self.run_basis == "rollout":
+            all_correct, all_wrong = s == n, fails == n
+        else:
+            all_correct = self._success(mean)
+            all_wrong = self._failure(mean, all_correct)
+        flat = rmax == rmin
+        rate = s.double() / n
+
+        pos, known = self._find(uniq)
+        if not bool(known.all()):
+            self._insert(uniq[~known], pos[known])
+            pos, known = self._find(uniq)
+        f = self._f
+        first = f["groups"][pos] == 0
+        self._clock += 1
+        f["rollouts"][pos] += n
+        f["successes"][pos] += s
+        f["groups"][pos] += 1
+        f["reward_sum"][pos] += rsum
+        f["last_step"][pos] = step
+        f["last_touch"][pos] = self._clock
+        f["ema"][pos] = torch.where(first, rate, self.ema_decay * f["ema"][pos] + (1.0 - self.ema_decay) * rate)
+        f["correct_run"][pos] = torch.where(all_correct, f["correct_run"][pos] + 1, 0)
+        f["wrong_run"][pos] = torch.where(all_wrong, f["wrong_run"][pos] + 1, 0)
+        f["flat_run"][pos] = torch.where(flat, f["flat_run"][pos] + 1, 0)
+        for name, value in (("window", mean), ("window_rollouts", n), ("window_successes", s)):
+            old = f[name][pos]
+            f[name][pos] = torch.cat([value[:, None].to(old.dtype), old[:, :-1]], dim=1)
+
+    def lookup(self, prompt_ids: Tensor) -> PromptStats:
+        """The statistics of ``prompt_ids`` (int64 ``[P]``, any ids, repeats allowed), as a :class:`PromptStats`.
+
+        Unseen (never updated, or evicted) prompts get ``seen=False`` and the fills of the ``unseen`` policy
+        (class docstring). Does not change the history (a lookup is not a "use" for eviction).
+        """
+        if not isinstance(prompt_ids, Tensor) or prompt_ids.is_floating_point() or prompt_ids.dtype == torch.bool:
+            raise InputError("prompt_ids", "an int64 tensor [P]", describe(prompt_ids), "pass torch.tensor(ids)")
+        if prompt_ids.ndim != 1:
+            raise InputError("prompt_ids", "a 1-d tensor [P]", describe(prompt_ids), "flatten prompt_ids")
+        ids = prompt_ids.long().cpu()
+        pos, seen = self._find(ids)
+        if self.unseen == "raise" and not bool(seen.all()):
+            missing = ids[~seen][:5].tolist()
+            raise InputError(
+                "prompt_ids",
+                "prompts seen by the history (unseen='raise')",
+                f"unknown ids such as {missing}",
+                "update the history first or construct it with unseen='prior'",
+            )
+        f = self._f
+        if self._ids.numel() == 0:
+            p, w = ids.numel(), self.window
+            g = {name: torch.zeros(p, dtype=torch.long) for name in _INT_FIELDS}
+            g.update({name: torch.zeros(p, dtype=torch.float64) for name in _FLOAT_FIELDS})
+            g["window"] = torch.zeros(p, w, dtype=torch.float64)
+            g["window_rollouts"] = torch.zeros(p, w, dtype=torch.long)
+            g["window_successes"] = torch.zeros(p, w, dtype=torch.long)
+        else:
+            g = {name: torch.where(seen.view(-1, *[1] * (t.ndim - 1)), t[pos], 0) for name, t in f.items()}
+        fill = torch.tensor(torch.nan if self.unseen == "nan" else self.prior_pass_rate, dtype=torch.float64)
+        roll = g["rollouts"]
+        denom = roll.clamp(min=1).double()
+        wr, ws = g["window_rollouts"].sum(1), g["window_successes"].sum(1)
+        return PromptStats(
+            prompt_ids=ids,
+            seen=seen,
+            rollouts=roll,
+            successes=g["successes"],
+            groups=g["groups"],
+            reward_mean=torch.where(seen, g["reward_sum"] / denom, fill),
+            pass_rate=torch.where(seen, g["successes"].double() / denom, fill),
+            ema_pass_rate=torch.where(seen, g["ema"], fill),
+            last_step=torch.where(seen, g["last_step"], -1),
+            correct_run=g["correct_run"],
+            wrong_run=g["wrong_run"],
+            flat_run=g["flat_run"],
+            window=g["window"],
+            window_rollouts=g["window_rollouts"],
+            window_successes=g["window_successes"],
+            window_count=g["groups"].clamp(max=self.window),
+            window_pass_rate=torch.where(seen & (wr > 0), ws.double() / wr.clamp(min=1).double(), fill),
+        )
+
+    # -- checkpointing --------------------------------------------------------------------------------------
+    def _config(self) -> dict[str, Any]:
+        return {
+            "capacity": self.capacity,
+            "window": self.window,
+            "ema_decay": self.ema_decay,
+            "success_threshold": self.success_threshold,
+            "success_compare": self.success_compare,
+            "failure_threshold": self.failure_threshold,
+            "failure_compare": self.failure_compare,
+            "run_basis": self.run_basis,
+            "unseen": self.unseen,
+            "prior_pass_rate": self.prior_pass_rate,
+            "eviction": self.eviction,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue identically: the configuration, the update counter and every field."""
+        return {
+            "version": 1,
+            "config": self._config(),
+            "clock": self._clock,
+            "prompt_ids": self._ids.clone(),
+            **{name: t.clone() for name, t in self._f.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; the configuration must equal this history's (else InputError)."""
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise InputError("state", "a PromptHistory.state_dict() (version 1)", describe(state), "pass state_dict()")
+        if state.get("config") != self._config():
+            raise InputError(
+                "state",
+                f"a state saved with the same configuration {self._config()}",
+                f"configuration {state.get('config')}",
+                "construct the PromptHistory with the saved configuration (state['config'])",
+            )
+        ids = state["prompt_ids"].long().cpu().clone()
+        fields = {name: state[name].cpu().clone() for name in (*_INT_FIELDS, *_FLOAT_FIELDS, *_WINDOW_FIELDS)}
+        if any(t.shape[0] != ids.numel() for t in fields.values()) or ids.numel() > self.capacity:
+            raise InputError("state", "fields of one length <= capacity", "inconsistent lengths", "pass state_dict()")
+        self._ids, self._f, self._clock = ids, fields, int(state["clock"])
