@@ -1,0 +1,339 @@
+"""DPS (Dynamics-Predictive Sampling, arXiv 2603.10887): the spec's oracle, hand examples, properties, bad input."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rolloutopt.allocators._base import AllocationResult, Conversation, Request
+from rolloutopt.allocators.dps import DPS, _fill
+from rolloutopt.errors import InputError
+
+Rewards = Callable[[Request], torch.Tensor]
+
+
+def run(plan: Conversation, rewards: Rewards) -> tuple[AllocationResult, list[Request]]:
+    reqs = []
+    while (req := plan.next()) is not None:
+        reqs.append(req)
+        plan.observe(req, rewards(req))
+    return plan.finish(), reqs
+
+
+def const(values: dict[int, list[float]]) -> Rewards:
+    """Each prompt's rewards, cycled to the requested count."""
+
+    def f(req: Request) -> torch.Tensor:
+        out = [
+            values[p][i % len(values[p])]
+            for p, c in zip(req.prompt_ids.tolist(), req.counts.tolist(), strict=True)
+            for i in range(c)
+        ]
+        return torch.tensor(out, dtype=torch.float64)
+
+    return f
+
+
+def bernoulli(rate: torch.Tensor, step: int) -> Rewards:
+    """Rewards Bernoulli(rate[prompt id]) from a generator seeded by the step (the synthetic world)."""
+
+    def f(req: Request) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 + step)
+        p = rate[req.prompt_ids].repeat_interleave(req.counts)
+        return (torch.rand(p.shape, generator=g, dtype=torch.float64) < p).double()
+
+    return f
+
+
+MIXED = [1.0, 0.0]  # success rate 1/2: state S2
+
+
+def by_id(req: Request) -> torch.Tensor:
+    """A deterministic world: prompt p always fails (p % 3 == 0), always succeeds (1) or alternates (2)."""
+    kind = (req.prompt_ids % 3).repeat_interleave(req.counts)
+    j = torch.cat([torch.arange(int(c)) for c in req.counts]) if req.counts.numel() else kind
+    return torch.where(kind == 2, (j % 2).double(), (kind == 1).double())
+
+
+def step(d: DPS, ids: list[int], budget: int, rewards: Rewards) -> AllocationResult:
+    res, _ = run(d.plan(torch.tensor(ids), budget), rewards)
+    d.update(res)
+    return res
+
+
+# -- the spec's oracle (uniform prior, all-ones alpha, lambda = 1) ------------------------------------------------
+def test_spec_oracle() -> None:
+    d = DPS(n=4)
+    step(d, [7], 4, const({7: MIXED}))
+    alpha = d.transition_counts(torch.tensor([7]))[0]
+    # C = outer(e_S2, uniform) * P(ones) normalised: 1/3 in each entry of the middle row.
+    assert torch.allclose(alpha[1], torch.full((3,), 4 / 3, dtype=torch.float64))
+    assert torch.equal(alpha[[0, 2]], torch.ones(2, 3, dtype=torch.float64))
+    # P's middle column is (1, 4/3, 1) / (10/3) = (0.3, 0.4, 0.3); pi = P e_S2.
+    assert torch.allclose(d.predictive(torch.tensor([7]))[0], torch.tensor([0.3, 0.4, 0.3], dtype=torch.float64))
+    step(d, [7], 4, const({7: MIXED}))
+    alpha = d.transition_counts(torch.tensor([7]))[0]
+    # pi_before = e_S2 now, so C = e_S2 e_S2^T: one count on [1, 1].
+    assert torch.allclose(alpha[1], torch.tensor([4 / 3, 7 / 3, 4 / 3], dtype=torch.float64))
+    pi = d.predictive(torch.tensor([7, 99]))
+    assert torch.allclose(pi[0], torch.tensor([3 / 13, 7 / 13, 3 / 13], dtype=torch.float64))  # (1, 7/3, 1)/(13/3)
+    assert torch.allclose(pi[1], torch.full((3,), 1 / 3, dtype=torch.float64))  # unseen: the prior
+    assert int(d.sampled_times(torch.tensor([7]))[0]) == 2
+    # top-k prefers the learned prompt (pi[S2] = 7/13) over an unseen one (1/3), whatever the order.
+    for ids in ([99, 7], [7, 99]):
+        req = d.plan(torch.tensor(ids), 4).next()
+        assert req is not None and req.prompt_ids.tolist() == [7]
+
+
+def test_observed_states_and_binarisation() -> None:
+    """acc >= 1 binarises; rate 0 -> S1, rate 1 -> S3; success_threshold=None reads the raw mean (metric=score)."""
+    d = DPS(n=2)
+    step(d, [1, 2, 3], 6, const({1: [0.0, 0.0], 2: [1.0, 1.0], 3: [0.99, 0.99]}))
+    pi = d.predictive(torch.tensor([1, 2, 3]))
+    # From a one-hot state with the uniform P(ones) row update: alpha column s gets 1/3 on row s ... see oracle;
+    # the observed state s gets 0.4 and the others 0.3.
+    expect = torch.tensor([[0.4, 0.3, 0.3], [0.3, 0.3, 0.4], [0.4, 0.3, 0.3]], dtype=torch.float64)
+    assert torch.allclose(pi, expect)  # 0.99 < 1 is a failure, so prompt 3 is S1
+    d = DPS(n=2, success_threshold=None)
+    step(d, [3], 2, const({3: [0.99, 0.99]}))
+    assert torch.allclose(d.predictive(torch.tensor([3]))[0], torch.tensor([0.3, 0.4, 0.3], dtype=torch.float64))
+
+
+def test_planned_prompts_become_known_and_diffuse() -> None:
+    """The code's quirk: every candidate is registered and then diffuses through P every step ('progress')."""
+    d = DPS(n=4, prior_alpha="progress")
+    res = step(d, [1, 2], 4, const({1: MIXED, 2: MIXED}))
+    assert res.counts.tolist() == [4, 0] and res.reason_of(2) == "not_selected"
+    # progress prior: columns (1,1,1)/3, (.5,1,1)/2.5, (.5,.5,1)/2; P @ uniform.
+    expect = torch.tensor([0.78333333333 / 3, 0.98333333333 / 3, 1.23333333333 / 3], dtype=torch.float64)
+    assert torch.allclose(d.predictive(torch.tensor([2]))[0], expect)
+    assert torch.allclose(d.predictive(torch.tensor([5]))[0], torch.full((3,), 1 / 3, dtype=torch.float64))
+    assert d.num_known == 2
+
+
+def test_decay_of_unobserved_prompt() -> None:
+    """lambda = 0.5: an observed S2 prompt, then a step without it: alpha decays half-way to the prior."""
+    d = DPS(n=4, decay=0.5)
+    step(d, [7], 4, const({7: MIXED}))
+    # first step: 0.5 * 1 + 0.5 * 1 + 1/3 = 4/3 on the middle row, as with lambda = 1
+    assert torch.allclose(d.transition_counts(torch.tensor([7]))[0, 1], torch.full((3,), 4 / 3, dtype=torch.float64))
+    step(d, [8], 4, const({8: MIXED}))  # 7 is known, not rolled out: decays
+    alpha = d.transition_counts(torch.tensor([7]))[0]
+    assert torch.allclose(alpha[1], torch.full((3,), 7 / 6, dtype=torch.float64))  # 0.5 * 4/3 + 0.5
+    assert torch.equal(alpha[[0, 2]], torch.ones(2, 3, dtype=torch.float64))
+    # every column is (1, 7/6, 1) / (19/6): the prediction becomes (6, 7, 6) / 19
+    pi = d.predictive(torch.tensor([7]))[0]
+    assert torch.allclose(pi, torch.tensor([6 / 19, 7 / 19, 6 / 19], dtype=torch.float64))
+    assert int(d.sampled_times(torch.tensor([7]))[0]) == 1
+
+
+def test_zero_mass_soft_count_is_guarded() -> None:
+    """'local' prior (no S1 -> S3 mass) with prior_pi '1': observing S3 has zero joint mass; the code writes NaN."""
+    d = DPS(n=2, prior_alpha="local", prior_pi="1")
+    step(d, [1], 2, const({1: [1.0, 1.0]}))
+    alpha = d.transition_counts(torch.tensor([1]))[0]
+    assert torch.equal(alpha, torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 1.0, 1.0]], dtype=torch.float64))
+    assert torch.allclose(d.predictive(torch.tensor([1]))[0], torch.tensor([0.0, 0.5, 0.5], dtype=torch.float64))
+
+
+def test_fixed_transitions_and_no_update() -> None:
+    d = DPS(n=2, prior_alpha="progress", transitions="fixed")
+    step(d, [1], 2, const({1: MIXED}))
+    step(d, [1], 2, const({1: MIXED}))
+    assert torch.equal(d.transition_counts(torch.tensor([1]))[0], DPS(prior_alpha="progress").prior_alpha)
+    # P(progress) column S2 = (.5, 1, 1) / 2.5
+    assert torch.allclose(d.predictive(torch.tensor([1]))[0], torch.tensor([0.2, 0.4, 0.4], dtype=torch.float64))
+    d = DPS(n=2, no_update=True)
+    step(d, [1], 2, const({1: MIXED}))
+    assert d.num_known == 0 and torch.allclose(d.predictive(torch.tensor([1]))[0], d.prior_pi)
+
+
+def test_topk_entropy() -> None:
+    """pi = (.3, .4, .3) has H = 1.0889 < log 3: w = 1 keeps it first, w = 10 prefers the unseen prompt."""
+    for w, first in ((1.0, 7), (10.0, 99)):
+        d = DPS(n=4, strategy="topk+entropy", entropy_weight=w)
+        step(d, [7], 4, const({7: MIXED}))
+        req = d.plan(torch.tensor([99, 7]), 4).next()
+        assert req is not None and req.prompt_ids.tolist() == [first]
+
+
+def test_uniform_strategy_is_seeded() -> None:
+    ids = torch.arange(50)
+    picks = []
+    for seed in (0, 0, 1):
+        req = DPS(n=2, strategy="uniform", seed=seed).plan(ids, 20).next()
+        assert req is not None and req.prompt_ids.numel() == 10
+        picks.append(sorted(req.prompt_ids.tolist()))
+    assert picks[0] == picks[1] and picks[0] != picks[2]
+
+
+def test_fill_hand_examples() -> None:
+    assert _fill(5, 19, 4, 4, 4).tolist() == [4, 4, 4, 4, 0]  # 3 left unspent
+    assert _fill(5, 19, 4, 2, 4).tolist() == [4, 4, 4, 4, 3]  # partial group >= n_min
+    assert _fill(5, 19, 4, 4, 6).tolist() == [5, 5, 5, 4, 0]  # spread up to n_max, best first
+    assert _fill(3, 19, 4, 4, 6).tolist() == [6, 6, 6]  # capped at n_max: 1 unspent
+    assert _fill(2, 3, 4, 4, 4).tolist() == [0, 0]
+    assert _fill(0, 9, 4, 1, 9).tolist() == []
+
+
+def test_budget_caps_and_reasons() -> None:
+    d = DPS(n=4, n_min=2)
+    res, reqs = run(d.plan(torch.tensor([10, 11, 12]), 11), const({10: MIXED, 11: MIXED, 12: MIXED}))
+    assert len(reqs) == 1 and res.counts.tolist() == [4, 4, 3]
+    assert [res.reason_of(p) for p in (10, 11, 12)] == ["selected", "selected", "partial_group"]
+    assert res.weight.tolist() == [1.0] * 11
+    res, reqs = run(d.plan(torch.tensor([10]), 1), const({10: MIXED}))  # budget < n_min: nothing
+    assert reqs == [] and res.counts.tolist() == [0] and res.reason_of(10) == "not_selected"
+
+
+# -- properties ---------------------------------------------------------------------------------------------------
+def _random_state(k: int, seed: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(4 * k + 1, generator=g)[:k].sort().values
+    pi = torch.rand(k, 3, generator=g, dtype=torch.float64) + 0.01
+    pi = pi / pi.sum(-1, keepdim=True)
+    return {
+        "ids": ids,
+        "alpha": torch.rand(k, 3, 3, generator=g, dtype=torch.float64) + 0.1,
+        "pi": pi,
+        "pi_before": pi.clone(),
+        "sampled_times": torch.randint(0, 5, (k,), generator=g),
+        "generator": torch.Generator().manual_seed(0).get_state(),
+    }
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    k=st.integers(1, 40),
+    budget=st.integers(0, 300),
+    n=st.integers(1, 8),
+    dn_min=st.integers(0, 7),
+    dn_max=st.integers(0, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_properties(k: int, budget: int, n: int, dn_min: int, dn_max: int, seed: int) -> None:
+    """Budget, caps, spending, permutation equivariance (distinct scores), determinism, finiteness after update."""
+    n_min, n_max = max(1, n - dn_min), n + dn_max
+    state = _random_state(k, seed)
+    ids = state["ids"]
+    assert isinstance(ids, torch.Tensor)
+    d = DPS(n=n, n_min=n_min, n_max=n_max, decay=0.7)
+    d.load_state_dict(state)
+    res, _ = run(d.plan(ids, budget), by_id)
+    c = res.counts
+    assert int(c.sum()) == res.rewards.numel() <= budget
+    assert bool(((c == 0) | ((c >= n_min) & (c <= n_max))).all())
+    if n_min == 1:
+        assert int(c.sum()) == min(budget, k * n_max)
+    assert int((c > 0).sum()) == min(k, budget // n + (budget % n >= n_min and budget // n < k))
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed + 1))
+    d2 = DPS(n=n, n_min=n_min, n_max=n_max, decay=0.7)
+    d2.load_state_dict(state)
+    res_p, _ = run(d2.plan(ids[perm], budget), by_id)
+    assert torch.equal(res_p.counts, c[perm]) and torch.equal(res_p.reasons, res.reasons[perm])
+    d.update(res)
+    d2.update(res_p)
+    for a, b in zip(d.state_dict().values(), d2.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    pi = d.predictive(ids)
+    assert bool(torch.isfinite(pi).all()) and torch.allclose(pi.sum(-1), torch.ones(k, dtype=torch.float64))
+    assert bool(torch.isfinite(d.transition_counts(ids)).all())
+
+
+@pytest.mark.parametrize("strategy", ["topk", "uniform"])
+def test_state_dict_round_trip_mid_run(strategy: str) -> None:
+    rate = torch.linspace(0, 1, 40, dtype=torch.float64)
+    pools = [torch.randperm(40, generator=torch.Generator().manual_seed(s))[:24] for s in range(6)]
+
+    def go(d: DPS, steps: range) -> list[tuple[list[Request], AllocationResult]]:
+        out = []
+        for s in steps:
+            res, reqs = run(d.plan(pools[s], 30), bernoulli(rate, s))
+            d.update(res)
+            out.append((reqs, res))
+        return out
+
+    a = DPS(n=3, strategy=strategy, decay=0.7, seed=5)  # type: ignore[arg-type]
+    go(a, range(3))
+    saved = a.state_dict()
+    tail_a = go(a, range(3, 6))
+    b = DPS(n=3, strategy=strategy, decay=0.7, seed=5)  # type: ignore[arg-type]
+    b.load_state_dict(saved)
+    tail_b = go(b, range(3, 6))
+    for (ra, xa), (rb, xb) in zip(tail_a, tail_b, strict=True):
+        assert [(q.prompt_ids.tolist(), q.counts.tolist()) for q in ra] == [
+            (q.prompt_ids.tolist(), q.counts.tolist()) for q in rb
+        ]
+        assert torch.equal(xa.rewards, xb.rewards) and torch.equal(xa.reasons, xb.reasons)
+    for key, value in a.state_dict().items():
+        assert torch.equal(value, b.state_dict()[key]), key
+
+
+def test_dps_prefers_partially_solved_prompts() -> None:
+    """In a static world (pass rates 0, 1/2, 1), after a warm-up DPS spends most rollouts on the 1/2 prompts."""
+    rate = torch.tensor([0.0, 1.0, 0.5] * 20, dtype=torch.float64)  # id % 3 == 2 is the partially solved one
+    ids = torch.arange(60)
+    d = DPS(n=8)
+    for s in range(3):  # warm-up visits every prompt once (budget covers all)
+        step(d, ids.tolist(), 60 * 8, bernoulli(rate, s))
+    res, _ = run(d.plan(ids, 20 * 8), bernoulli(rate, 9))
+    picked = res.plan_prompt_ids[res.counts > 0]
+    assert bool((picked % 3 == 2).all())
+
+
+# -- bad input ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "arg"),
+    [
+        ({"n": 0}, "n"),
+        ({"n": 4, "n_min": 5}, "n_min"),
+        ({"n": 4, "n_max": 3}, "n_max"),
+        ({"strategy": "top"}, "strategy"),
+        ({"prior_alpha": "nope"}, "prior_alpha"),
+        ({"prior_alpha": -1.0}, "prior_alpha"),
+        ({"prior_alpha": torch.zeros(3, 3)}, "prior_alpha"),
+        ({"prior_alpha": torch.ones(2, 3)}, "prior_alpha"),
+        ({"prior_pi": "4"}, "prior_pi"),
+        ({"prior_pi": torch.tensor([-1.0, 1.0, 1.0])}, "prior_pi"),
+        ({"decay": 1.5}, "decay"),
+        ({"decay": float("nan")}, "decay"),
+        ({"transitions": "frozen"}, "transitions"),
+        ({"no_update": 1}, "no_update"),
+        ({"seed": -1}, "seed"),
+        ({"entropy_weight": float("inf")}, "entropy_weight"),
+    ],
+)
+def test_bad_constructor(kwargs: dict[str, object], arg: str) -> None:
+    with pytest.raises(InputError, match=arg):
+        DPS(**kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_plan_observe_update_load() -> None:
+    d = DPS(n=2)
+    with pytest.raises(InputError, match="budget"):
+        d.plan(torch.tensor([1, 2]), -1)
+    with pytest.raises(InputError, match="prompt_ids"):
+        d.plan(torch.tensor([1, 1]), 4)
+    plan = d.plan(torch.tensor([1, 2]), 4)
+    req = plan.next()
+    assert req is not None
+    with pytest.raises(InputError, match="request"):  # unknown request / ids
+        plan.observe(Request(torch.tensor([3]), torch.tensor([4])), torch.zeros(4))
+    with pytest.raises(InputError, match="rewards"):
+        plan.observe(req, torch.zeros(3))
+    with pytest.raises(InputError, match="rewards"):
+        plan.observe(req, torch.tensor([0.0, float("nan"), 1.0, 1.0]))
+    with pytest.raises(InputError, match="result"):
+        d.update("not a result")  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="state"):
+        d.load_state_dict({"ids": torch.zeros(1)})
+    bad = d.state_dict()
+    bad["pi"] = torch.zeros(5, 3)
+    with pytest.raises(InputError, match="pi"):
+        d.load_state_dict(bad)
+    with pytest.raises(InputError, match="prompt_ids"):
+        d.predictive(torch.tensor([0.5]))
