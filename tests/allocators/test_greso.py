@@ -1,0 +1,372 @@
+"""GRESO (arXiv 2506.02177): the spec's oracle, the adaptive batch size by hand, properties, bad input."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rolloutopt.allocators._base import AllocationResult, Conversation, Request
+from rolloutopt.allocators.greso import GRESO, greso_skip_probability
+from rolloutopt.errors import InputError
+
+Rewards = Callable[[Request], torch.Tensor]
+
+
+def run(plan: Conversation, rewards: Rewards) -> tuple[AllocationResult, list[Request]]:
+    reqs = []
+    while (req := plan.next()) is not None:
+        reqs.append(req)
+        plan.observe(req, rewards(req))
+    return plan.finish(), reqs
+
+
+def world(kind: Callable[[torch.Tensor], torch.Tensor]) -> Rewards:
+    """Deterministic rewards: kind(prompt id) is 0 (all 0), 1 (all 1) or 2 (alternating 1, 0, ...)."""
+
+    def f(req: Request) -> torch.Tensor:
+        k = kind(req.prompt_ids).repeat_interleave(req.counts)
+        j = torch.cat([torch.arange(int(c)) for c in req.counts])
+        return torch.where(k == 2, ((j + 1) % 2).double(), (k == 1).double())
+
+    return f
+
+
+def const_mean(means: dict[int, float]) -> Rewards:
+    """Every rollout of prompt p gets reward means[p] (so its group mean is exactly that)."""
+
+    def f(req: Request) -> torch.Tensor:
+        return torch.tensor([means[int(p)] for p in req.prompt_ids], dtype=torch.float64).repeat_interleave(req.counts)
+
+    return f
+
+
+def small(**kw: object) -> GRESO:
+    args: dict[str, object] = {
+        "n": 4,
+        "train_batch_size": 100,
+        "sampling_batch_size": 100,
+        "min_sampling_batch_size": 1,
+    }
+    args.update(kw)
+    return GRESO(**args)  # type: ignore[arg-type]
+
+
+def step(g: GRESO, ids: list[int], budget: int, rewards: Rewards) -> AllocationResult:
+    res, _ = run(g.plan(torch.tensor(ids), budget), rewards)
+    g.update(res)
+    return res
+
+
+# -- the spec's oracle --------------------------------------------------------------------------------------------
+def test_spec_oracle_skip_probabilities() -> None:
+    g = small(filter_zero_variance=False, p_easy=1.0, p_hard=1.0)  # p = 1: no skips while the history is built
+    ids = [1, 2, 3]
+    # prompt 1: 0.5, 1.0, 0.98 (two easy entries after a non-easy one); prompt 2: easy x 3; prompt 3: last 0.5
+    for h in ({1: 0.5, 2: 1.0, 3: 1.0}, {1: 1.0, 2: 1.0, 3: 0.0}, {1: 0.98, 2: 1.0, 3: 0.5}):
+        step(g, ids, 100, const_mean(h))
+    k_e, k_h = g.run_lengths(torch.tensor(ids))
+    assert k_e.tolist() == [2, 3, 0] and k_h.tolist() == [0, 0, 0]  # 0.98 counts as easy (>= 0.98)
+    state = g.state_dict()
+    state.update(p_easy=0.5, p_hard=0.5)
+    g.load_state_dict(state)
+    pe, ph = g.skip_probabilities(torch.tensor(ids))
+    assert float(pe[0]) == 0.75  # 1 - 0.5^2, exactly
+    assert float(pe[2]) == 0.0 and float(ph[2]) == 0.0  # last entry 0.5: never skipped
+    state["k_easy"] = torch.tensor([2, 7, 0])
+    g.load_state_dict(state)
+    pe, _ = g.skip_probabilities(torch.tensor(ids))
+    assert float(pe[1]) == 1 - 0.01  # 0.5^7 < 0.01: the floor
+    assert torch.equal(
+        greso_skip_probability(torch.tensor([0, 1, 2, 7]), 0.5),
+        torch.tensor([0.0, 0.5, 0.75, 0.99], dtype=torch.float64),
+    )
+
+
+def test_hard_run_length_thresholds() -> None:
+    g = small(filter_zero_variance=False, p_hard=1.0)
+    step(g, [1, 2, 3], 100, const_mean({1: 0.1, 2: 0.11, 3: 0.2}))
+    step(g, [1, 2, 3], 100, const_mean({1: 0.0, 2: 0.12, 3: 0.0}))
+    k_e, k_h = g.run_lengths(torch.tensor([1, 2, 3, 4]))
+    assert k_h.tolist() == [2, 0, 1, 0] and k_e.tolist() == [0, 0, 0, 0]
+    g.p_hard = 0.5
+    _, ph = g.skip_probabilities(torch.tensor([1, 3]))
+    assert ph.tolist() == [0.75, 0.5]
+
+
+def _hard_ratio_step(g: GRESO) -> AllocationResult:
+    """10 prompts rolled out: ids 0-2 all wrong, 3-9 mixed: hard_ratio 0.3, easy_ratio 0."""
+    return step(g, list(range(10)), 40, world(lambda p: torch.where(p < 3, 0, 2)))
+
+
+def test_spec_oracle_p_adaptation() -> None:
+    g = small()
+    _hard_ratio_step(g)  # epoch 0: no adaptation (the code's epoch > 0)
+    assert (g.p_hard, g.p_easy) == (0.5, 0.5)
+    g = small()
+    g.set_epoch(1)
+    _hard_ratio_step(g)
+    assert g.p_hard == 0.49  # 0.3 >= 0.1667: skip hard ones more
+    assert g.p_easy == 0.51  # 0 < 0.0833: skip easy ones less
+    g = small(adapt_from_epoch=0)
+    for s in range(60):  # fresh all-wrong prompts (never skipped): hard ratio 1, easy ratio 0
+        step(g, list(range(10 * s, 10 * s + 10)), 40, world(lambda p: p * 0))
+    assert g.p_hard == 0.05 and g.p_easy == 0.95  # clamped at min_p / max_p
+
+
+def test_adaptive_sampling_batch_size_by_hand() -> None:
+    """T = 3 prompts wanted, n = 4, rounds of at most 4 prompts, floor 2.
+
+    Round 1 rolls out ids 0-3; 0 and 2 are all-correct (zero variance), 1 and 3 mixed: 2 kept, z = 1/2.
+    Missing R = (3 - 2) * 4 = 4 trajectories: int(1.25 * 4 / (0.5 * 4)) = int(2.5) = 2 <= 4, so a last round of
+    max(min(2, 4), 2) = 2 prompts: ids 4 and 5, both mixed; 4 completes the batch and 5 is surplus.
+    """
+    g = GRESO(n=4, train_batch_size=3, sampling_batch_size=4, min_sampling_batch_size=2)
+    kind = world(lambda p: torch.where((p % 2 == 1) | (p == 4), 2, 1))
+    plan = g.plan(torch.arange(10), 1000)
+    res, reqs = run(plan, kind)
+    assert [q.prompt_ids.tolist() for q in reqs] == [[0, 1, 2, 3], [4, 5]]
+    assert [res.reason_of(p) for p in range(7)] == [
+        "zero_variance",
+        "kept",
+        "zero_variance",
+        "kept",
+        "kept",
+        "surplus",
+        "not_reached",
+    ]
+    assert res.weight.view(-1, 4)[:, 0].tolist() == [0.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+    assert float(res.metrics["rounds"]) == 2 and float(res.metrics["kept_prompts"]) == 3
+    assert float(res.metrics["zero_variance_frac"]) == pytest.approx(2 / 6)
+
+
+def test_adaptive_batch_not_last_and_floor() -> None:
+    """T = 8: after round 1 (2 kept, z = 1/2) the estimate int(1.25 * 24 / 2) = 15 is capped at 4 and the round
+    is not the last; with a floor of 3, an estimate of 2 becomes 3."""
+    kind = world(lambda p: torch.where(p % 2 == 1, 2, 1))
+    g = GRESO(n=4, train_batch_size=8, sampling_batch_size=4, min_sampling_batch_size=1)
+    _, reqs = run(g.plan(torch.arange(40), 1000), kind)
+    assert [q.prompt_ids.numel() for q in reqs] == [4, 4, 4, 4]  # 2 kept per round until 8
+    g = GRESO(n=4, train_batch_size=3, sampling_batch_size=4, min_sampling_batch_size=3)
+    _, reqs = run(g.plan(torch.arange(40), 1000), kind)
+    assert [q.prompt_ids.numel() for q in reqs] == [4, 3]
+
+
+def test_all_zero_variance_round_samples_full_batch() -> None:
+    g = GRESO(n=2, train_batch_size=2, sampling_batch_size=3, min_sampling_batch_size=1)
+    _, reqs = run(g.plan(torch.arange(9), 1000), world(lambda p: torch.where(p < 3, 1, 2)))
+    assert [q.prompt_ids.tolist() for q in reqs] == [[0, 1, 2], [3, 4, 5]]  # z = 1: guarded, a full round
+
+
+def test_budget_edge_and_partial_group() -> None:
+    g = small()
+    res, reqs = run(g.plan(torch.arange(5), 10), world(lambda p: p * 0 + 2))
+    assert res.counts.tolist() == [4, 4, 0, 0, 0] and len(reqs) == 1  # 2 left < n_min = 4: unspent
+    g = small(n_min=2)
+    res, _ = run(g.plan(torch.arange(5), 10), world(lambda p: p * 0 + 2))
+    assert res.counts.tolist() == [4, 4, 2, 0, 0] and res.reason_of(2) == "kept"
+    g = small(n_max=6, sampling_batch_size=2, train_batch_size=2)
+    res, _ = run(g.plan(torch.arange(5), 11), world(lambda p: p * 0 + 2))
+    assert res.counts.tolist() == [4, 4, 0, 0, 0]  # a round of 2 prompts has a round budget of 8: no spread
+
+
+def test_deterministic_skips_and_reasons() -> None:
+    """floor = 0 and p = 0: any run skips with probability 1 - max(0^k, 0) = 1."""
+    g = small(filter_zero_variance=False, floor=0.0, p_easy=0.0, p_hard=0.0)
+    step(g, [1, 2, 3], 100, const_mean({1: 1.0, 2: 0.0, 3: 0.5}))
+    res, reqs = run(g.plan(torch.tensor([1, 2, 3, 4]), 100), const_mean({3: 0.5, 4: 0.5}))
+    assert reqs[0].prompt_ids.tolist() == [3, 4]
+    assert [res.reason_of(p) for p in (1, 2, 3, 4)] == ["skip_easy", "skip_hard", "kept", "kept"]
+    assert float(res.metrics["skip_easy_frac"]) == 0.25 and float(res.metrics["skip_hard_frac"]) == 0.25
+
+
+def test_skip_rates_match_probabilities() -> None:
+    """20,000 prompts with k_e = 2 (p_easy = 0.5) skip at 0.75; with k_h = 1 at 0.5 (4-sigma binomial bounds)."""
+    k = 20_000
+    g = GRESO(n=1, train_batch_size=k, sampling_batch_size=k, filter_zero_variance=False, seed=3)
+    ids = torch.arange(2 * k)
+    state = g.state_dict()
+    state.update(
+        ids=ids, k_easy=torch.cat([torch.full((k,), 2), torch.zeros(k, dtype=torch.long)]), k_hard=(ids >= k).long()
+    )
+    g.load_state_dict(state)
+    res, _ = run(g.plan(ids, 10**6), lambda r: torch.zeros(r.total, dtype=torch.float64))
+    easy = (res.reasons[:k] == 3).double().mean()
+    hard = (res.reasons[k:] == 4).double().mean()
+    assert abs(float(easy) - 0.75) < 4 * (0.75 * 0.25 / k) ** 0.5
+    assert abs(float(hard) - 0.5) < 4 * (0.25 / k) ** 0.5
+    assert not bool((res.reasons[k:] == 3).any())
+
+
+# -- properties ---------------------------------------------------------------------------------------------------
+@settings(max_examples=30, deadline=None)
+@given(
+    p=st.integers(1, 40),
+    budget=st.integers(0, 400),
+    n=st.integers(1, 6),
+    train=st.integers(1, 20),
+    sampling=st.integers(1, 12),
+    filt=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_properties(p: int, budget: int, n: int, train: int, sampling: int, filt: bool, seed: int) -> None:
+    """Budget, caps, weights, reasons consistent, determinism for a seed, run lengths bounded by steps."""
+    kind = world(lambda x: x % 3)
+    ids = torch.randperm(10 * p, generator=torch.Generator().manual_seed(seed))[:p]
+
+    def make() -> GRESO:
+        return GRESO(
+            n=n, train_batch_size=train, sampling_batch_size=sampling, min_sampling_batch_size=1,
+            filter_zero_variance=filt, seed=seed,
+        )  # fmt: skip
+
+    a, b = make(), make()
+    for s in range(3):
+        a.set_epoch(s)
+        b.set_epoch(s)
+        ra, qa = run(a.plan(ids, budget), kind)
+        rb, qb = run(b.plan(ids, budget), kind)
+        assert [(q.prompt_ids.tolist(), q.counts.tolist()) for q in qa] == [
+            (q.prompt_ids.tolist(), q.counts.tolist()) for q in qb
+        ]
+        c = ra.counts
+        assert int(c.sum()) == ra.rewards.numel() <= budget
+        assert bool(((c == 0) | (c == n)).all())
+        assert bool(((ra.weight == 0) | (ra.weight == 1)).all())
+        kept = ra.reasons == 0
+        assert int(kept.sum()) <= (train if filt else p)
+        assert bool((c[kept] > 0).all()) and bool((c[ra.reasons >= 3] == 0).all())
+        assert torch.equal(ra.weight > 0, kept[ra.group])
+        if filt:  # kept groups have variance, zero_variance ones none
+            kinds = ra.plan_prompt_ids % 3
+            varied = (kinds == 2) & (n >= 2)  # a group of one rollout has no variance
+            assert bool(varied[kept].all()) and not bool(varied[ra.reasons == 1].any())
+        else:
+            assert len(qa) <= 1
+        a.update(ra)
+        b.update(rb)
+        k_e, k_h = a.run_lengths(ids)
+        assert int(k_e.max()) <= s + 1 and int(k_h.max()) <= s + 1 and not bool(((k_e > 0) & (k_h > 0)).any())
+    assert a.p_easy == b.p_easy and 0.05 <= a.p_hard <= 0.95
+
+
+@settings(max_examples=25, deadline=None)
+@given(p=st.integers(1, 30), n=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_permutation_without_history(p: int, n: int, seed: int) -> None:
+    """With no history nothing is skipped; when one round covers every prompt, a permutation permutes the plan."""
+    ids = torch.randperm(5 * p, generator=torch.Generator().manual_seed(seed))[:p]
+    perm = torch.randperm(p, generator=torch.Generator().manual_seed(seed + 1))
+    kind = world(lambda x: x % 3)
+    res, _ = run(
+        GRESO(n=n, train_batch_size=p, sampling_batch_size=p, min_sampling_batch_size=1).plan(ids, p * n), kind
+    )
+    res_p, _ = run(
+        GRESO(n=n, train_batch_size=p, sampling_batch_size=p, min_sampling_batch_size=1).plan(ids[perm], p * n), kind
+    )
+    assert torch.equal(res_p.counts, res.counts[perm]) and torch.equal(res_p.reasons, res.reasons[perm])
+
+
+def test_state_dict_round_trip_mid_run() -> None:
+    rate = torch.linspace(0, 1, 60, dtype=torch.float64).pow(2)
+
+    def bern(s: int) -> Rewards:
+        def f(req: Request) -> torch.Tensor:
+            q = rate[req.prompt_ids].repeat_interleave(req.counts)
+            return (torch.rand(q.shape, generator=torch.Generator().manual_seed(s), dtype=torch.float64) < q).double()
+
+        return f
+
+    pools = [torch.randperm(60, generator=torch.Generator().manual_seed(s)) for s in range(8)]
+
+    def go(g: GRESO, steps: range) -> list[tuple[list[Request], AllocationResult]]:
+        out = []
+        for s in steps:
+            g.set_epoch(s // 2)
+            res, reqs = run(g.plan(pools[s], 200), bern(s))
+            g.update(res)
+            out.append((reqs, res))
+        return out
+
+    def make() -> GRESO:
+        return GRESO(n=4, train_batch_size=12, sampling_batch_size=16, min_sampling_batch_size=4, seed=11)
+
+    a = make()
+    go(a, range(4))
+    saved = a.state_dict()
+    tail_a = go(a, range(4, 8))
+    b = make()
+    b.load_state_dict(saved)
+    tail_b = go(b, range(4, 8))
+    for (ra, xa), (rb, xb) in zip(tail_a, tail_b, strict=True):
+        assert [(q.prompt_ids.tolist(), q.counts.tolist()) for q in ra] == [
+            (q.prompt_ids.tolist(), q.counts.tolist()) for q in rb
+        ]
+        assert torch.equal(xa.rewards, xb.rewards) and torch.equal(xa.reasons, xb.reasons)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key])), key
+    assert any(bool((x.reasons == 3).any() | (x.reasons == 4).any()) for _, x in tail_a)  # skips did happen
+
+
+# -- bad input ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "arg"),
+    [
+        ({"n": 0}, "n"),
+        ({"n": 8, "n_min": 9}, "n_min"),
+        ({"n": 8, "n_max": 7}, "n_max"),
+        ({"train_batch_size": 0}, "train_batch_size"),
+        ({"sampling_batch_size": 0}, "sampling_batch_size"),
+        ({"min_sampling_batch_size": 500}, "min_sampling_batch_size"),
+        ({"oversample": 0.0}, "oversample"),
+        ({"p_easy": 1.5}, "p_easy"),
+        ({"p_hard": float("nan")}, "p_hard"),
+        ({"min_p": 0.5, "max_p": 0.4}, "max_p"),
+        ({"target_zero_variance": -0.1}, "target_zero_variance"),
+        ({"hard_threshold": 0.99}, "hard_threshold"),
+        ({"floor": 2.0}, "floor"),
+        ({"filter_zero_variance": "yes"}, "filter_zero_variance"),
+        ({"adapt_from_epoch": -1}, "adapt_from_epoch"),
+        ({"seed": 1.5}, "seed"),
+    ],
+)
+def test_bad_constructor(kwargs: dict[str, object], arg: str) -> None:
+    with pytest.raises(InputError, match=arg):
+        GRESO(**kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_plan_observe_update_load() -> None:
+    g = small()
+    with pytest.raises(InputError, match="budget"):
+        g.plan(torch.tensor([1, 2]), -3)
+    with pytest.raises(InputError, match="prompt_ids"):
+        g.plan(torch.tensor([[1, 2]]), 8)
+    plan = g.plan(torch.tensor([1, 2]), 8)
+    req = plan.next()
+    assert req is not None
+    with pytest.raises(InputError, match="request"):  # unknown ids / not the pending request
+        plan.observe(Request(torch.tensor([9]), torch.tensor([8])), torch.zeros(8))
+    with pytest.raises(InputError, match="rewards"):
+        plan.observe(req, torch.zeros(2, 4))
+    with pytest.raises(InputError, match="rewards"):
+        plan.observe(req, torch.full((8,), float("nan")))
+    with pytest.raises(InputError, match="result"):
+        g.update(None)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="epoch"):
+        g.set_epoch(-1)
+    with pytest.raises(InputError, match="state"):
+        g.load_state_dict({})
+    bad = g.state_dict()
+    bad["k_easy"] = torch.zeros(3, dtype=torch.long)
+    with pytest.raises(InputError, match="k_easy"):
+        g.load_state_dict(bad)
+    with pytest.raises(InputError, match="run_length"):
+        greso_skip_probability(torch.tensor([0.5]), 0.5)
+    with pytest.raises(InputError, match="run_length"):
+        greso_skip_probability(torch.tensor([-1]), 0.5)
+    with pytest.raises(InputError, match="p"):
+        greso_skip_probability(torch.tensor([1]), 1.5)
