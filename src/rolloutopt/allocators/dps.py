@@ -103,16 +103,20 @@ def _lookup(sorted_ids: Tensor, query: Tensor) -> tuple[Tensor, Tensor]:
     return pos, sorted_ids[pos] == query
 
 
-def _insert(sorted_ids: Tensor, new_ids: Tensor, fields: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, list[Tensor]]:
-    """Add the distinct ``new_ids`` absent from ``sorted_ids``; each field grows by its fill row. Stays sorted."""
-    _, found = _lookup(sorted_ids, new_ids)
+def _insert(
+    sorted_ids: Tensor, new_ids: Tensor, fields: list[tuple[Tensor, Tensor]]
+) -> tuple[Tensor, list[Tensor], Tensor]:
+    """Add the distinct ``new_ids`` absent from ``sorted_ids``; each field grows by its fill row. Stays sorted.
+
+    Returns the merged ids, the merged fields and the positions of ``new_ids`` in the merged ids.
+    """
+    pos, found = _lookup(sorted_ids, new_ids)
     add = new_ids[~found]
     if add.numel() == 0:
-        return sorted_ids, [f for f, _ in fields]
-    ids = torch.cat([sorted_ids, add])
-    ids, order = ids.sort()
+        return sorted_ids, [f for f, _ in fields], pos
+    ids, order = torch.cat([sorted_ids, add]).sort()
     out = [torch.cat([f, fill.expand(add.numel(), *fill.shape).to(f.dtype)])[order] for f, fill in fields]
-    return ids, out
+    return ids, out, _lookup(ids, new_ids)[0]
 
 
 def _group_stats(result: AllocationResult, success_threshold: float | None) -> tuple[Tensor, Tensor]:
@@ -387,10 +391,9 @@ class DPS:
         if self.no_update:
             return
         counts, rate = _group_stats(result, self.success_threshold)
-        plan_ids = result.plan_prompt_ids
-        self._ids, (self._alpha, self._pi, self._pi_before, self._times) = _insert(
+        self._ids, (self._alpha, self._pi, self._pi_before, self._times), plan_pos = _insert(
             self._ids,
-            plan_ids,
+            result.plan_prompt_ids,
             [
                 (self._alpha, self.prior_alpha),
                 (self._pi, self.prior_pi),
@@ -398,28 +401,29 @@ class DPS:
                 (self._times, torch.zeros((), dtype=torch.long)),
             ],
         )
-        k = self._ids.numel()
         seen = counts > 0
-        pos, _ = _lookup(self._ids, plan_ids[seen])
+        pos = plan_pos[seen]
         state = torch.where(rate[seen] == 0, 0, torch.where(rate[seen] == 1, 2, 1))
-        observed = torch.zeros(k, dtype=torch.bool)
-        observed[pos] = True
+        onehot = torch.nn.functional.one_hot(state, 3).to(torch.float64)
         pi_new = self._pi.clone()
-        pi_new[pos] = torch.nn.functional.one_hot(state, 3).to(torch.float64)
+        pi_new[pos] = onehot
         alpha = self._alpha
         if self.transitions == "learned":
-            trans = alpha / alpha.sum(1, keepdim=True)
-            joint = pi_new[:, :, None] * self._pi_before[:, None, :] * trans
+            # soft transition counts, only where eta != 0 (the code multiplies the others' C by lr = 0)
+            a_obs = alpha[pos]
+            joint = onehot[:, :, None] * self._pi_before[pos][:, None, :] * (a_obs / a_obs.sum(1, keepdim=True))
             mass = joint.sum((1, 2), keepdim=True)
             soft = torch.where(mass > 0, joint / mass.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
-            lr = torch.where(observed, self.learning_rate, 0.0)[:, None, None]
-            alpha = self.decay * alpha + (1.0 - self.decay) * self.prior_alpha + lr * soft
-        trans = alpha / alpha.sum(1, keepdim=True)
-        pi_next = torch.einsum("kji,ki->kj", trans, pi_new)
+            alpha = self.decay * alpha + (1.0 - self.decay) * self.prior_alpha if self.decay != 1.0 else alpha.clone()
+            alpha.index_add_(0, pos, self.learning_rate * soft)
+        # pi_next_j = sum_i alpha_ji / colsum_i * pi_new_i
+        pi_next = torch.einsum("kji,ki->kj", alpha, pi_new / alpha.sum(1))
         self._alpha = alpha
         self._pi = pi_next / pi_next.sum(-1, keepdim=True)
         self._pi_before = pi_new
-        self._times = self._times + observed.long()
+        times = self._times.clone()
+        times[pos] += 1
+        self._times = times
 
     def state_dict(self) -> dict[str, Any]:
         """The per-prompt HMM state (sorted ids and aligned tensors) and the generator state; copies."""

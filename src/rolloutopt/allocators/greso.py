@@ -351,12 +351,11 @@ class GRESO:
         lo = torch.full((p,), torch.inf, dtype=torch.float64).scatter_reduce(0, result.group, result.rewards, "amin")
         ids = result.plan_prompt_ids[rolled]
         m = mean[rolled]
-        self._ids, (self._k_easy, self._k_hard) = _insert(
+        self._ids, (self._k_easy, self._k_hard), pos = _insert(
             self._ids,
             ids,
             [(self._k_easy, torch.zeros((), dtype=torch.long)), (self._k_hard, torch.zeros((), dtype=torch.long))],
         )
-        pos, _ = _lookup(self._ids, ids)
         self._k_easy[pos] = torch.where(m >= self.easy_threshold, self._k_easy[pos] + 1, 0)
         self._k_hard[pos] = torch.where(m <= self.hard_threshold, self._k_hard[pos] + 1, 0)
         groups = int(rolled.sum())
