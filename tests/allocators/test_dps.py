@@ -337,3 +337,13 @@ def test_bad_plan_observe_update_load() -> None:
         d.load_state_dict(bad)
     with pytest.raises(InputError, match="prompt_ids"):
         d.predictive(torch.tensor([0.5]))
+
+
+def test_empty_pool_and_zero_budget() -> None:
+    for ids, budget in ((torch.zeros(0, dtype=torch.long), 100), (torch.arange(3), 0)):
+        d = DPS()
+        res, reqs = run(d.plan(ids, budget), by_id)
+        assert reqs == [] and int(res.counts.sum()) == 0 and bool((res.reasons == 2).all())
+        d.update(res)  # registers the planned prompts, observes nothing
+        assert d.num_known == ids.numel()
+        assert torch.allclose(d.predictive(ids), d.prior_pi.expand(ids.numel(), 3))

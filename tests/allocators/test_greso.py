@@ -370,3 +370,12 @@ def test_bad_plan_observe_update_load() -> None:
         greso_skip_probability(torch.tensor([-1]), 0.5)
     with pytest.raises(InputError, match="p"):
         greso_skip_probability(torch.tensor([1]), 1.5)
+
+
+def test_empty_pool_and_zero_budget() -> None:
+    for ids, budget in ((torch.zeros(0, dtype=torch.long), 100), (torch.arange(3), 0)):
+        g = small()
+        res, reqs = run(g.plan(ids, budget), lambda r: torch.zeros(r.total, dtype=torch.float64))
+        assert reqs == [] and int(res.counts.sum()) == 0 and bool((res.reasons == 5).all())
+        g.update(res)
+        assert (g.p_easy, g.p_hard) == (0.5, 0.5)

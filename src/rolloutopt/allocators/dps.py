@@ -190,8 +190,8 @@ class DPS:
 
     Code quirks, reproduced deliberately (``specs/allocators.md`` Part D item 9):
 
-    - **Every known prompt decays every step** (O(#known) per ``update``, vectorised: about a millisecond per
-      10^4 prompts). A lazy per-access decay would be faster but is not the code's filter when
+    - **Every known prompt decays every step** (O(#known) per ``update``, vectorised: a few milliseconds
+      per 10^4 prompts). A lazy per-access decay would be faster but is not the code's filter when
       ``decay < 1`` (the prediction diffuses through a different matrix each step), so it is not offered.
     - **A prompt becomes known when it is planned**, not only when it is rolled out: the code registers every
       candidate of ``sample_batch`` and then decays it with the rest. ``update`` registers every

@@ -216,7 +216,8 @@ class GRESO:
         n: rollouts per prompt (script 8).
         n_min: smallest group (default ``n``): at the budget's edge a partial group of at least ``n_min`` is
             requested for the next candidate.
-        n_max: largest group (default ``n``): budget left in a round is spread over its groups up to ``n_max``.
+        n_max: largest group (default ``n``; must be ``>= n``). GRESO keeps the code's fixed group size, so
+            no group exceeds ``n`` (a round's budget is at most ``n`` per prompt).
         train_batch_size: prompts with variance to collect per step (script 256).
         sampling_batch_size: prompts per rollout round, and the cap of the adaptive size (script 384).
         min_sampling_batch_size: the adaptive size's floor (code 64).
