@@ -57,18 +57,39 @@ def _caps(n_min: Any, n_max: Any) -> None:
         raise InputError("n_max", f"n_max >= n_min = {n_min}", repr(n_max), "raise n_max or lower n_min")
 
 
-def _group_stats(conv: Conversation) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per planned prompt: count, mean, population variance, exact zero-variance flag (min == max)."""
-    n, s, ss = conv.totals()
-    pos, r = conv.rollouts()
-    p = n.numel()
-    nf = n.double().clamp(min=1)
-    mean = s / nf
-    hi = torch.full((p,), -math.inf, dtype=torch.float64).scatter_reduce(0, pos, r, "amax")
-    lo = torch.full((p,), math.inf, dtype=torch.float64).scatter_reduce(0, pos, r, "amin")
-    flat = (n == 0) | (hi == lo)
-    var = torch.where(flat, 0.0, (ss / nf - mean * mean).clamp(min=0.0))
-    return n, mean, var, flat
+class _Tracked(Conversation):
+    """A conversation that also tracks, per planned prompt, the min and max reward and the successes so far
+    (updated from each observed request only, so a round never re-reads every rollout)."""
+
+    success_threshold = 1.0
+
+    def __init__(self, prompt_ids: Tensor, budget: int) -> None:
+        super().__init__(prompt_ids, budget)
+        p = prompt_ids.numel()
+        self._hi = torch.full((p,), -math.inf, dtype=torch.float64)
+        self._lo = torch.full((p,), math.inf, dtype=torch.float64)
+        self._succ = torch.zeros(p, dtype=torch.float64)
+
+    def observe(self, request: Request, rewards: Any) -> None:
+        """Record the rewards of ``request`` (see :meth:`Conversation.observe`)."""
+        super().observe(request, rewards)
+        pos, r = self._log_pos[-1], self._log_rewards[-1]
+        self._hi.scatter_reduce_(0, pos, r, "amax")
+        self._lo.scatter_reduce_(0, pos, r, "amin")
+        self._succ.index_add_(0, pos, (r >= self.success_threshold).double())
+        self.observed(pos, r)
+
+    def observed(self, pos: Tensor, r: Tensor) -> None:
+        """Hook: the rollouts of the request just observed (prompt positions, rewards)."""
+
+    def group_stats(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Per planned prompt: count, mean, population variance (exactly 0 where every reward is equal)."""
+        n, s, ss = self.totals()
+        nf = n.double().clamp(min=1)
+        mean = s / nf
+        flat = (n == 0) | (self._hi == self._lo)
+        var = torch.where(flat, 0.0, (ss / nf - mean * mean).clamp(min=0.0))
+        return n, mean, var
 
 
 def _rank(score: Tensor, by_id: Tensor) -> Tensor:
@@ -145,10 +166,13 @@ def _greedy_marginal(v: Tensor, n: Tensor, cap: Tensor, units: int, by_id: Tenso
         mid = 0.5 * (lo + hi)
         if mid <= lo or mid >= hi:
             break
-        if int(count_gt(mid).sum()) > units:
+        total = int(count_gt(mid).sum())
+        if total > units:
             lo = mid
         else:
             hi = mid
+            if total == units:
+                break
     out = count_gt(hi)
     rest = units - int(out.sum())
     if rest > 0:
@@ -158,7 +182,7 @@ def _greedy_marginal(v: Tensor, n: Tensor, cap: Tensor, units: int, by_id: Tenso
     return out
 
 
-class _VIGORPlan(Conversation):
+class _VIGORPlan(_Tracked):
     reason_names = ("initial", "top_up", "capped", "zero_variance", "no_budget")
 
     def __init__(self, prompt_ids: Tensor, budget: int, cfg: VIGOR) -> None:
@@ -174,7 +198,7 @@ class _VIGORPlan(Conversation):
         self._static: Tensor | None = None
 
     def _score(self) -> Tensor:
-        n, mean, var, _ = _group_stats(self)
+        n, mean, var = self.group_stats()
         cfg = self.cfg
         if cfg.prior is not None:
             a, b = cfg.prior
@@ -206,7 +230,9 @@ class _VIGORPlan(Conversation):
             return None
         units = min(self._chunk, remaining)
         if cfg.rule == "marginal":
-            amount = _greedy_marginal(torch.where(eligible, score, 0.0), n, head.clamp(min=0), units, self._order)
+            sub = self._order[eligible[self._order]]  # eligible positions, by prompt id
+            amount = torch.zeros_like(n)
+            amount[sub] = _greedy_marginal(score[sub], n[sub], head[sub], units, torch.arange(sub.numel()))
         else:
             ranked = _rank(torch.where(eligible, score, -1.0), self._order)
             e = int(eligible.sum())
@@ -220,7 +246,7 @@ class _VIGORPlan(Conversation):
         return Request(self.prompt_ids[give], amount[give])
 
     def select(self) -> tuple[Tensor, Tensor]:
-        n, _, var, _ = _group_stats(self)
+        n, _, var = self.group_stats()
         cfg = self.cfg
         capped = (n >= cfg.n_max) if cfg.n_max is not None else torch.zeros_like(n, dtype=torch.bool)
         reasons = torch.where(
@@ -232,7 +258,7 @@ class _VIGORPlan(Conversation):
 
     def finish(self) -> AllocationResult:
         res = super().finish()
-        n, _, var, _ = _group_stats(self)
+        n, _, var = self.group_stats()
         played = n > 0
         zero = (played & (var == 0)).double().sum() / played.double().sum().clamp(min=1)
         return replace(
@@ -355,27 +381,17 @@ class VIGOR:
 
 # -- Pilot-Commit -------------------------------------------------------------------------------------------------
 _FRESH, _PILOT, _KEPT, _CARRIED, _COMMITTED, _COMMITTED_CARRIED, _TOO_CORRECT, _TOO_INCORRECT, _EVICTED = range(9)
-_PC_REASONS = (
-    "not_piloted",
-    "piloting",
-    "buffered",
-    "buffered",
-    "committed",
-    "committed_carried",
-    "too_correct",
-    "too_incorrect",
-    "evicted",
-)
 _PC_NAMES = ("committed", "committed_carried", "buffered", "too_correct", "too_incorrect", "evicted", "not_piloted")
 _PC_CODE = torch.tensor([6, 6, 2, 2, 0, 1, 3, 4, 5])  # state -> index into _PC_NAMES
 
 
-class _PilotCommitPlan(Conversation):
+class _PilotCommitPlan(_Tracked):
     reason_names = _PC_NAMES
 
     def __init__(self, prompt_ids: Tensor, budget: int, owner: PilotCommit) -> None:
         super().__init__(prompt_ids, budget)
         self.o = owner
+        self.success_threshold = owner.success
         p = prompt_ids.numel()
         self.state = torch.full((p,), _FRESH, dtype=torch.long)
         self.std = torch.zeros(p, dtype=torch.float64)
@@ -389,20 +405,24 @@ class _PilotCommitPlan(Conversation):
             self.added[hit] = owner._buf_step[pos[hit]]
         self.committed = 0
         self.rounds = 0
+        self._is_pilot: list[Tensor] = []
+
+    def observed(self, pos: Tensor, r: Tensor) -> None:
+        self._is_pilot.append(self.state[pos] == _PILOT)  # classification happens at the next decide()
 
     def _classify(self) -> None:
         piloting = self.state == _PILOT
         if not bool(piloting.any()):
             return
         o = self.o
-        pos, r = self.rollouts()
-        succ = torch.zeros(self.prompt_ids.numel(), dtype=torch.float64).index_add_(0, pos, (r >= o.success).double())
-        m = succ / self._n.double().clamp(min=1)
+        m = self._succ / self._n.double().clamp(min=1)  # a piloting prompt has only pilot rollouts so far
         keep = (m >= o.p_lower) & (m <= 1 - o.p_upper)
-        self.state[piloting & keep] = _KEPT
-        self.state[piloting & (m > 1 - o.p_upper)] = _TOO_CORRECT
-        self.state[piloting & (m < o.p_lower)] = _TOO_INCORRECT
-        self.std[piloting] = (m * (1 - m)).clamp(min=0).sqrt()[piloting]
+        self.state = torch.where(
+            piloting,
+            torch.where(keep, _KEPT, torch.where(m > 1 - o.p_upper, _TOO_CORRECT, _TOO_INCORRECT)),
+            self.state,
+        )
+        self.std = torch.where(piloting, (m * (1 - m)).clamp(min=0).sqrt(), self.std)
 
     def decide(self) -> Request | None:
         o = self.o
@@ -411,12 +431,13 @@ class _PilotCommitPlan(Conversation):
         remaining = self.budget - self.spent
         if needed <= 0 or remaining <= 0 or self.rounds >= o.max_rounds:
             return None
-        buf = ((self.state == _KEPT) | (self.state == _CARRIED)).nonzero().squeeze(1)
+        in_buf = (self.state == _KEPT) | (self.state == _CARRIED)
         if o.buffer_sampling == "max_variance":  # pilot std, then recency, both descending; then the lower id
-            by_id = self._order[torch.isin(self._order, buf)]
-            by_id = by_id[torch.sort(self.added[by_id], descending=True, stable=True).indices]
-            buf = by_id[torch.sort(self.std[by_id], descending=True, stable=True).indices]
+            buf = self._order[in_buf[self._order]]
+            buf = buf[torch.sort(self.added[buf], descending=True, stable=True).indices]
+            buf = buf[torch.sort(self.std[buf], descending=True, stable=True).indices]
         else:
+            buf = in_buf.nonzero().squeeze(1)
             buf = buf[torch.randperm(buf.numel(), generator=o._gen)]
         c = min(needed, buf.numel(), remaining // o.n_commit)
         fresh = (self.state == _FRESH).nonzero().squeeze(1)  # in the given (data loader) order
@@ -441,34 +462,30 @@ class _PilotCommitPlan(Conversation):
         self._classify()
         o = self.o
         pos, r = self.rollouts()
-        n = pos.numel()
-        order = torch.sort(pos, stable=True).indices
-        occ = torch.empty(n, dtype=torch.long)
-        start = torch.cumsum(self._n, 0) - self._n
-        occ[order] = torch.arange(n) - start[pos[order]]
         st = self.state[pos]
         weight = ((st == _COMMITTED) | (st == _COMMITTED_CARRIED)).double()
         m_eff = o.n_pilot_eff
-        if m_eff is not None and m_eff < o.n_pilot and n:
-            pilot = (st == _COMMITTED) & (occ < o.n_pilot)  # the first n_pilot rollouts of a piloted prompt
-            s = (r >= o.success).long()
-            p = self.prompt_ids.numel()
-            ones = torch.zeros(p, dtype=torch.long).index_add_(0, pos, (s * pilot).long())
+        if m_eff is not None and m_eff < o.n_pilot and pos.numel():
+            # max-variance down-sampling of each committed prompt's pilot rollouts to m_eff (as close to half 1s,
+            # half 0s as the counts allow; uniformly at random among equals), on those rollouts only
+            pilot = torch.cat(self._is_pilot)
+            ok = ((r >= o.success) & pilot).long()
+            ones = torch.zeros(self.prompt_ids.numel(), dtype=torch.long).index_add_(0, pos, ok)
             zeros = o.n_pilot - ones
-            need1 = torch.full((p,), m_eff // 2)
+            idx = ((st == _COMMITTED) & pilot).nonzero().squeeze(1)
+            pp, s = pos[idx], (r[idx] >= o.success).long()
+            need1 = torch.full_like(ones, m_eff // 2)
             need1 = torch.where(ones < need1, ones, torch.where(zeros < m_eff - need1, m_eff - zeros, need1))
-            need = torch.where(s == 1, need1[pos], m_eff - need1[pos])
-            key = pos * 2 + s  # rank the pilot rollouts within (prompt, outcome) in a random order
-            rnd = torch.rand(n, generator=o._gen, dtype=torch.float64)
-            perm = torch.sort(rnd).indices
-            perm = perm[torch.sort(key[perm] + (~pilot[perm]).long() * (2 * p + 2), stable=True).indices]
-            k = key[perm] + (~pilot[perm]).long() * (2 * p + 2)
-            first = torch.ones(n, dtype=torch.bool)
-            first[1:] = k[1:] != k[:-1]
-            seg_start = torch.cummax(torch.where(first, torch.arange(n), 0), 0).values
-            rank = torch.empty(n, dtype=torch.long)
-            rank[perm] = torch.arange(n) - seg_start
-            weight = torch.where(pilot & (rank >= need), 0.0, weight)
+            need = torch.where(s == 1, need1[pp], m_eff - need1[pp])
+            key = (pp * 2 + s).double() + torch.rand(idx.numel(), generator=o._gen, dtype=torch.float64)
+            order = torch.sort(key).indices
+            seg = (pp * 2 + s)[order]
+            first = torch.ones_like(seg, dtype=torch.bool)
+            first[1:] = seg[1:] != seg[:-1]
+            ar = torch.arange(seg.numel())
+            rank = torch.empty_like(ar)
+            rank[order] = ar - torch.cummax(torch.where(first, ar, 0), 0).values
+            weight[idx[rank >= need]] = 0.0
         return weight, _PC_CODE[self.state]
 
     def finish(self) -> AllocationResult:
@@ -634,13 +651,19 @@ class PilotCommit:
             raise InputError("result", "the AllocationResult of a PilotCommit plan", describe(result), "pass it")
         reasons, ids = result.reasons, result.plan_prompt_ids
         p, pos, r = ids.numel(), result.group, result.rewards
-        piloted = (reasons == 0) | (reasons == 2) | (reasons == 3) | (reasons == 4)
-        # pilot rollouts are a piloted prompt's first n_pilot rollouts in observation order
-        order = torch.sort(pos, stable=True).indices
-        start = torch.cumsum(result.counts, 0) - result.counts
-        occ = torch.empty_like(pos)
-        occ[order] = torch.arange(pos.numel()) - start[pos[order]]
-        is_pilot = piloted[pos] & (occ < self.n_pilot)
+        # Pilot rollouts: every rollout of a buffered / too-correct / too-incorrect prompt of this plan; for a
+        # committed prompt, its first n_pilot rollouts (needed only when p_solve <= 1 - p_upper lets a kept prompt
+        # be evicted, so only then is the per-prompt occurrence index computed).
+        only_pilot = (reasons == 2) | (reasons == 3) | (reasons == 4)
+        is_pilot = only_pilot[pos]
+        piloted = only_pilot
+        if self.p_solve is not None and self.p_solve <= 1 - self.p_upper:
+            piloted = only_pilot | (reasons == 0)
+            order = torch.sort(pos, stable=True).indices
+            start = torch.cumsum(result.counts, 0) - result.counts
+            occ = torch.empty_like(pos)
+            occ[order] = torch.arange(pos.numel()) - start[pos[order]]
+            is_pilot = is_pilot | ((reasons == 0)[pos] & (occ < self.n_pilot))
         succ = torch.zeros(p, dtype=torch.float64).index_add_(0, pos, ((r >= self.success) & is_pilot).double())
         cnt = torch.zeros(p, dtype=torch.float64).index_add_(0, pos, is_pilot.double())
         m = succ / cnt.clamp(min=1)
