@@ -335,6 +335,11 @@ def test_bad_plan_observe_update_load() -> None:
     bad["pi"] = torch.zeros(5, 3)
     with pytest.raises(InputError, match="pi"):
         d.load_state_dict(bad)
+    bad = DPS(n=2).state_dict()
+    bad.update(ids=torch.tensor([3]), alpha=torch.zeros(1, 3, 3), pi=torch.ones(1, 3) / 3)
+    bad.update(pi_before=torch.ones(1, 3) / 3, sampled_times=torch.zeros(1, dtype=torch.long))
+    with pytest.raises(InputError, match="alpha"):
+        d.load_state_dict(bad)
     with pytest.raises(InputError, match="prompt_ids"):
         d.predictive(torch.tensor([0.5]))
 

@@ -451,8 +451,18 @@ class DPS:
                 )
         if k > 1 and not bool((ids[1:] > ids[:-1]).all()):
             raise InputError("state['ids']", "sorted distinct ids", "unsorted ids", "pass DPS.state_dict()")
+        alpha = state["alpha"].to(torch.float64)
+        if k > 0 and (
+            not bool(torch.isfinite(alpha).all()) or bool((alpha < 0).any()) or bool((alpha.sum(1) <= 0).any())
+        ):
+            raise InputError(
+                "state['alpha']",
+                "finite non-negative counts, every column sum positive",
+                "other values",
+                "pass DPS.state_dict()",
+            )
         self._ids = ids.clone().long()
-        self._alpha = state["alpha"].clone().to(torch.float64)
+        self._alpha = alpha.clone()
         self._pi = state["pi"].clone().to(torch.float64)
         self._pi_before = state["pi_before"].clone().to(torch.float64)
         self._times = state["sampled_times"].clone().long()
