@@ -811,7 +811,8 @@ class RolloutGDRO:
     are **[reconstructed]** (``specs/allocators.md`` §A10); hence ``experimental=True``.
 
     Budget: the mean budget is :math:`\bar n` = ``n_bar`` (default None: ``budget / P`` each step, compute-neutral
-    with :class:`~rolloutopt.allocators.Uniform`); ``budget`` is a hard cap. The controller's arms are requested
+    with :class:`~rolloutopt.allocators.Uniform`, clipped to ``[n_min, n_max]`` so that the price stays bounded
+    when a step's budget cannot reach the arms); ``budget`` is a hard cap. The controller's arms are requested
     as proposed when they fit; otherwise they are cut by the controller's own marginal values (``trimmed_to_budget``),
     and when even ``n_min`` each does not fit, the prompts of the highest-:math:`a_b` bins get ``n_min`` and the
     rest nothing (``no_budget``). It spends at most the budget and less when :math:`\mu` is above the price at which
@@ -909,7 +910,7 @@ class RolloutGDRO:
         p = ids.numel()
         bins = self.classifier.bins(ids)
         a, pi, arms = self._values(bins)
-        n_bar = self.n_bar if self.n_bar is not None else budget / max(p, 1)
+        n_bar = self.n_bar if self.n_bar is not None else min(max(budget / max(p, 1), self.n_min), self.n_max)
         keys = _id_keys(ids, self._gen)
         counts = _fit_budget(bins, a, arms, keys, budget, self.n_min, self.n_max)
         proposed = arms[bins]
