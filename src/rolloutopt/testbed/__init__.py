@@ -3,11 +3,13 @@
 :class:`ReverseTask` is a verifiable toy task, :class:`TinyPolicy` a small GRU policy whose sampler returns
 rollouts in the library's tensor convention, and :func:`train` a short GRPO loop built from
 :func:`rolloutopt.advantages.grpo` and a :mod:`rolloutopt.losses` preset. ``python -m rolloutopt demo`` runs it.
+:class:`PromptPopulation` and :func:`run` are a model-free prompt population for comparing rollout allocators.
 """
 
 from __future__ import annotations
 
 from rolloutopt.testbed.policy import Rollouts, TinyPolicy
+from rolloutopt.testbed.prompts import PromptPopulation, run
 from rolloutopt.testbed.task import VOCAB, VOCAB_SIZE, ReverseTask, decode, encode
 from rolloutopt.testbed.train import EvalResult, StepRecord, TrainConfig, TrainResult, evaluate, train
 
@@ -15,6 +17,7 @@ __all__ = [
     "VOCAB",
     "VOCAB_SIZE",
     "EvalResult",
+    "PromptPopulation",
     "ReverseTask",
     "Rollouts",
     "StepRecord",
@@ -24,5 +27,6 @@ __all__ = [
     "decode",
     "encode",
     "evaluate",
+    "run",
     "train",
 ]
