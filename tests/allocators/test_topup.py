@@ -199,6 +199,41 @@ def test_vigor_budget_caps_determinism_permutation(
     assert torch.equal(moved.counts, c[perm]) and torch.equal(moved.reasons, res.reasons[perm])
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.lists(
+        st.tuples(st.sampled_from([0.0, 0.0625, 0.1875, 0.25, 2 / 9]), st.integers(2, 6), st.integers(0, 8)),
+        min_size=1,
+        max_size=8,
+    ),
+    units=st.integers(1, 30),
+)
+def test_marginal_greedy_equals_heap_greedy(data: list[tuple[float, int, int]], units: int) -> None:
+    # The vectorised bisection must give exactly what a heap greedy gives: one unit at a time to the largest
+    # v/((n+j)(n+j+1)), ties to the lower index, at most cap per prompt, flat prompts (v = 0) never.
+    import heapq
+
+    from rolloutopt.allocators.topup import _greedy_marginal
+
+    v = torch.tensor([d[0] for d in data], dtype=torch.float64)
+    n = torch.tensor([d[1] for d in data])
+    cap = torch.tensor([d[2] for d in data])
+    heap = [(-d[0] / (d[1] * (d[1] + 1)), i, 0) for i, d in enumerate(data) if d[0] > 0 and d[2] > 0]
+    heapq.heapify(heap)
+    want = [0] * len(data)
+    for _ in range(units):
+        if not heap:
+            break
+        _, i, j = heapq.heappop(heap)
+        want[i] += 1
+        vi, ni, ci = data[i]
+        if j + 1 < ci:
+            m = ni + j + 1
+            heapq.heappush(heap, (-vi / (m * (m + 1)), i, j + 1))
+    got = _greedy_marginal(v, n, cap, units, torch.arange(len(data)))
+    assert got.tolist() == want
+
+
 # ---------------------------------------------------------------------------------------------- PilotCommit oracles
 ORACLE = {10: 0, 11: 1, 12: 6, 13: 7, 14: 8}  # pilot successes out of 8
 
