@@ -146,6 +146,10 @@ class Conversation:
         """The next request (prompt ids from ``self.prompt_ids``, counts >= 1), or None when the plan is done."""
         raise NotImplementedError
 
+    def on_observe(self, pos: Tensor, rewards: Tensor) -> None:
+        """Hook, called at the end of every ``observe``: the request's rollouts as prompt positions ``[n]`` (into
+        ``prompt_ids``) and float64 rewards ``[n]`` (default: nothing). For statistics a plan keeps itself."""
+
     def select(self) -> tuple[Tensor, Tensor]:
         """Per observed rollout weight ``[N]`` and per planned prompt reason code ``[P]`` (default: keep all)."""
         return torch.ones(self.spent_observed), torch.zeros(self.prompt_ids.numel(), dtype=torch.long)
@@ -213,6 +217,7 @@ class Conversation:
         self._log_pos.append(pos)
         self._log_rewards.append(r)
         self._pending = None
+        self.on_observe(pos, r)
 
     def finish(self) -> AllocationResult:
         """Assemble the step's :class:`AllocationResult` (after ``next()`` returned None)."""
@@ -234,8 +239,8 @@ class Conversation:
             reasons=reasons,
             reason_names=self.reason_names,
             metrics={
-                "rollouts": torch.tensor(float(n)),
-                "budget_used_frac": torch.tensor(n / max(self.budget, 1)),
+                "rollouts": torch.tensor(float(n), dtype=torch.float64),
+                "budget_used_frac": torch.tensor(n / max(self.budget, 1), dtype=torch.float64),
                 "kept_frac": (weight != 0).double().mean() if n else torch.tensor(0.0, dtype=torch.float64),
             },
         )

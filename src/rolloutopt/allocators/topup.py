@@ -70,10 +70,8 @@ class _Tracked(Conversation):
         self._lo = torch.full((p,), math.inf, dtype=torch.float64)
         self._succ = torch.zeros(p, dtype=torch.float64)
 
-    def observe(self, request: Request, rewards: Any) -> None:
-        """Record the rewards of ``request`` (see :meth:`Conversation.observe`)."""
-        super().observe(request, rewards)
-        pos, r = self._log_pos[-1], self._log_rewards[-1]
+    def on_observe(self, pos: Tensor, r: Tensor) -> None:
+        """Update the per-prompt extremes and successes from the request just observed."""
         self._hi.scatter_reduce_(0, pos, r, "amax")
         self._lo.scatter_reduce_(0, pos, r, "amin")
         self._succ.index_add_(0, pos, (r >= self.success_threshold).double())

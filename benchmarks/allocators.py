@@ -1,0 +1,136 @@
+"""Every allocator against ``Uniform`` on the synthetic prompt population, and plan/update time at scale.
+
+Part 1 (learning): ``rolloutopt.testbed.PromptPopulation`` (1,000 prompts, latent difficulty N(1, 2²) on the
+logit scale, Bernoulli rewards; a prompt's pass rate rises with the rollouts it had in groups with reward
+variance). Every step each allocator gets the same budget, 1,024 rollouts, and a fresh random pool of candidate
+prompts; the baseline is GRPO's shape, ``Uniform(n=8)`` over 128 prompts, the others see 256 candidates (a
+candidate costs nothing until it is rolled out) and decide. Printed: rollouts until the population's mean pass
+rate reaches the target, as a ratio to ``Uniform`` (lower is better; median over seeds), and the fraction of
+rollouts that landed in zero-variance groups. Experimental (reconstructed) allocators run with
+``experimental=True``.
+
+Part 2 (speed): 100,000 prompts; the allocator's history is first fed one step of 1,000,000 rollouts (10 per
+prompt); then one ``plan`` conversation (plan, every next/observe, finish; the rewards are drawn beforehand) and
+one ``update`` are timed (median of repeats). Target: under 50 ms each.
+
+Run: ``python benchmarks/allocators.py`` (``--quick``: fewer seeds and steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rolloutopt import allocators as A
+from rolloutopt.testbed import PromptPopulation, run
+
+BUDGET = 1024
+TARGET = 0.6
+STEPS = 400
+
+
+def contenders() -> dict[str, Callable[[], Any]]:
+    """Fresh allocator per run (paper defaults; experimental ones acknowledged), with its candidate pool size."""
+    return {
+        "Uniform (n=8)": lambda: A.Uniform(n=8),
+        "DAPODynamicSampling": lambda: A.DAPODynamicSampling(seed=0),
+        "VIGOR": lambda: A.VIGOR(seed=0, experimental=True),
+        "PilotCommit": lambda: A.PilotCommit(seed=0),
+        "PromptGDRO": lambda: A.PromptGDRO(seed=0, experimental=True),
+        "RolloutGDRO": lambda: A.RolloutGDRO(seed=0, experimental=True),
+        "DPS": lambda: A.DPS(seed=0),
+        "GRESO": lambda: A.GRESO(seed=0),
+    }
+
+
+def learning(seeds: list[int], steps: int) -> None:
+    print(f"Part 1: budget {BUDGET} rollouts/step, target mean pass rate {TARGET}, seeds {seeds}")
+    print(f"| {'allocator':20} | {'rollouts to target (median)':>28} | {'vs Uniform':>10} | {'zero-var frac':>13} |")
+    print(f"|{'-' * 22}|{'-' * 30}|{'-' * 12}|{'-' * 15}|")
+    base: float | None = None
+    for name, make in contenders().items():
+        rollouts, zv, missed = [], [], 0
+        for seed in seeds:
+            pool = 128 if name.startswith("Uniform") else 256
+            try:
+                out = run(make(), PromptPopulation(seed=seed), BUDGET, steps, TARGET, pool_size=pool, seed=seed)
+            except Exception as e:  # report, do not hide: an allocator that cannot run here says why
+                print(f"| {name:20} | failed: {type(e).__name__}: {str(e)[:60]} |")
+                break
+            zv.append(out["zero_variance_frac"])
+            if out["reached"]:
+                rollouts.append(out["rollouts_to_target"])
+            else:
+                missed += 1
+        else:
+            med = statistics.median(rollouts) if rollouts else float("nan")
+            if base is None:
+                base = med
+            note = f" ({missed} seeds missed)" if missed else ""
+            ratio = med / base if base else float("nan")
+            print(f"| {name:20} | {med:>20,.0f}{note:>8} | {ratio:9.2f}x | {statistics.mean(zv):13.3f} |", flush=True)
+
+
+def speed(repeats: int) -> None:
+    p = 100_000
+    ids = torch.arange(p) * 7 + 3
+    gen = torch.Generator().manual_seed(0)
+    truth = torch.rand(p, generator=gen, dtype=torch.float64)
+    print(f"\nPart 2: {p:,} prompts, history fed 1,000,000 rollouts first; median of {repeats}")
+    print(f"| {'allocator':20} | {'plan ms':>9} | {'update ms':>9} | {'rollouts':>9} |")
+    print(f"|{'-' * 22}|{'-' * 11}|{'-' * 11}|{'-' * 11}|")
+
+    def converse(alloc: Any, budget: int) -> tuple[Any, float]:
+        """One conversation; its time without the reward draws (the engine's cost, not the allocator's)."""
+        start, drawing = time.perf_counter(), 0.0
+        plan = alloc.plan(ids, budget)
+        while (req := plan.next()) is not None:
+            t1 = time.perf_counter()
+            rep = req.prompt_ids.repeat_interleave(req.counts)
+            r = torch.bernoulli(truth[torch.searchsorted(ids, rep)], generator=gen)  # ids are sorted
+            drawing += time.perf_counter() - t1
+            plan.observe(req, r)
+        res = plan.finish()
+        return res, time.perf_counter() - start - drawing
+
+    for name, make in contenders().items():
+        alloc = make()
+        try:
+            warm, _ = converse(alloc, 10 * p)  # feeds the history with ~1,000,000 rollouts
+            alloc.update(warm)
+            plans, updates, n = [], [], 0
+            for _ in range(repeats):
+                res, dt = converse(alloc, 8 * p)
+                plans.append(dt * 1e3)
+                t0 = time.perf_counter()
+                alloc.update(res)
+                updates.append((time.perf_counter() - t0) * 1e3)
+                n = res.rewards.numel()
+        except Exception as e:
+            print(f"| {name:20} | failed: {type(e).__name__}: {str(e)[:60]} |")
+            continue
+        print(
+            f"| {name:20} | {statistics.median(plans):9.1f} | {statistics.median(updates):9.1f} | {n:9,} |", flush=True
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    print(f"torch {torch.__version__}, threads 1, {platform.processor() or platform.machine()}")
+    learning([0, 1] if args.quick else [0, 1, 2], 150 if args.quick else STEPS)
+    speed(2 if args.quick else 5)
+
+
+if __name__ == "__main__":
+    main()
