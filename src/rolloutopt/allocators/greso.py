@@ -316,7 +316,9 @@ class GRESO:
 
     def run_lengths(self, prompt_ids: Tensor) -> tuple[Tensor, Tensor]:
         """Easy and hard run lengths ``k_e``, ``k_h`` of each prompt, int64 ``[P]`` each (0 if never rolled out)."""
-        ids = as_prompt_ids(prompt_ids)
+        return self._run_lengths(as_prompt_ids(prompt_ids))
+
+    def _run_lengths(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         if self._ids.numel() == 0:
             return torch.zeros_like(ids), torch.zeros_like(ids)
         pos, found = _lookup(self._ids, ids)
@@ -324,7 +326,10 @@ class GRESO:
 
     def skip_probabilities(self, prompt_ids: Tensor) -> tuple[Tensor, Tensor]:
         """Per prompt, float64 ``[P]``: the easy skip probability and the hard one (drawn if easy does not skip)."""
-        k_e, k_h = self.run_lengths(prompt_ids)
+        return self._skip_probabilities(as_prompt_ids(prompt_ids))
+
+    def _skip_probabilities(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        k_e, k_h = self._run_lengths(ids)
         return (
             greso_skip_probability(k_e, self.p_easy, floor=self.floor),
             greso_skip_probability(k_h, self.p_hard, floor=self.floor),
@@ -334,7 +339,7 @@ class GRESO:
         """Draw the skips for the candidates ``prompt_ids`` (in dataloader order), then roll out in rounds."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
-        pe, ph = self.skip_probabilities(ids)
+        pe, ph = self._skip_probabilities(ids)
         u = torch.rand(2, ids.numel(), generator=self._gen, dtype=torch.float64)
         skip_easy = u[0] < pe
         skip_hard = ~skip_easy & (u[1] < ph)
@@ -346,17 +351,18 @@ class GRESO:
         p = result.plan_prompt_ids.numel()
         counts = result.counts
         rolled = counts > 0
-        total = torch.zeros(p, dtype=torch.float64).index_add_(0, result.group, result.rewards)
+        total = torch.bincount(result.group, weights=result.rewards, minlength=p)
         mean = total / counts.clamp(min=1)
         hi = torch.full((p,), -torch.inf, dtype=torch.float64).scatter_reduce(0, result.group, result.rewards, "amax")
         lo = torch.full((p,), torch.inf, dtype=torch.float64).scatter_reduce(0, result.group, result.rewards, "amin")
         ids = result.plan_prompt_ids[rolled]
         m = mean[rolled]
-        self._ids, (self._k_easy, self._k_hard), pos = _insert(
+        self._ids, (self._k_easy, self._k_hard), pos, order = _insert(
             self._ids,
             ids,
             [(self._k_easy, torch.zeros((), dtype=torch.long)), (self._k_hard, torch.zeros((), dtype=torch.long))],
         )
+        m = m[order]
         self._k_easy[pos] = torch.where(m >= self.easy_threshold, self._k_easy[pos] + 1, 0)
         self._k_hard[pos] = torch.where(m <= self.hard_threshold, self._k_hard[pos] + 1, 0)
         groups = int(rolled.sum())
