@@ -153,17 +153,27 @@ def test_shadow_price_update_by_hand() -> None:
     assert shadow_price_update(0.01, 10.0, 8.0, eta_mu=0.001) == pytest.approx(0.012)
     assert shadow_price_update(0.001, 2.0, 8.0, eta_mu=0.001) == 0.0  # projected onto mu >= 0
     assert shadow_price_update(0.5, 8.0, 8.0, eta_mu=1.0) == 0.5
+    assert shadow_price_update(0.01, 10.0, 8.0, eta_mu=0.5, scale=0.004) == pytest.approx(0.014)
 
 
 # ----------------------------------------------------------------- the controller converges to the closed form
 
 
-def control(a: torch.Tensor, pi: torch.Tensor, n_bar: float, eta_mu: float, steps: int, n_min: int, n_max: int) -> Any:
+def control(
+    a: torch.Tensor,
+    pi: torch.Tensor,
+    n_bar: float,
+    eta_mu: float,
+    steps: int,
+    n_min: int,
+    n_max: int,
+    scale: float = 1.0,
+) -> Any:
     mu, history = 0.0, []
     for _ in range(steps):
         arms = shadow_price_arms(a, mu, n_min=n_min, n_max=n_max)
         history.append(arms.to(F64))
-        mu = shadow_price_update(mu, float((pi * arms).sum()), n_bar, eta_mu=eta_mu)
+        mu = shadow_price_update(mu, float((pi * arms).sum()), n_bar, eta_mu=eta_mu, scale=scale)
     return torch.stack(history), mu
 
 
@@ -188,7 +198,9 @@ def test_controller_converges_to_the_sqrt_allocation(a: list[float], mass: list[
     closed = sqrt_allocation(aa, pi, n_bar)
     if not bool(((closed > 3) & (closed < 29)).all()):  # the closed form must lie inside the arms
         return
-    arms, _ = control(aa, pi, n_bar, 2e-4, 1500, 2, 32)
+    # RolloutGDRO's default "relative" step: eta_mu = 0.2 in units of the closed-form price over n_bar.
+    price = float((pi * aa.sqrt()).sum() / n_bar) ** 2
+    arms, _ = control(aa, pi, n_bar, 0.2, 1500, 2, 32, scale=price / n_bar)
     avg = arms[500:].mean(0)
     assert float((pi * avg).sum()) == pytest.approx(n_bar, abs=0.05)  # the mean budget holds on average
     assert (avg - closed).abs().max() <= 1.0  # each bin within one rollout of the square-root rule
@@ -368,11 +380,16 @@ def test_rollout_gdro_partial_level_is_split_within_a_bin() -> None:
 
 
 def test_rollout_gdro_dual_step_on_update() -> None:
-    al = rollout_fixture(eta_mu=0.01, experimental=True)
-    res = run(al.plan(L(100, 200), 6), lambda i, c: torch.zeros(int(c.sum()), dtype=F64))
-    al.update(res)
-    # proposed mean 4, n_bar = 6 / 2 = 3 -> mu = 0.01 * (4 - 3).
+    zeros = lambda i, c: torch.zeros(int(c.sum()), dtype=F64)  # noqa: E731
+    al = rollout_fixture(step="additive", eta_mu=0.01, experimental=True)
+    al.update(run(al.plan(L(100, 200), 6), zeros))
+    # proposed mean 4 (both arms n_max at mu = 0), n_bar = 6 / 2 = 3 -> mu = 0.01 * (4 - 3).
     assert al.mu == pytest.approx(0.01)
+    al = rollout_fixture(experimental=True)  # relative: c = mu* / n_bar, mu* = ((0.3 + 0.5) / 2 / 3)^2
+    res = run(al.plan(L(100, 200), 6), zeros)
+    assert float(res.metrics["price_scale"]) == pytest.approx((0.4 / 3) ** 2 / 3)
+    al.update(res)
+    assert al.mu == pytest.approx(0.2 * (0.4 / 3) ** 2 / 3 * (4 - 3))
 
 
 # ------------------------------------------------------------------------------------------------ properties
@@ -509,6 +526,7 @@ def test_experimental_flag_is_required(cls: Any) -> None:
         (RolloutGDRO, {"n_min": 0}, "n_min"),
         (RolloutGDRO, {"n_bar": 40.0}, "n_bar"),
         (RolloutGDRO, {"eta_mu": -1e-3}, "eta_mu"),
+        (RolloutGDRO, {"step": "newton"}, "step"),
         (RolloutGDRO, {"mu_init": -1.0}, "mu_init"),
         (RolloutGDRO, {"weights": "robust"}, "weights"),
         (RolloutGDRO, {"variance": "std"}, "variance"),
@@ -593,6 +611,8 @@ def test_bad_function_inputs() -> None:
         shadow_price_arms(D(1.0), -0.1, n_min=1, n_max=4)
     with pytest.raises(InputError, match=r"^eta_mu:"):
         shadow_price_update(0.1, 4.0, 4.0, eta_mu=-1.0)
+    with pytest.raises(InputError, match=r"^scale:"):
+        shadow_price_update(0.1, 4.0, 4.0, eta_mu=1.0, scale=-1.0)
     clf = binary_classifier()
     with pytest.raises(InputError, match=r"^n:"):
         clf.update(L(1, 2), L(4), L(1, 1))

@@ -78,13 +78,11 @@ def _float_tensor(x: Any, name: str) -> Tensor:
     return x.detach().to(_F64)
 
 
-def _id_keys(ids: Tensor, generator: torch.Generator) -> Tensor:
-    """One uniform in (0, 1) per prompt, assigned by the rank of its id, so that permuting the prompts permutes the
-    draws with them (the plan depends on the set of prompts, not their order)."""
-    u = torch.rand(ids.numel(), generator=generator, dtype=_F64).clamp_(1e-12, 1 - 1e-12)
-    out = torch.empty_like(u)
-    out[ids.argsort()] = u
-    return out
+def _id_keys(order: Tensor, generator: torch.Generator) -> Tensor:
+    """One uniform in (0, 1) per prompt, assigned by the rank of its id (``order = ids.argsort()``), so that
+    permuting the prompts permutes the draws with them (the plan depends on the set of prompts, not their order)."""
+    u = torch.rand(order.numel(), generator=generator, dtype=_F64).clamp_(1e-12, 1 - 1e-12)
+    return torch.empty_like(u).scatter_(0, order, u)
 
 
 # ------------------------------------------------------------------------------------------------ pure functions
@@ -212,19 +210,24 @@ def _arms_of(a: Tensor, mu: float, n_min: int, n_max: int) -> Tensor:
     return n_min + (gain > mu).sum(dim=1)
 
 
-def shadow_price_update(mu: float, mean_n: float, n_bar: float, *, eta_mu: float) -> float:
-    r"""One dual (sub)gradient step of the shadow price: :math:`\mu \leftarrow \max(0, \mu + \eta_\mu(\bar n_t - \bar n))`.
+def shadow_price_update(mu: float, mean_n: float, n_bar: float, *, eta_mu: float, scale: float = 1.0) -> float:
+    r"""One dual (sub)gradient step of the shadow price.
+
+    .. math::  \mu \leftarrow \max\bigl(0, \mu + \eta_\mu\, c\, (\bar n_t - \bar n)\bigr)
 
     :math:`\bar n_t = \sum_b \pi_b n_b` is the mean of the arms the controller *proposed* this step (the
-    Lagrangian maximiser, before any cut to the step's hard budget). Reference: arXiv 2601.19280;
+    Lagrangian maximiser, before any cut to the step's hard budget). ``scale`` :math:`c = 1` is the spec's rule;
+    :class:`RolloutGDRO`'s default passes :math:`c = \mu^\star / \bar n` (the closed-form price of the step over
+    the mean budget), which makes :math:`\eta_\mu` dimensionless. Reference: arXiv 2601.19280;
     ``specs/allocators.md`` §A10 [reconstructed].
     """
     positive(mu, "mu", strict=False)
     positive(eta_mu, "eta_mu", strict=False)
+    positive(scale, "scale", strict=False)
     positive(n_bar, "n_bar")
     if not (isinstance(mean_n, (int, float)) and math.isfinite(mean_n)):
         raise InputError("mean_n", "a finite number", describe(mean_n), "pass sum_b pi_b * arm_b")
-    return max(0.0, float(mu) + float(eta_mu) * (float(mean_n) - float(n_bar)))
+    return max(0.0, float(mu) + float(eta_mu) * float(scale) * (float(mean_n) - float(n_bar)))
 
 
 # -------------------------------------------------------------------------------------------- the classifier
@@ -323,9 +326,9 @@ class DifficultyClassifier:
     def __len__(self) -> int:
         return int(self._ids.numel())
 
-    def _find(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+    def _find(self, ids: Tensor, sort: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         s = self._ids.numel()
-        sorted_ids, order = ids.sort()  # sorted queries search about twice as fast (cache)
+        sorted_ids, order = ids.sort() if sort is None else sort  # sorted queries search faster (cache)
         pos = torch.empty_like(order).scatter_(0, order, torch.searchsorted(self._ids, sorted_ids))
         pos = pos.clamp(max=max(s - 1, 0))
         found = self._ids[pos] == ids if s else torch.zeros(ids.shape, dtype=torch.bool)
@@ -669,11 +672,12 @@ class PromptGDRO:
             m, size = 1, budget
         else:
             return _PromptPlan(ids, budget, counts, torch.full((p,), 2, dtype=torch.long))
-        bins = self.classifier.bins(ids)
+        sort = ids.sort()
+        bins = self.classifier._bins_at(*self.classifier._find(ids, sort))
         k = self.classifier.num_bins
         mass = torch.bincount(bins, minlength=k).to(_F64)
         q = _mw_probs(self._scores, mass > 0, self.eta, self.gamma)
-        keys = _id_keys(ids, self._gen)
+        keys = _id_keys(sort[1], self._gen)
         score = torch.log(q[bins] / mass[bins]) - torch.log(-torch.log(keys))
         chosen = score.topk(m).indices if m < p else torch.arange(p)
         counts[chosen] = size
@@ -796,7 +800,7 @@ class RolloutGDRO:
     v_b`; at shadow price :math:`\mu` each bin plays the arm (:func:`shadow_price_arms`)
 
     .. math::  n_b = \arg\max_{n_{min} \le n \le n_{max}} a_b\Bigl(\frac{1}{n_{min}} - \frac{1}{n}\Bigr) - \mu n,
-               \qquad \mu \leftarrow \max\bigl(0, \mu + \eta_\mu(\textstyle\sum_b \pi_b n_b - \bar n)\bigr)
+               \qquad \mu \leftarrow \max\bigl(0, \mu + \eta_\mu\,c\,(\textstyle\sum_b \pi_b n_b - \bar n)\bigr)
 
     (:func:`shadow_price_update`, after the step, with :math:`\pi_b` the candidates' bin shares). Its fixed point
     approximates the square-root rule :math:`n_b = \bar n \sqrt{a_b} / \sum_j \pi_j \sqrt{a_j}`
@@ -817,13 +821,22 @@ class RolloutGDRO:
     and when even ``n_min`` each does not fit, the prompts of the highest-:math:`a_b` bins get ``n_min`` and the
     rest nothing (``no_budget``). It spends at most the budget and less when :math:`\mu` is above the price at which
     the budget binds; the dual step then lowers :math:`\mu`. Every rollout is kept (weight 1). The result's metrics
-    add ``mu`` (the price used), ``n_bar`` and ``proposed_mean_n``, which :meth:`update` reads.
+    add ``mu`` (the price used), ``n_bar``, ``proposed_mean_n`` and ``price_scale`` (the dual step's :math:`c`),
+    which :meth:`update` reads.
 
     Args:
         n_min, n_max: the arms (defaults 2 and 16, [reconstructed]; ``n_min >= 2`` so every group has a variance).
         n_bar: the fixed mean budget in rollouts per prompt, or None (see above).
-        eta_mu: dual step :math:`\eta_\mu \ge 0` (default 1e-4, [reconstructed]; sized for :math:`a_b \le 0.25`
-            and :math:`\bar n \approx 8`, where the price is about :math:`10^{-3}`).
+        step: ``"relative"`` (default, [reconstructed]) scales each dual step by :math:`\mu^\star/\bar n`, with
+            :math:`\mu^\star = (\sum_b \pi_b\sqrt{a_b}/\bar n)^2` the step's closed-form price, so that
+            ``eta_mu`` is dimensionless and the price neither crawls nor cycles whatever the scale of
+            :math:`a_b`; ``"additive"`` is the spec's literal rule, with ``eta_mu`` in price units. With a
+            constant additive step the price cycles when :math:`\eta_\mu |\bar n_t - \bar n|` exceeds the gap
+            between the prices of neighbouring arms (about :math:`2\mu^\star/\bar n`): hard bins with small
+            :math:`a_b` make that gap tiny.
+        eta_mu: dual step :math:`\eta_\mu \ge 0`; default None: 0.2 with ``step="relative"`` (each step moves the price by
+            :math:`0.2\,\mu^\star` times the relative violation :math:`(\bar n_t - \bar n)/\bar n`), 1e-4 with
+            ``"additive"`` (sized for :math:`a_b \approx 0.1` and :math:`\bar n \approx 8`).
         mu_init: the initial price (default 0: the first steps propose ``n_max`` and are cut to the budget).
         eta, beta, gamma, hardness: the rollout adversary's exponential weights, as :class:`PromptGDRO`.
         weights: ``"adversarial"`` (default) or ``"uniform"``.
@@ -840,7 +853,8 @@ class RolloutGDRO:
         n_min: int = 2,
         n_max: int = 16,
         n_bar: float | None = None,
-        eta_mu: float = 1e-4,
+        step: Literal["relative", "additive"] = "relative",
+        eta_mu: float | None = None,
         mu_init: float = 0.0,
         eta: float = 1.0,
         beta: float = 0.9,
@@ -865,6 +879,10 @@ class RolloutGDRO:
                     "set n_bar inside the arms",
                 )
         self.n_bar = None if n_bar is None else float(n_bar)
+        choice(step, "step", ("relative", "additive"))
+        self.step = step
+        if eta_mu is None:
+            eta_mu = 0.2 if step == "relative" else 1e-4
         positive(eta_mu, "eta_mu", strict=False)
         positive(mu_init, "mu_init", strict=False)
         self.eta_mu = float(eta_mu)
@@ -908,10 +926,11 @@ class RolloutGDRO:
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
         p = ids.numel()
-        bins = self.classifier.bins(ids)
+        sort = ids.sort()
+        bins = self.classifier._bins_at(*self.classifier._find(ids, sort))
         a, pi, arms = self._values(bins)
         n_bar = self.n_bar if self.n_bar is not None else min(max(budget / max(p, 1), self.n_min), self.n_max)
-        keys = _id_keys(ids, self._gen)
+        keys = _id_keys(sort[1], self._gen)
         counts = _fit_budget(bins, a, arms, keys, budget, self.n_min, self.n_max)
         proposed = arms[bins]
         reasons = torch.where(counts == 0, 2, torch.where(counts < proposed, 1, 0))
@@ -919,6 +938,9 @@ class RolloutGDRO:
             "mu": torch.tensor(self.mu, dtype=_F64),
             "n_bar": torch.tensor(float(n_bar), dtype=_F64),
             "proposed_mean_n": (pi * arms.to(_F64)).sum(),
+            "price_scale": ((pi * a.sqrt()).sum() / n_bar) ** 2 / n_bar
+            if self.step == "relative"
+            else torch.tensor(1.0, dtype=_F64),
         }
         return _RolloutPlan(ids, budget, counts, reasons, metrics)
 
@@ -928,7 +950,7 @@ class RolloutGDRO:
         visit per visited prompt. ``hardness`` replaces the reward-based adversary signal, as in
         :meth:`PromptGDRO.update`."""
         n, c, visited = _visit_stats(result, self.classifier.success_threshold)
-        if "proposed_mean_n" not in result.metrics or "n_bar" not in result.metrics:
+        if not {"proposed_mean_n", "n_bar", "price_scale"} <= set(result.metrics):
             raise InputError(
                 "result",
                 "the result of a RolloutGDRO plan",
@@ -948,6 +970,7 @@ class RolloutGDRO:
                 float(result.metrics["proposed_mean_n"]),
                 float(result.metrics["n_bar"]),
                 eta_mu=self.eta_mu,
+                scale=float(result.metrics["price_scale"]),
             )
         self.classifier._visit(ids, n[visited], c[visited], pos, found)
 
