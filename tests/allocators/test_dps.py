@@ -352,3 +352,67 @@ def test_empty_pool_and_zero_budget() -> None:
         d.update(res)  # registers the planned prompts, observes nothing
         assert d.num_known == ids.numel()
         assert torch.allclose(d.predictive(ids), d.prior_pi.expand(ids.numel(), 3))
+
+
+class CodeReference:
+    """A line-by-line transcription of the code's ``BayesianHMMSampler`` (dicts, one prompt at a time)."""
+
+    def __init__(self, prior_alpha: torch.Tensor, prior_pi: torch.Tensor, decay: float) -> None:
+        self.prior_alpha, self.prior_pi, self.decay = prior_alpha, prior_pi, decay
+        self.alphas: dict[int, torch.Tensor] = {}
+        self.pis: dict[int, torch.Tensor] = {}
+        self.pis_before: dict[int, torch.Tensor] = {}
+
+    def get(self, idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.alphas.setdefault(idx, self.prior_alpha)
+        self.pis.setdefault(idx, self.prior_pi)
+        self.pis_before.setdefault(idx, self.prior_pi)
+        return self.alphas[idx], self.pis[idx], self.pis_before[idx]
+
+    def predict(self, alpha: torch.Tensor, pi: torch.Tensor) -> torch.Tensor:
+        nxt = (alpha / alpha.sum(0, keepdim=True)) @ pi
+        return nxt / nxt.sum()
+
+    def transition(self, alpha: torch.Tensor, pi: torch.Tensor, pi_next: torch.Tensor, lr: float) -> torch.Tensor:
+        num = torch.outer(pi_next, pi) * (alpha / alpha.sum(0, keepdim=True))
+        return alpha * self.decay + self.prior_alpha * (1 - self.decay) + num / num.sum() * lr
+
+    def sample_batch(self, candidates: list[int]) -> None:
+        for idx in candidates:
+            self.get(idx)
+
+    def train(self, indices: list[int], y: list[float]) -> None:
+        for idx, s in zip(indices, y, strict=True):
+            alpha, _, pi_before = self.get(idx)
+            pi_new = torch.zeros(3, dtype=torch.float64)
+            pi_new[0 if s == 0.0 else 2 if s == 1.0 else 1] = 1.0
+            alpha_new = self.transition(alpha, pi_before, pi_new, 1.0)
+            self.alphas[idx], self.pis_before[idx] = alpha_new, pi_new
+            self.pis[idx] = self.predict(alpha_new, pi_new)
+        for idx in list(self.alphas):
+            if idx not in indices:
+                alpha, pi, pi_before = self.get(idx)
+                alpha_new = self.transition(alpha, pi_before, pi, 0.0)
+                self.alphas[idx], self.pis_before[idx] = alpha_new, pi
+                self.pis[idx] = self.predict(alpha_new, pi)
+
+
+@pytest.mark.parametrize(("prior", "decay"), [(1.0, 1.0), ("progress", 0.7), ("stability", 0.5)])
+def test_vectorised_filter_matches_the_code_loop(prior: float | str, decay: float) -> None:
+    """Eight steps over random pools: every known prompt's alpha, pi and pi_before equal the code's loop."""
+    d = DPS(n=4, prior_alpha=prior, decay=decay)
+    ref = CodeReference(d.prior_alpha, d.prior_pi, decay)
+    rate = torch.rand(30, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    for s in range(8):
+        pool = torch.randperm(30, generator=torch.Generator().manual_seed(s))[:12]
+        ref.sample_batch(pool.tolist())
+        res, _ = run(d.plan(pool, 6 * 4), bernoulli(rate, s))
+        d.update(res)
+        rolled = res.counts > 0
+        succ = torch.zeros(12, dtype=torch.float64).index_add_(0, res.group, (res.rewards >= 1).double())
+        ref.train(res.plan_prompt_ids[rolled].tolist(), (succ / res.counts.clamp(min=1))[rolled].tolist())
+    known = torch.tensor(sorted(ref.alphas))
+    assert d.num_known == known.numel()
+    assert torch.allclose(d.transition_counts(known), torch.stack([ref.alphas[int(i)] for i in known]), atol=1e-12)
+    assert torch.allclose(d.predictive(known), torch.stack([ref.pis[int(i)] for i in known]), atol=1e-12)
+    assert torch.allclose(d.state_dict()["pi_before"], torch.stack([ref.pis_before[int(i)] for i in known]))
