@@ -379,3 +379,30 @@ def test_empty_pool_and_zero_budget() -> None:
         assert reqs == [] and int(res.counts.sum()) == 0 and bool((res.reasons == 5).all())
         g.update(res)
         assert (g.p_easy, g.p_hard) == (0.5, 0.5)
+
+
+def test_run_lengths_match_the_code_trace_walk() -> None:
+    """The two counters equal the code's backward walk over the full (epoch, mean) trace, on random histories."""
+    g = small(filter_zero_variance=False, p_easy=1.0, p_hard=1.0, sampling_batch_size=20)
+    trace: dict[int, list[float]] = {}
+    levels = torch.tensor([0.0, 0.1, 0.11, 0.12, 0.5, 0.97, 0.98, 1.0], dtype=torch.float64)
+    for s in range(12):
+        gen = torch.Generator().manual_seed(s)
+        pool = torch.randperm(15, generator=gen)[:10]
+        means = {int(p): float(levels[torch.randint(0, 8, (1,), generator=gen)]) for p in pool}
+        res = step(g, pool.tolist(), 1000, const_mean(means))
+        for p in res.plan_prompt_ids[res.counts > 0].tolist():
+            trace.setdefault(p, []).append(means[p])
+
+    def walk(t: list[float], hit: Callable[[float], bool]) -> int:
+        count = 0
+        for r in reversed(t):
+            if not hit(r):
+                break
+            count += 1
+        return count
+
+    ids = torch.tensor(sorted(trace))
+    k_e, k_h = g.run_lengths(ids)
+    assert k_e.tolist() == [walk(trace[int(i)], lambda r: r >= 0.98) for i in ids]
+    assert k_h.tolist() == [walk(trace[int(i)], lambda r: r <= 0.11) for i in ids]
