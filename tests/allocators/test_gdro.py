@@ -372,6 +372,20 @@ def test_rollout_gdro_budget_cut_by_hand() -> None:
     assert float(res.metrics["proposed_mean_n"]) == 4.0 and float(res.metrics["n_bar"]) == 4.0
 
 
+def test_rollout_gdro_empty_pool_and_zero_budget() -> None:
+    al = RolloutGDRO(experimental=True)
+    zeros = lambda i, c: torch.zeros(int(c.sum()), dtype=F64)  # noqa: E731
+    res = run(al.plan(L(), 10), zeros)
+    assert res.counts.numel() == 0 and res.rewards.numel() == 0
+    al.update(res)
+    assert al.mu == 0.0  # no prompts: no dual step
+    res = run(al.plan(L(5, 6), 0), zeros)
+    assert res.counts.tolist() == [0, 0] and {res.reason_of(5), res.reason_of(6)} == {"no_budget"}
+    # the step's n_bar is clipped to n_min = 2: proposals (16) exceed it, the price rises (c = (0.5 / 2)^2 / 2)
+    al.update(res)
+    assert al.mu == pytest.approx(0.2 * 0.25**2 / 2 * (16 - 2))
+
+
 def test_rollout_gdro_partial_level_is_split_within_a_bin() -> None:
     # four prompts of one bin, arms 4, budget 10: 2 each, then 2 of the 4 k=3 units.
     al = RolloutGDRO(n_min=2, n_max=4, classifier=binary_classifier(), experimental=True)
