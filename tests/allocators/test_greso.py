@@ -117,6 +117,18 @@ def test_spec_oracle_p_adaptation() -> None:
     assert g.p_hard == 0.05 and g.p_easy == 0.95  # clamped at min_p / max_p
 
 
+def test_steps_per_epoch_advances_the_epoch() -> None:
+    g = small(steps_per_epoch=2)
+    _hard_ratio_step(g)  # step 1, epoch 0: no adaptation; the epoch becomes 1 // 2 = 0
+    _hard_ratio_step(g)  # step 2, still epoch 0 during the update; then epoch 2 // 2 = 1
+    assert (g.p_hard, g.epoch, g.steps) == (0.5, 1, 2)
+    g2 = small(steps_per_epoch=2)
+    g2.load_state_dict(g.state_dict())
+    for x in (g, g2):
+        step(x, list(range(100, 110)), 40, world(lambda p: torch.where(p < 103, 0, 2)))  # fresh: no skips
+    assert g.p_hard == g2.p_hard == 0.49 and g.state_dict()["steps"] == 3
+
+
 def test_adaptive_sampling_batch_size_by_hand() -> None:
     """T = 3 prompts wanted, n = 4, rounds of at most 4 prompts, floor 2.
 
@@ -331,6 +343,7 @@ def test_state_dict_round_trip_mid_run() -> None:
         ({"floor": 2.0}, "floor"),
         ({"filter_zero_variance": "yes"}, "filter_zero_variance"),
         ({"adapt_from_epoch": -1}, "adapt_from_epoch"),
+        ({"steps_per_epoch": 0}, "steps_per_epoch"),
         ({"seed": 1.5}, "seed"),
     ],
 )

@@ -69,16 +69,18 @@ class _GRESOPlan(Conversation):
         self._last = False
         self._done = False
         self._round_pos: Tensor | None = None
+        self._hi = torch.full((prompt_ids.numel(),), -torch.inf, dtype=torch.float64)
+        self._lo = torch.full((prompt_ids.numel(),), torch.inf, dtype=torch.float64)
         self.rounds = 0
         self.batch_sizes: list[int] = []
 
+    def on_observe(self, pos: Tensor, rewards: Tensor) -> None:
+        self._hi.scatter_reduce_(0, pos, rewards, "amax")
+        self._lo.scatter_reduce_(0, pos, rewards, "amin")
+
     def _zero_variance(self) -> Tensor:
         """Per planned prompt: rolled out and all its rewards equal (bool ``[P]``)."""
-        pos, r = self.rollouts()
-        p = self.prompt_ids.numel()
-        hi = torch.full((p,), -torch.inf, dtype=torch.float64).scatter_reduce(0, pos, r, "amax")
-        lo = torch.full((p,), torch.inf, dtype=torch.float64).scatter_reduce(0, pos, r, "amin")
-        return (self._n > 0) & (hi == lo)
+        return (self._n > 0) & (self._hi == self._lo)
 
     def decide(self) -> Request | None:
         o = self._o
@@ -144,11 +146,12 @@ class _GRESOPlan(Conversation):
         reached = reasons != 5
         rolled = result.counts > 0
         f64 = torch.float64
+        zero = torch.tensor(0.0, dtype=f64)
         extra = {
-            "rounds": torch.tensor(float(self.rounds)),
-            "skip_easy_frac": (reasons[reached] == 3).to(f64).mean() if bool(reached.any()) else torch.tensor(0.0),
-            "skip_hard_frac": (reasons[reached] == 4).to(f64).mean() if bool(reached.any()) else torch.tensor(0.0),
-            "zero_variance_frac": (reasons[rolled] == 1).to(f64).mean() if bool(rolled.any()) else torch.tensor(0.0),
+            "rounds": torch.tensor(float(self.rounds), dtype=f64),
+            "skip_easy_frac": (reasons[reached] == 3).to(f64).mean() if bool(reached.any()) else zero,
+            "skip_hard_frac": (reasons[reached] == 4).to(f64).mean() if bool(reached.any()) else zero,
+            "zero_variance_frac": (reasons[rolled] == 1).to(f64).mean() if bool(rolled.any()) else zero,
             "kept_prompts": (reasons == 0).to(f64).sum(),
             "p_easy": torch.tensor(self._o.p_easy, dtype=f64),
             "p_hard": torch.tensor(self._o.p_hard, dtype=f64),
@@ -200,8 +203,8 @@ class GRESO:
 
     Code behaviour kept deliberately (``specs/allocators.md`` Part D item 9): **p adapts only after epoch 0**
     (``epoch > 0`` in the code, ``adapt_from_epoch = 1`` here; tell the allocator the epoch with
-    :meth:`set_epoch`, as with a ``DistributedSampler``). The step's ratio counters reset every step, epoch 0
-    included, as in the code.
+    :meth:`set_epoch`, as with a ``DistributedSampler``, or pass ``steps_per_epoch``). The step's ratio
+    counters reset every step, epoch 0 included, as in the code.
 
     Deliberate differences: the trace is kept as two run lengths (equivalent for the rule, bounded); the easy
     and hard ratios count zero-variance groups with mean ``>= easy_threshold`` / ``<= hard_threshold`` (the code
@@ -230,6 +233,9 @@ class GRESO:
             0.11 tolerates the code's 0.1 wrong-answer reward).
         floor: least keep probability (0.01).
         adapt_from_epoch: first epoch in which p adapts (code: after epoch 0, so 1).
+        steps_per_epoch: None (default): the epoch is what :meth:`set_epoch` last said (0 until then, so p never
+            adapts unless the trainer calls it). An int: the epoch advances by itself, ``epoch = steps //
+            steps_per_epoch`` after each ``update`` (e.g. ``len(dataset) // train_batch_size``).
         seed: seed of the skip draws' generator.
 
     Budget: never more than ``budget`` rollouts; a round requests at most what is left (full groups, then a
@@ -240,7 +246,7 @@ class GRESO:
 
     Edge cases: an empty pool or a zero budget requests nothing; a planned prompt that got no rollouts leaves
     its run lengths unchanged. State: two int64 per prompt ever rolled out, ``p_easy``, ``p_hard``, the epoch
-    and the generator.
+    the step count and the generator.
     """
 
     def __init__(
@@ -264,6 +270,7 @@ class GRESO:
         hard_threshold: float = 0.11,
         floor: float = 0.01,
         adapt_from_epoch: int = 1,
+        steps_per_epoch: int | None = None,
         seed: int = 0,
     ) -> None:
         self.n, self.n_min, self.n_max = _group_sizes(n, n_min, n_max)
@@ -293,8 +300,12 @@ class GRESO:
         self.hard_threshold = _check_float(hard_threshold, "hard_threshold", -1e300, self.easy_threshold, "pass 0.11")
         self.floor = _check_float(floor, "floor", 0.0, 1.0, "pass 0.01")
         self.adapt_from_epoch = _check_int(adapt_from_epoch, "adapt_from_epoch", 0, "pass 1 (the code)")
+        if steps_per_epoch is not None:
+            steps_per_epoch = _check_int(steps_per_epoch, "steps_per_epoch", 1, "pass None or the steps in an epoch")
+        self.steps_per_epoch = steps_per_epoch
         self.seed = _check_int(seed, "seed", 0, "pass a non-negative int")
         self.epoch = 0
+        self.steps = 0
         self._gen = torch.Generator().manual_seed(self.seed)
         self._ids = torch.zeros(0, dtype=torch.long)
         self._k_easy = torch.zeros(0, dtype=torch.long)
@@ -372,12 +383,15 @@ class GRESO:
             hard_ratio = float((zv & (mean <= self.hard_threshold)).sum()) / groups
             self.p_hard = self._step(self.p_hard, hard_ratio >= self.target_hard)
             self.p_easy = self._step(self.p_easy, easy_ratio >= self.target_easy)
+        self.steps += 1
+        if self.steps_per_epoch is not None:
+            self.epoch = self.steps // self.steps_per_epoch
 
     def _step(self, p: float, above: bool) -> float:
         return max(p - self.p_step, self.min_p) if above else min(p + self.p_step, self.max_p)
 
     def state_dict(self) -> dict[str, Any]:
-        """Run lengths (sorted ids and aligned int64 tensors), p_easy, p_hard, epoch and the generator; copies."""
+        """Run lengths (sorted ids, aligned int64 tensors), p_easy, p_hard, epoch, steps and the generator; copies."""
         return {
             "ids": self._ids.clone(),
             "k_easy": self._k_easy.clone(),
@@ -385,12 +399,13 @@ class GRESO:
             "p_easy": self.p_easy,
             "p_hard": self.p_hard,
             "epoch": self.epoch,
+            "steps": self.steps,
             "generator": self._gen.get_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (validated: keys, shapes, sorted distinct ids)."""
-        keys = {"ids", "k_easy", "k_hard", "p_easy", "p_hard", "epoch", "generator"}
+        keys = {"ids", "k_easy", "k_hard", "p_easy", "p_hard", "epoch", "steps", "generator"}
         if not isinstance(state, dict) or set(state) != keys:
             raise InputError("state", f"a dict with keys {sorted(keys)}", describe(state), "pass GRESO.state_dict()")
         ids = state["ids"]
@@ -408,4 +423,5 @@ class GRESO:
         self.p_easy = _check_float(state["p_easy"], "state['p_easy']", 0.0, 1.0, "pass GRESO.state_dict()")
         self.p_hard = _check_float(state["p_hard"], "state['p_hard']", 0.0, 1.0, "pass GRESO.state_dict()")
         self.epoch = _check_int(state["epoch"], "state['epoch']", 0, "pass GRESO.state_dict()")
+        self.steps = _check_int(state["steps"], "state['steps']", 0, "pass GRESO.state_dict()")
         self._gen.set_state(state["generator"])
