@@ -245,7 +245,7 @@ class GRESO:
     never reached are reported as ``"not_reached"``).
 
     Edge cases: an empty pool or a zero budget requests nothing; a planned prompt that got no rollouts leaves
-    its run lengths unchanged. State: two int64 per prompt ever rolled out, ``p_easy``, ``p_hard``, the epoch
+    its run lengths unchanged. State: two int64 per prompt ever rolled out, ``p_easy``, ``p_hard``, the epoch,
     the step count and the generator.
     """
 
