@@ -2,12 +2,12 @@
 
 Every allocator speaks one protocol — ``plan(prompt_ids, budget)`` → ``next()``/``observe()`` → ``finish()`` →
 ``update(result)`` — implemented once in :class:`Conversation`; ``state_dict()``/``load_state_dict()``
-checkpoint it.
+checkpoint it. :class:`PromptHistory` is the shared, bounded per-prompt store.
 """
 
 from __future__ import annotations
 
-from rolloutopt.allocators import baselines
+from rolloutopt.allocators import baselines, dps, dynamic, gdro, greso, history, topup
 from rolloutopt.allocators._base import (
     AllocationResult,
     Allocator,
@@ -17,6 +17,18 @@ from rolloutopt.allocators._base import (
     check_budget,
 )
 from rolloutopt.allocators.baselines import *  # noqa: F403
+from rolloutopt.allocators.dps import *  # noqa: F403
+from rolloutopt.allocators.dynamic import *  # noqa: F403
+from rolloutopt.allocators.gdro import *  # noqa: F403
+from rolloutopt.allocators.greso import *  # noqa: F403
+from rolloutopt.allocators.history import *  # noqa: F403
+from rolloutopt.allocators.topup import *  # noqa: F403
 
 __all__ = ["AllocationResult", "Allocator", "Conversation", "Request", "as_prompt_ids", "check_budget"]
 __all__ += baselines.__all__
+__all__ += history.__all__
+__all__ += dynamic.__all__
+__all__ += topup.__all__
+__all__ += gdro.__all__
+__all__ += dps.__all__
+__all__ += greso.__all__
