@@ -41,12 +41,12 @@ def contenders() -> dict[str, Callable[[], Any]]:
     return {
         "Uniform (n=8)": lambda: A.Uniform(n=8),
         "DAPODynamicSampling": lambda: A.DAPODynamicSampling(seed=0),
-        "VIGOR": lambda: A.VIGOR(seed=0, experimental=True),
+        "VIGOR": lambda: A.VIGOR(experimental=True),
         "PilotCommit": lambda: A.PilotCommit(seed=0),
         "PromptGDRO": lambda: A.PromptGDRO(seed=0, experimental=True),
         "RolloutGDRO": lambda: A.RolloutGDRO(seed=0, experimental=True),
         "DPS": lambda: A.DPS(seed=0),
-        "GRESO": lambda: A.GRESO(seed=0),
+        "GRESO": lambda: A.GRESO(seed=0, steps_per_epoch=10, train_batch_size=128),
     }
 
 
@@ -101,8 +101,8 @@ def speed(repeats: int) -> None:
         return res, time.perf_counter() - start - drawing
 
     for name, make in contenders().items():
-        alloc = make()
         try:
+            alloc = make()
             warm, _ = converse(alloc, 10 * p)  # feeds the history with ~1,000,000 rollouts
             alloc.update(warm)
             plans, updates, n = [], [], 0

@@ -96,6 +96,11 @@ def as_prompt_ids(prompt_ids: Any, name: str = "prompt_ids") -> Tensor:
     return ids
 
 
+def _cat(parts: list[Tensor], empty: Tensor) -> Tensor:
+    """Concatenate, without the copy ``torch.cat`` makes of a single part."""
+    return empty if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def check_budget(budget: Any, name: str = "budget") -> int:
     """Validate a non-negative integer budget (in rollouts unless the allocator says otherwise)."""
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
@@ -166,9 +171,10 @@ class Conversation:
 
     def rollouts(self) -> tuple[Tensor, Tensor]:
         """Every observed rollout so far: prompt position ``[N]`` (into ``prompt_ids``) and reward ``[N]``."""
-        if not self._log_pos:
-            return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64)
-        return torch.cat(self._log_pos), torch.cat(self._log_rewards)
+        return (
+            _cat(self._log_pos, torch.zeros(0, dtype=torch.long)),
+            _cat(self._log_rewards, torch.zeros(0, dtype=torch.float64)),
+        )
 
     # -- the protocol ---------------------------------------------------------------------------------------
     def next(self) -> Request | None:
