@@ -21,7 +21,9 @@ def table_scorer(table: dict[int, list[float]]) -> Scorer:
     """Rewards from a fixed table: prompt p's k-th rollout gets table[p][k]."""
 
     def score(pid: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return torch.cat([torch.tensor(table[int(p)][: int(c)], dtype=torch.float64) for p, c in zip(pid, counts, strict=True)])
+        return torch.cat(
+            [torch.tensor(table[int(p)][: int(c)], dtype=torch.float64) for p, c in zip(pid, counts, strict=True)]
+        )
 
     return score
 

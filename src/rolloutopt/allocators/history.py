@@ -223,8 +223,11 @@ class PromptHistory:
         capacity: maximum number of stored prompts (default 1,000,000).
         window: ``W``, number of recent groups kept per prompt (default 8).
         ema_decay: :math:`\beta \in [0, 1)` of the pass-rate EMA (default 0.9).
-        success_threshold, success_compare: the success rule (default ``reward >= 1.0``).
-        failure_threshold, failure_compare: the failure rule (default None: failure = not success).
+        success_threshold: threshold of the success rule (default 1.0).
+        success_compare: comparison of the success rule, one of ``">="`` (default), ``">"``, ``"=="``, ``"<="``,
+            ``"<"``.
+        failure_threshold: threshold of the failure rule (default None: failure = not success).
+        failure_compare: comparison of the failure rule (default ``"<="``).
         run_basis: ``"rollout"`` (default) or ``"mean"``, see above.
         unseen: ``"prior"`` (default), ``"nan"`` or ``"raise"``, see above.
         prior_pass_rate: the fill for unseen prompts with ``unseen="prior"`` (default 0.5).
