@@ -37,6 +37,7 @@ test: lint typecheck docs pytest
 bench: $(STAMP)
 	$(PY) benchmarks/groups.py
 	$(PY) benchmarks/ratios.py
+	$(PY) benchmarks/allocators.py
 
 clean:
 	rm -rf $(VENV) .site .pytest_cache .mypy_cache .ruff_cache .hypothesis
