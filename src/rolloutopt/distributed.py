@@ -28,7 +28,7 @@ from rolloutopt.losses.policy import TrustStage
 from rolloutopt.ratios import StageContext, TrustOutput
 from rolloutopt.typing import BoolBT, FloatB, IntB
 
-__all__ = ["GlobalBatchTrust", "global_denominators", "rank_generator", "rank_seed"]
+__all__ = ["GlobalBatchTrust", "gather_rewards", "global_denominators", "rank_generator", "rank_seed", "request_shard"]
 
 
 def global_denominators(
@@ -129,6 +129,71 @@ def rank_generator(seed: int, rank: int | None = None, device: str | torch.devic
         seed: the run's base seed; rank: as in :func:`rank_seed`; device: the generator's device.
     """
     return torch.Generator(device=device).manual_seed(rank_seed(seed, rank))
+
+
+def _world(process_group: Any = None) -> tuple[int, int]:
+    if not _dist_ready():
+        return 0, 1
+    return int(torch.distributed.get_rank(process_group)), int(torch.distributed.get_world_size(process_group))
+
+
+def request_shard(total: int, *, rank: int | None = None, world_size: int | None = None) -> slice:
+    """This rank's contiguous share of a request's ``total`` rollouts, for data-parallel generation.
+
+    Allocators plan identically on every rank (same prompts, same plain ``seed``, same history); each rank
+    generates the rollouts ``request_shard(request.total)`` of the request's flattened rollout list
+    (``request.prompt_ids.repeat_interleave(request.counts)``), then :func:`gather_rewards` gives every rank all
+    the rewards, so every rank observes, finishes and updates with the same data and stays identical. Shares
+    differ by at most one rollout; the first ``total % world_size`` ranks take one more.
+
+    Args:
+        total: rollouts in the request (``request.total``).
+        rank, world_size: default from ``torch.distributed`` (0 and 1 without it).
+    """
+    if not isinstance(total, int) or isinstance(total, bool) or total < 0:
+        raise InputError("total", "an int >= 0 (request.total)", repr(total), "pass request.total")
+    r, w = _world()
+    rank = r if rank is None else rank
+    world_size = w if world_size is None else world_size
+    if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise InputError("rank", f"0 <= rank < world_size ({world_size})", repr(rank), "pass the data-parallel rank")
+    base, extra = divmod(total, world_size)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (1 if rank < extra else 0))
+
+
+def gather_rewards(local: Tensor, total: int, *, process_group: Any = None) -> Tensor:
+    """All ranks' shares of a request's rewards, in rank order: the full ``[total]`` reward vector on every rank.
+
+    The counterpart of :func:`request_shard` (rank ``k`` passes the rewards of ``request_shard(total)[k]``).
+    One all-gather of fixed-size padded buffers (shares differ by at most one), gloo and NCCL alike; without
+    ``torch.distributed`` it returns ``local``. Float64 on the input's device.
+
+    Args:
+        local: this rank's rewards ``[len(request_shard(total))]``.
+        total: ``request.total``.
+        process_group: the data-parallel group (default: the world).
+    """
+    if not isinstance(local, Tensor) or not local.is_floating_point() or local.ndim != 1:
+        raise InputError("local", "a 1-d float tensor of this rank's rewards", repr(local), "pass this shard's rewards")
+    rank, world = _world(process_group)
+    share = request_shard(total, rank=rank, world_size=world)
+    if local.numel() != share.stop - share.start:
+        raise InputError(
+            "local",
+            f"{share.stop - share.start} rewards (this rank's request_shard of {total})",
+            f"{local.numel()} rewards",
+            "generate exactly request_shard(request.total) of the request",
+        )
+    if world == 1:
+        return local.to(torch.float64)
+    size = -(-total // world)
+    buf = torch.zeros(size, dtype=torch.float64, device=local.device)
+    buf[: local.numel()] = local.to(torch.float64)
+    parts = [torch.empty_like(buf) for _ in range(world)]
+    torch.distributed.all_gather(parts, buf, group=process_group)
+    lengths = [request_shard(total, rank=k, world_size=world) for k in range(world)]
+    return torch.cat([part[: sl.stop - sl.start] for part, sl in zip(parts, lengths, strict=True)])
 
 
 # Inputs a trust stage may read from the StageContext, gathered row-wise; "token" fields are padded over T too.
