@@ -1,0 +1,541 @@
+r"""Pre-rollout prompt filters from history: HIVE (arXiv 2603.25184) and DEPO's online filter (arXiv 2509.01321).
+
+Both pick, before rollout, which candidate prompts of a step get a group of ``n`` rollouts, from per-prompt
+history kept in bounded, checkpointable tensors aligned with sorted int64 prompt ids (one ``torch.searchsorted``
+per lookup, no Python loop over prompts or rollouts).
+
+- :class:`HIVE` (``specs/allocators.md`` §A13): stage 1 keeps prompts whose recent mean reward is in a band,
+  ranked by their historical response entropy; stage 2 prunes survivors whose *prompt entropy* (measured now by
+  the caller, a prefill-only forward pass) fell against the value stored with their history. No public code;
+  every rule and default is **[reconstructed]**, hence ``experimental=True``.
+- :class:`DEPO` (§A14): the online explorability filter of ``txy77/DEPO``
+  (``verl/trainer/rollout_purning/rollout_purning.py``, ``Rollout_Purning.purning_by_entropy``), with the
+  code's replay-by-padding of least-explored prompts. The offline curation (PageRank-weighted DPP, normal
+  difficulty sampling) is out of scope: it is a one-off dataset selection over sample embeddings, not an
+  allocator. :func:`depo_group_scores` is the code's per-epoch score, vectorised.
+
+Both need per-rollout *response entropies* (the mean token entropy of each response), which the protocol's
+``observe`` does not carry: they are a keyword of ``update`` (``update(result, entropies=...)``, float ``[N]``
+aligned with ``result.rewards``). HIVE's prompt entropy is a keyword of ``plan`` (``prompt_entropy=``, float
+``[P]`` aligned with ``prompt_ids``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from rolloutopt._validation import choice, describe, require_experimental
+from rolloutopt.allocators._base import AllocationResult, Conversation, Request, as_prompt_ids, check_budget
+from rolloutopt.allocators.dps import _check_float, _check_int, _check_result, _fill, _group_sizes, _insert, _lookup
+from rolloutopt.errors import InputError
+
+__all__ = ["DEPO", "HIVE", "depo_group_scores"]
+
+_SPEC_HIVE = "specs/allocators.md §A13"
+
+
+# -- shared helpers ---------------------------------------------------------------------------------------------
+class _OneShotPlan(Conversation):
+    """One request with precomputed counts; every rollout kept; precomputed reasons."""
+
+    def __init__(self, prompt_ids: Tensor, budget: int, counts: Tensor, reasons: Tensor) -> None:
+        super().__init__(prompt_ids, budget)
+        self._counts = counts
+        self._reasons = reasons
+        self._sent = False
+
+    def decide(self) -> Request | None:
+        if self._sent:
+            return None
+        self._sent = True
+        keep = self._counts > 0
+        if not bool(keep.any()):
+            return None
+        return Request(self.prompt_ids[keep], self._counts[keep])
+
+    def select(self) -> tuple[Tensor, Tensor]:
+        return torch.ones(self.spent_observed), self._reasons
+
+
+class _HIVEPlan(_OneShotPlan):
+    reason_names = ("selected", "out_of_band", "entropy_pruned", "over_budget")
+
+
+class _DEPOPlan(_OneShotPlan):
+    reason_names = ("selected", "unseen", "epoch_zero", "padded", "filtered", "over_budget")
+
+
+def _tie_keys(ids: Tensor, gen: torch.Generator) -> Tensor:
+    """Seeded random tie-break keys, one per prompt *id* (drawn in sorted-id order, so a permutation of the
+    candidates permutes the keys with them)."""
+    u = torch.rand(ids.numel(), generator=gen, dtype=torch.float64)
+    rank = torch.empty_like(ids)
+    rank[ids.argsort()] = torch.arange(ids.numel())
+    return u[rank]
+
+
+def _order(keys: list[Tensor], ties: Tensor) -> Tensor:
+    """Indices sorted ascending by ``keys[0]``, then ``keys[1]``, ..., then ``ties`` (stable sorts, last key first)."""
+    idx = ties.argsort()
+    for key in reversed(keys):
+        idx = idx[key[idx].argsort(stable=True)]
+    return idx
+
+
+def _check_entropies(entropies: Any, n: int, name: str) -> Tensor:
+    if not isinstance(entropies, Tensor) or not entropies.is_floating_point():
+        raise InputError(name, f"a float tensor [{n}]", describe(entropies), f"pass {name}=torch.tensor(...).float()")
+    if entropies.ndim != 1 or entropies.numel() != n:
+        raise InputError(name, f"a 1-d tensor of {n} values", describe(entropies), "pass one value per row")
+    e = entropies.detach().cpu().to(torch.float64)
+    if not bool(torch.isfinite(e).all()):
+        raise InputError(name, "finite values", f"{describe(entropies)} with NaN or inf", "fix the entropy")
+    return e
+
+
+def _shift_in(buf: Tensor, pos: Tensor, new: Tensor) -> Tensor:
+    """Append ``new[i]`` to the window row ``buf[pos[i]]`` (oldest value dropped); ``pos`` distinct."""
+    buf[pos] = torch.cat([buf[pos, 1:], new.unsqueeze(1)], dim=1)
+    return buf
+
+
+def _check_state(state: Any, keys: set[str], owner: str) -> None:
+    if not isinstance(state, dict) or set(state) != keys:
+        raise InputError("state", f"a dict with keys {sorted(keys)}", describe(state), f"pass {owner}.state_dict()")
+
+
+def _check_rows(state: dict[str, Any], shapes: dict[str, tuple[int, ...]], owner: str) -> None:
+    ids = state["ids"]
+    for key, shape in shapes.items():
+        if not isinstance(state[key], Tensor) or tuple(state[key].shape) != shape:
+            raise InputError(
+                f"state[{key!r}]", f"a tensor of shape {shape}", describe(state[key]), f"{owner}.state_dict()"
+            )
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise InputError("state['ids']", "sorted distinct ids", "unsorted ids", f"pass {owner}.state_dict()")
+
+
+# -- DEPO -------------------------------------------------------------------------------------------------------
+def depo_group_scores(
+    group: Tensor,
+    correct: Tensor,
+    entropies: Tensor,
+    *,
+    num_groups: int,
+    neg_pos_ratio: float = 0.5,
+    eps: float = 1e-8,
+) -> Tensor:
+    r"""DEPO's explorability score of each group (one prompt's rollouts in one epoch), vectorised.
+
+    With :math:`m`, :math:`s` the mean and population standard deviation of the group's correctness,
+    :math:`A^+ = (1 - m) / (s + \epsilon)`, :math:`A^- = -m / (s + \epsilon)` and :math:`\bar H_+` the mean
+    entropy of the correct responses (0 when there are none, as in the code):
+
+    .. math::
+
+        \mathrm{score} = \sum_{i\,\text{correct}} |A^+ H_i|
+            + \sum_{i\,\text{wrong},\ H_i \le \rho \bar H_+} |A^- H_i| ,
+
+    so high-entropy failures (:math:`H_i > \rho \bar H_+`) do not count. Reference: arXiv 2509.01321, code
+    ``txy77/DEPO`` ``Rollout_Purning.purning_by_entropy`` (``specs/allocators.md`` §A14). An all-correct or
+    all-wrong group scores 0 (its advantages are 0).
+
+    Args:
+        group: int64 ``[N]``, each rollout's group in ``0..num_groups-1``.
+        correct: bool ``[N]``, whether each rollout is correct.
+        entropies: float ``[N]``, each response's (mean token) entropy.
+        num_groups: number of groups G (groups without rollouts score 0).
+        neg_pos_ratio: :math:`\rho` (0.5, third-party re-implementation; the repository's value is unverified).
+        eps: :math:`\epsilon` (code 1e-8).
+
+    Returns:
+        float64 ``[G]``.
+    """
+    if not isinstance(group, Tensor) or group.is_floating_point() or group.dtype == torch.bool or group.ndim != 1:
+        raise InputError("group", "an int64 tensor [N]", describe(group), "pass the rollouts' group indices")
+    n = group.numel()
+    if not isinstance(correct, Tensor) or correct.dtype != torch.bool or tuple(correct.shape) != (n,):
+        raise InputError("correct", f"a bool tensor [{n}]", describe(correct), "pass rewards >= threshold")
+    e = _check_entropies(entropies, n, "entropies")
+    num_groups = _check_int(num_groups, "num_groups", 0, "pass the number of groups")
+    if n and (int(group.min()) < 0 or int(group.max()) >= num_groups):
+        raise InputError("group", f"indices in [0, {num_groups})", describe(group), "pass num_groups > group.max()")
+    neg_pos_ratio = _check_float(neg_pos_ratio, "neg_pos_ratio", -1e300, 1e300, "pass e.g. 0.5")
+    eps = _check_float(eps, "eps", 0.0, 1.0, "pass e.g. 1e-8", open_low=True)
+    return _depo_scores(group.long(), correct, e, num_groups, neg_pos_ratio, eps)
+
+
+def _depo_scores(group: Tensor, correct: Tensor, e: Tensor, g: int, ratio: float, eps: float) -> Tensor:
+    c = correct.double()
+    cnt = torch.bincount(group, minlength=g).double()
+    n_pos = torch.bincount(group, weights=c, minlength=g)
+    m = n_pos / cnt.clamp(min=1)
+    s = (m * (1 - m)).clamp(min=0).sqrt()
+    a_pos = (1 - m) / (s + eps)
+    a_neg = m / (s + eps)
+    mean_pos = torch.bincount(group, weights=e * c, minlength=g) / n_pos.clamp(min=1)
+    keep_neg = ~correct & (e <= ratio * mean_pos[group])
+    pos_sum = torch.bincount(group, weights=e.abs() * c, minlength=g)
+    neg_sum = torch.bincount(group, weights=e.abs() * keep_neg.double(), minlength=g)
+    return a_pos.abs() * pos_sum + a_neg.abs() * neg_sum
+
+
+class DEPO:
+    r"""DEPO's online explorability filter with its replay of least-explored prompts (arXiv 2509.01321).
+
+    Each prompt keeps the explorability scores (:func:`depo_group_scores`) of its last ``history_k`` rolled-out
+    groups and its exploration count (groups ever rolled out). At a step of epoch :math:`t` with candidates
+    ``prompt_ids``:
+
+    - epoch 0: every candidate is kept (reason ``"epoch_zero"``);
+    - otherwise candidates with no history are kept (``"unseen"``), and of the :math:`K` others the top
+      :math:`\lfloor K \cdot \mathrm{thr} \rfloor` by (score descending, exploration count ascending) are kept
+      (``"selected"``), with
+
+      .. math::
+
+          \mathrm{thr} = \mathrm{clamp}(\text{init\_ratio} - \text{decay}\cdot t,\ \text{min\_ratio},\ 1),
+          \qquad \mathrm{score} = \frac{1}{w} \sum_{j=1}^{w} \mathrm{score}_j
+          \ (\text{the last } w = \min(\text{history\_k}, \text{count}) \text{ groups});
+
+    - replay: the kept set is padded up to a multiple of ``pad_multiple`` (the code's GPU count) with the
+      remaining prompts of least exploration count (ties: higher score) (``"padded"``); the rest are
+      ``"filtered"``.
+
+    The kept prompts, in the order unseen, selected, padded (epoch 0: the given order), then get ``n`` rollouts
+    each until the budget runs out (:func:`~rolloutopt.allocators.dps._fill`: a partial group of at least
+    ``n_min`` at the budget's edge, leftovers spread up to ``n_max``); kept prompts the budget does not reach are
+    ``"over_budget"``. Remaining ties are broken by a seeded random key per prompt id.
+
+    Reference: ``txy77/DEPO`` ``verl/trainer/rollout_purning/rollout_purning.py`` (``specs/allocators.md`` §A14).
+    Defaults: ``history_k = 5``, ``init_ratio = 1.0``, ``decay = 0.01``, ``neg_pos_ratio = 0.5`` from a
+    third-party re-implementation (the repository's config values are unverified); ``min_ratio = 0.40`` and
+    ``eps = 1e-8`` are the code's constants; ``n = 8`` and ``pad_multiple = 1`` (no padding) are this project's.
+
+    Deliberate differences from the code: the per-prompt trace (per-epoch lists of correct/wrong entropies that
+    grow without bound) is replaced by the last ``history_k`` epoch scores and a count, which is equivalent for
+    the rule and bounded (``history_k + 1`` numbers per prompt); the code selects by position in a deduplicated
+    ``set`` of dataset indices (which can pick the wrong batch rows), this selects by prompt id; each ``update``
+    appends one score per rolled-out prompt (one "epoch" entry; the code appends one per epoch).
+
+    Args:
+        n: rollouts per kept prompt; n_min, n_max: per-prompt caps (default ``n``; ``n_min <= n <= n_max``).
+        history_k: window of epoch scores (5).
+        init_ratio, decay, min_ratio: the keep-ratio schedule (1.0, 0.01, 0.40).
+        neg_pos_ratio: failures with entropy above this times the correct responses' mean entropy are ignored
+            (0.5).
+        eps: the advantage denominators' epsilon (1e-8).
+        correct_threshold: a rollout is correct iff its reward ``>=`` this (1.0: exact success for 0/1 rewards).
+        pad_multiple: pad the kept set to a multiple of this (the code's ``total_gpus``; 1 disables padding).
+        steps_per_epoch: None: the epoch is what :meth:`set_epoch` last said (0 until then, so everything is
+            kept); an int: ``epoch = steps // steps_per_epoch`` after each ``update``.
+        seed: seed of the tie-break generator.
+
+    Budget: never more than ``budget``; it spends all of it only when the kept prompts can absorb it (up to
+    ``n_max`` each). Response entropies are required: ``update(result, entropies=...)``.
+
+    Edge cases: an empty pool or a zero budget requests nothing; a planned prompt that got no rollouts keeps its
+    history unchanged.
+    """
+
+    def __init__(
+        self,
+        *,
+        n: int = 8,
+        n_min: int | None = None,
+        n_max: int | None = None,
+        history_k: int = 5,
+        init_ratio: float = 1.0,
+        decay: float = 0.01,
+        min_ratio: float = 0.40,
+        neg_pos_ratio: float = 0.5,
+        eps: float = 1e-8,
+        correct_threshold: float = 1.0,
+        pad_multiple: int = 1,
+        steps_per_epoch: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.n, self.n_min, self.n_max = _group_sizes(n, n_min, n_max)
+        self.history_k = _check_int(history_k, "history_k", 1, "pass e.g. history_k=5")
+        self.init_ratio = _check_float(init_ratio, "init_ratio", 0.0, 1e6, "pass e.g. init_ratio=1.0")
+        self.decay = _check_float(decay, "decay", 0.0, 1e6, "pass e.g. decay=0.01")
+        self.min_ratio = _check_float(min_ratio, "min_ratio", 0.0, 1.0, "pass e.g. min_ratio=0.4 (code)")
+        self.neg_pos_ratio = _check_float(neg_pos_ratio, "neg_pos_ratio", -1e300, 1e300, "pass e.g. 0.5")
+        self.eps = _check_float(eps, "eps", 0.0, 1.0, "pass e.g. eps=1e-8 (code)", open_low=True)
+        self.correct_threshold = _check_float(correct_threshold, "correct_threshold", -1e300, 1e300, "pass 1.0")
+        self.pad_multiple = _check_int(pad_multiple, "pad_multiple", 1, "pass the GPU count, or 1")
+        if steps_per_epoch is not None:
+            steps_per_epoch = _check_int(steps_per_epoch, "steps_per_epoch", 1, "pass None or the steps in an epoch")
+        self.steps_per_epoch = steps_per_epoch
+        self.seed = _check_int(seed, "seed", 0, "pass a non-negative int")
+        self.epoch = 0
+        self.steps = 0
+        self._gen = torch.Generator().manual_seed(self.seed)
+        self._ids = torch.zeros(0, dtype=torch.long)
+        self._scores = torch.zeros(0, self.history_k, dtype=torch.float64)
+        self._count = torch.zeros(0, dtype=torch.long)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell the filter the current epoch (epoch 0 keeps everything; the keep ratio decays with it)."""
+        self.epoch = _check_int(epoch, "epoch", 0, "pass the epoch number, from 0")
+
+    @property
+    def keep_ratio(self) -> float:
+        """This epoch's ``thr = clamp(init_ratio - decay * epoch, min_ratio, 1)``."""
+        return max(self.min_ratio, min(1.0, self.init_ratio - self.decay * self.epoch))
+
+    def scores(self, prompt_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Per prompt ``[P]``: the window-mean explorability score (float64, NaN if unseen), exploration count."""
+        return self._scores_of(as_prompt_ids(prompt_ids))
+
+    def _scores_of(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        if self._ids.numel() == 0:
+            return torch.full(ids.shape, math.nan, dtype=torch.float64), torch.zeros_like(ids)
+        pos, found = _lookup(self._ids, ids)
+        score = torch.where(found, torch.nanmean(self._scores[pos], dim=1), math.nan)
+        return score, torch.where(found, self._count[pos], 0)
+
+    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+        """Filter the candidates ``prompt_ids`` (see the class docstring), then one request of ``n`` each."""
+        ids = as_prompt_ids(prompt_ids)
+        budget = check_budget(budget)
+        p = ids.numel()
+        ties = _tie_keys(ids, self._gen)
+        reasons = torch.full((p,), 4, dtype=torch.long)
+        if self.epoch == 0:
+            order = torch.arange(p)
+            reasons[:] = 2
+        else:
+            score, count = self._scores_of(ids)
+            unseen = count == 0
+            seen_idx = unseen.logical_not().nonzero().squeeze(1)
+            k = seen_idx.numel()
+            top_n = int(k * self.keep_ratio)
+            ranked = seen_idx[_order([-score[seen_idx], count[seen_idx]], ties[seen_idx])]
+            top = ranked[:top_n]
+            rest = ranked[top_n:]
+            kept = int(unseen.sum()) + top_n
+            pad = (-kept) % self.pad_multiple
+            padded = rest[_order([count[rest], -score[rest]], ties[rest])][:pad]
+            unseen_idx = unseen.nonzero().squeeze(1)
+            order = torch.cat([unseen_idx, top, padded])
+            reasons[unseen_idx] = 1
+            reasons[top] = 0
+            reasons[padded] = 3
+        counts = torch.zeros(p, dtype=torch.long)
+        counts[order] = _fill(order.numel(), budget, self.n, self.n_min, self.n_max)
+        reasons = torch.where((counts == 0) & (reasons != 4), 5, reasons)
+        return _DEPOPlan(ids, budget, counts, reasons)
+
+    def update(self, result: AllocationResult, *, entropies: Tensor) -> None:
+        """Append each rolled-out prompt's explorability score; ``entropies``: float ``[N]``, one per rollout of
+        ``result`` (the response's mean token entropy), in ``result.rewards`` order."""
+        result = _check_result(result)
+        e = _check_entropies(entropies, result.rewards.numel(), "entropies")
+        p = result.plan_prompt_ids.numel()
+        correct = result.rewards >= self.correct_threshold
+        score = _depo_scores(result.group, correct, e, p, self.neg_pos_ratio, self.eps)
+        rolled = result.counts > 0
+        ids = result.plan_prompt_ids[rolled]
+        nan_row = torch.full((self.history_k,), math.nan, dtype=torch.float64)
+        self._ids, (self._scores, self._count), pos, order = _insert(
+            self._ids, ids, [(self._scores, nan_row), (self._count, torch.zeros((), dtype=torch.long))]
+        )
+        self._scores = _shift_in(self._scores, pos, score[rolled][order])
+        self._count[pos] += 1
+        self.steps += 1
+        if self.steps_per_epoch is not None:
+            self.epoch = self.steps // self.steps_per_epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sorted ids, score windows ``[M, history_k]``, counts, epoch, steps and the generator; copies."""
+        return {
+            "ids": self._ids.clone(),
+            "scores": self._scores.clone(),
+            "count": self._count.clone(),
+            "epoch": self.epoch,
+            "steps": self.steps,
+            "generator": self._gen.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (validated: keys, shapes, sorted distinct ids)."""
+        _check_state(state, {"ids", "scores", "count", "epoch", "steps", "generator"}, "DEPO")
+        m = state["ids"].numel() if isinstance(state["ids"], Tensor) else -1
+        _check_rows(state, {"ids": (m,), "scores": (m, self.history_k), "count": (m,)}, "DEPO")
+        self._ids = state["ids"].clone().long()
+        self._scores = state["scores"].clone().double()
+        self._count = state["count"].clone().long()
+        self.epoch = _check_int(state["epoch"], "state['epoch']", 0, "pass DEPO.state_dict()")
+        self.steps = _check_int(state["steps"], "state['steps']", 0, "pass DEPO.state_dict()")
+        self._gen.set_state(state["generator"])
+
+
+# -- HIVE -------------------------------------------------------------------------------------------------------
+class HIVE:
+    r"""HIVE: history-informed pre-filter plus online prompt-entropy pruning (arXiv 2603.25184). **[reconstructed]**
+
+    Every rule below is the project's reconstruction from the abstract and summaries (``specs/allocators.md``
+    §A13); each knob is a keyword and ``experimental=True`` is required. Per prompt, the last ``window`` rolled
+    out groups' mean reward and mean response entropy are kept, and the prompt entropy measured the last time it
+    was selected.
+
+    - **Stage 1** (history): a seen prompt passes iff its window-mean reward :math:`\bar r` satisfies
+      :math:`p_\text{lo} \le \bar r \le p_\text{hi}`; unseen prompts always pass. Survivors are ranked by
+      historical response entropy :math:`\bar H`, descending (unseen first, seen without recorded entropy
+      last).
+    - **Stage 2** (online, needs ``plan(..., prompt_entropy=h)``, the mean token-level predictive entropy over
+      the prompt tokens from one prefill pass of the current policy, float ``[P]``):
+
+      - ``stage2="drop"``: drop a survivor whose stored prompt entropy :math:`h_0` exists and
+        :math:`h_0 - h > \delta\,|h_0|` (``"entropy_pruned"``); without ``prompt_entropy`` stage 2 is skipped;
+      - ``stage2="top"``: rank the stage-1 survivors by :math:`h`, descending (the budget then keeps the
+        top ones).
+
+    The ranked survivors get ``n`` rollouts each until the budget runs out (partial group of at least ``n_min``
+    at the edge, leftovers spread up to ``n_max``); the rest are ``"over_budget"``. Stage 2 never adds prompts:
+    ``|stage 2| <= |stage 1| <= |pool|``. Remaining ties are broken by a seeded random key per prompt id.
+
+    Args:
+        n: rollouts per selected prompt (8, project default); n_min, n_max: per-prompt caps (default ``n``).
+        p_lo, p_hi: the reward band (0.1, 0.9, the spec's example).
+        window: groups of history per prompt (4, project default).
+        delta: relative prompt-entropy drop that prunes (0.1, project default).
+        stage2: ``"drop"`` (default) or ``"top"``.
+        seed: seed of the tie-break generator.
+        experimental: must be True (every rule is reconstructed).
+
+    Budget: never more than ``budget``; all of it only when enough prompts survive. Response entropies are
+    optional: ``update(result, entropies=...)`` (without them the entropy ranking falls back to ties).
+
+    Edge cases: an empty pool or a zero budget requests nothing; a prompt that got no rollouts keeps its
+    history (the prompt entropy of a selected prompt is stored at ``plan``).
+    """
+
+    def __init__(
+        self,
+        *,
+        n: int = 8,
+        n_min: int | None = None,
+        n_max: int | None = None,
+        p_lo: float = 0.1,
+        p_hi: float = 0.9,
+        window: int = 4,
+        delta: float = 0.1,
+        stage2: Literal["drop", "top"] = "drop",
+        seed: int = 0,
+        experimental: bool = False,
+    ) -> None:
+        require_experimental(experimental, "HIVE (band filter, entropy ranking, prompt-entropy pruning)", _SPEC_HIVE)
+        self.n, self.n_min, self.n_max = _group_sizes(n, n_min, n_max)
+        self.p_lo = _check_float(p_lo, "p_lo", -1e300, 1e300, "pass e.g. p_lo=0.1")
+        self.p_hi = _check_float(p_hi, "p_hi", self.p_lo, 1e300, "pass p_hi >= p_lo, e.g. 0.9")
+        self.window = _check_int(window, "window", 1, "pass e.g. window=4")
+        self.delta = _check_float(delta, "delta", 0.0, 1e6, "pass e.g. delta=0.1")
+        choice(stage2, "stage2", ("drop", "top"))
+        self.stage2 = stage2
+        self.seed = _check_int(seed, "seed", 0, "pass a non-negative int")
+        self._gen = torch.Generator().manual_seed(self.seed)
+        self._ids = torch.zeros(0, dtype=torch.long)
+        self._reward = torch.zeros(0, self.window, dtype=torch.float64)
+        self._entropy = torch.zeros(0, self.window, dtype=torch.float64)
+        self._prompt_entropy = torch.zeros(0, dtype=torch.float64)
+
+    def _fields(self) -> list[tuple[Tensor, Tensor]]:
+        nan_row = torch.full((self.window,), math.nan, dtype=torch.float64)
+        nan = torch.tensor(math.nan, dtype=torch.float64)
+        return [(self._reward, nan_row), (self._entropy, nan_row), (self._prompt_entropy, nan)]
+
+    def history(self, prompt_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Per prompt, float64 ``[P]``: window-mean reward, window-mean response entropy, stored prompt entropy
+        (NaN where there is none)."""
+        return self._history(as_prompt_ids(prompt_ids))
+
+    def _history(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if self._ids.numel() == 0:
+            nan = torch.full(ids.shape, math.nan, dtype=torch.float64)
+            return nan, nan.clone(), nan.clone()
+        pos, found = _lookup(self._ids, ids)
+        r = torch.where(found, torch.nanmean(self._reward[pos], dim=1), math.nan)
+        h = torch.where(found, torch.nanmean(self._entropy[pos], dim=1), math.nan)
+        return r, h, torch.where(found, self._prompt_entropy[pos], math.nan)
+
+    def plan(self, prompt_ids: Tensor, budget: int, *, prompt_entropy: Tensor | None = None) -> Conversation:
+        """Stage 1, stage 2 (with ``prompt_entropy``, float ``[P]``), then one request of ``n`` per survivor."""
+        ids = as_prompt_ids(prompt_ids)
+        budget = check_budget(budget)
+        p = ids.numel()
+        h_now = None if prompt_entropy is None else _check_entropies(prompt_entropy, p, "prompt_entropy")
+        if self.stage2 == "top" and h_now is None:
+            raise InputError("prompt_entropy", "a float tensor [P] with stage2='top'", "None", "pass prompt_entropy")
+        ties = _tie_keys(ids, self._gen)
+        r, h_hist, h_stored = self._history(ids)
+        seen = ~torch.isnan(r)
+        stage1 = ~seen | ((r >= self.p_lo) & (r <= self.p_hi))
+        reasons = torch.where(stage1, 0, 1)
+        if h_now is not None and self.stage2 == "drop":
+            pruned = stage1 & ~torch.isnan(h_stored) & (h_stored - h_now > self.delta * h_stored.abs())
+            reasons = torch.where(pruned, 2, reasons)
+        survivors = (reasons == 0).nonzero().squeeze(1)
+        if self.stage2 == "top":
+            assert h_now is not None
+            key = -h_now[survivors]
+        else:
+            hh = h_hist[survivors]
+            key = -torch.where(~seen[survivors], math.inf, torch.where(torch.isnan(hh), -math.inf, hh))
+        order = survivors[_order([key], ties[survivors])]
+        counts = torch.zeros(p, dtype=torch.long)
+        counts[order] = _fill(order.numel(), budget, self.n, self.n_min, self.n_max)
+        reasons = torch.where((reasons == 0) & (counts == 0), 3, reasons)
+        if h_now is not None:
+            chosen = counts > 0
+            self._ids, (self._reward, self._entropy, self._prompt_entropy), pos, srt = _insert(
+                self._ids, ids[chosen], self._fields()
+            )
+            self._prompt_entropy[pos] = h_now[chosen][srt]
+        return _HIVEPlan(ids, budget, counts, reasons)
+
+    def update(self, result: AllocationResult, *, entropies: Tensor | None = None) -> None:
+        """Append each rolled-out prompt's group mean reward (and mean response entropy, from ``entropies``:
+        float ``[N]``, one per rollout of ``result``, in ``result.rewards`` order) to its window."""
+        result = _check_result(result)
+        p = result.plan_prompt_ids.numel()
+        cnt = result.counts.clamp(min=1).double()
+        mean_r = torch.bincount(result.group, weights=result.rewards, minlength=p) / cnt
+        if entropies is None:
+            mean_h = torch.full((p,), math.nan, dtype=torch.float64)
+        else:
+            e = _check_entropies(entropies, result.rewards.numel(), "entropies")
+            mean_h = torch.bincount(result.group, weights=e, minlength=p) / cnt
+        rolled = result.counts > 0
+        self._ids, (self._reward, self._entropy, self._prompt_entropy), pos, order = _insert(
+            self._ids, result.plan_prompt_ids[rolled], self._fields()
+        )
+        self._reward = _shift_in(self._reward, pos, mean_r[rolled][order])
+        self._entropy = _shift_in(self._entropy, pos, mean_h[rolled][order])
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sorted ids, reward and entropy windows ``[M, window]``, stored prompt entropies, the generator; copies."""
+        return {
+            "ids": self._ids.clone(),
+            "reward": self._reward.clone(),
+            "entropy": self._entropy.clone(),
+            "prompt_entropy": self._prompt_entropy.clone(),
+            "generator": self._gen.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (validated: keys, shapes, sorted distinct ids)."""
+        _check_state(state, {"ids", "reward", "entropy", "prompt_entropy", "generator"}, "HIVE")
+        m = state["ids"].numel() if isinstance(state["ids"], Tensor) else -1
+        w = self.window
+        _check_rows(state, {"ids": (m,), "reward": (m, w), "entropy": (m, w), "prompt_entropy": (m,)}, "HIVE")
+        self._ids = state["ids"].clone().long()
+        self._reward = state["reward"].clone().double()
+        self._entropy = state["entropy"].clone().double()
+        self._prompt_entropy = state["prompt_entropy"].clone().double()
+        self._gen.set_state(state["generator"])
