@@ -1,0 +1,698 @@
+"""Difficulty-driven rollout counts: :class:`DARS` (multi-stage top-up for hard prompts) and :class:`E3Budget`
+(difficulty-ranked budget), with E3's entropy-targeting temperature schedule (:class:`E3Temperature`,
+:func:`e3_temperature_step`).
+
+Both allocators speak the protocol of :mod:`rolloutopt.allocators._base`. DARS decides within the step (a first
+stage on every prompt, then extra rollouts for the prompts whose first-stage accuracy is below 1/2; two requests,
+``specs/allocators.md`` §A4); E3 decides before rollout from a rank kept across epochs (one request, §A3).
+No Python loop over prompts or rollouts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rolloutopt._validation import describe
+from rolloutopt.allocators._base import AllocationResult, Conversation, Request, as_prompt_ids, check_budget
+from rolloutopt.errors import InputError
+
+__all__ = ["DARS", "E3Budget", "E3Temperature", "dars_extra_rollouts", "e3_counts", "e3_temperature_step"]
+
+_EPS = 1e-9  # ceil/floor tolerance: 24.000000001 must ceil to 24 (spec §A4 edge cases)
+_UNSEEN_RANK = -100.0  # E3's rank of a never-seen prompt (weight 0)
+
+
+# -- validation helpers -------------------------------------------------------------------------------------------
+def _int(x: Any, name: str, low: int, *, none: bool = False) -> None:
+    if none and x is None:
+        return
+    if not isinstance(x, int) or isinstance(x, bool) or x < low:
+        raise InputError(name, f"{'None or ' if none else ''}an int >= {low}", describe(x), f"pass e.g. {name}={low}")
+
+
+def _real(x: Any, name: str, low: float, high: float, *, none: bool = False, open_low: bool = False) -> None:
+    if none and x is None:
+        return
+    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
+    ok = ok and (float(x) > low if open_low else float(x) >= low) and float(x) <= high
+    if not ok:
+        lo = "(" if open_low else "["
+        raise InputError(name, f"{'None or ' if none else ''}a number in {lo}{low}, {high}]", describe(x), "fix it")
+
+
+def _choice(x: Any, name: str, options: tuple[str, ...]) -> None:
+    if x not in options:
+        raise InputError(name, f"one of {options}", describe(x), f"pass {name}={options[0]!r}")
+
+
+def _bool(x: Any, name: str) -> None:
+    if not isinstance(x, bool):
+        raise InputError(name, "a bool", describe(x), "pass True or False")
+
+
+def _greedy(headroom: Tensor, units: Tensor | int) -> Tensor:
+    """Give ``units`` to the rows in order, each up to its ``headroom`` (E3's leftover loop, vectorised)."""
+    before = torch.cumsum(headroom, 0) - headroom
+    return (torch.as_tensor(units) - before).clamp(min=0).minimum(headroom)
+
+
+# -- DARS ---------------------------------------------------------------------------------------------------------
+def dars_extra_rollouts(
+    acc: Tensor, *, n: int = 8, n_max: int = 32, schedule: str = "et", use_std: bool = False
+) -> Tensor:
+    r"""DARS's extra rollouts per prompt from its first-stage accuracy (arXiv 2508.13755, ``schedule_ET/HW``).
+
+    With :math:`a = 0` replaced by :math:`0.5/n` and :math:`S(a) = 2a(1-a)` (``use_std``: :math:`2\sqrt{a(1-a)}`,
+    peak :math:`n` instead of :math:`0.5n`):
+
+    .. math::
+
+        \text{ET: } \Delta n = \Big\lceil \frac{0.5n - nS}{S} \Big\rceil
+            = \Big\lceil \frac{n(1-2a)^2}{4a(1-a)} \Big\rceil, \qquad
+        \text{HW: } \Delta n = \Big\lceil \frac{2(1-a)\,0.5n - nS}{S} \Big\rceil
+            = \Big\lceil \frac{n(1-2a)}{2a} \Big\rceil,
+
+    then :math:`\Delta n \leftarrow \min(\Delta n, n_{max} - n)`, and :math:`\Delta n = 0` for :math:`a \ge 0.5`.
+    The ceiling tolerates float error (``ceil(x - 1e-9)``, so 24.000000001 gives 24; spec §A4 edge cases).
+
+    Args:
+        acc: first-stage accuracy per prompt, float ``[P]`` in [0, 1] (empty allowed).
+        n, n_max: first-stage group size and the cap on a prompt's total rollouts (``n_max >= n``).
+        schedule: ``"et"`` (Equal Treatment, ``resampling_func=1``) or ``"hw"`` (Hardness Weighted, ``=2``).
+        use_std: the ``grpo_use_std=True`` variant (the scripts use False).
+
+    Returns:
+        int64 ``[P]`` in ``[0, n_max - n]``.
+    """
+    _int(n, "n", 1)
+    _int(n_max, "n_max", n)
+    _choice(schedule, "schedule", ("et", "hw"))
+    _bool(use_std, "use_std")
+    if not isinstance(acc, Tensor) or not acc.is_floating_point() or acc.ndim != 1:
+        raise InputError("acc", "a 1-d float tensor of accuracies [P]", describe(acc), "pass group means")
+    a64 = acc.detach().double()
+    if not bool(((a64 >= 0) & (a64 <= 1)).all()):
+        raise InputError("acc", "accuracies in [0, 1]", describe(acc), "pass group success rates")
+    a = torch.where(a64 == 0, 0.5 / n, a64)
+    s = 2 * torch.sqrt(a * (1 - a)) if use_std else 2 * a * (1 - a)
+    peak = float(n) if use_std else 0.5 * n
+    target = peak if schedule == "et" else 2 * (1 - a) * peak
+    s = s.clamp(min=1e-12)  # a in (0, 1) here except a = 1, which has a >= 0.5 and is zeroed below
+    extra = torch.ceil((target - n * s) / s - _EPS).clamp(min=0, max=n_max - n)
+    return torch.where(a >= 0.5, 0.0, extra).long()
+
+
+_DARS_NAMES = ("trained", "topped_up", "topped_up_budget_cut", "dropped_all_wrong", "dropped_all_correct", "no_budget")
+
+
+class _DARSPlan(Conversation):
+    reason_names = _DARS_NAMES
+
+    def __init__(self, prompt_ids: Tensor, budget: int, owner: DARS) -> None:
+        super().__init__(prompt_ids, budget)
+        self.o = owner
+        p = prompt_ids.numel()
+        k = min(p, budget // owner.n)
+        self._first = torch.zeros(p, dtype=torch.long)
+        self._first[self._order[:k]] = owner.n  # a short budget runs stage 1 on the lowest prompt ids
+        self._succ = torch.zeros(p, dtype=torch.float64)
+        self._want = torch.zeros(p, dtype=torch.long)
+        self._extra = torch.zeros(p, dtype=torch.long)
+        self.stage = 0
+
+    def on_observe(self, pos: Tensor, rewards: Tensor) -> None:
+        self._succ.index_add_(0, pos, (rewards >= self.o.success).double())
+
+    def decide(self) -> Request | None:
+        self.stage += 1
+        if self.stage == 1:
+            keep = self._first > 0
+            return Request(self.prompt_ids[keep], self._first[keep]) if bool(keep.any()) else None
+        if self.stage > 2:
+            return None
+        o = self.o
+        played = self._n > 0
+        acc = self._succ / self._n.double().clamp(min=1)
+        want = torch.where(
+            played, dars_extra_rollouts(acc, n=o.n, n_max=o.n_max, schedule=o.schedule, use_std=o.use_std), 0
+        )
+        self._want = want
+        remaining = self.budget - self.spent
+        total = int(want.sum())
+        if total <= remaining:
+            extra = want
+        else:  # the project's budget rule: level the extras to min(want, L), then one more to the largest wants
+            lo, hi = 0, int(want.max())  # sum(min(want, lo)) <= remaining < sum(min(want, hi))
+            while hi - lo > 1:  # O(log n_max) vectorised passes
+                mid = (lo + hi) // 2
+                if int(want.clamp(max=mid).sum()) <= remaining:
+                    lo = mid
+                else:
+                    hi = mid
+            extra = want.clamp(max=lo)
+            left = remaining - int(extra.sum())
+            # one more each to the prompts with want > lo: lowest accuracy first, then the lower prompt id
+            cand = self._order[want[self._order] > lo]
+            cand = cand[torch.sort(acc[cand], stable=True).indices]
+            extra[cand[:left]] += 1
+        self._extra = extra
+        give = extra > 0
+        return Request(self.prompt_ids[give], extra[give]) if bool(give.any()) else None
+
+    def select(self) -> tuple[Tensor, Tensor]:
+        pos, _ = self.rollouts()
+        n = self._n
+        acc = self._succ / n.double().clamp(min=1)
+        wrong = (n > 0) & (acc == 0)
+        right = (n > 0) & (acc >= self.o.upper_threshold)
+        drop = wrong | right
+        topped = self._extra > 0
+        cut = self._extra < self._want
+        reasons = torch.where(
+            n == 0,
+            5,
+            torch.where(wrong, 3, torch.where(right, 4, torch.where(cut, 2, torch.where(topped, 1, 0)))),
+        )
+        return (~drop[pos]).double(), reasons
+
+    def finish(self) -> AllocationResult:
+        res = super().finish()
+        extra = self._extra.sum().double()
+        return replace(res, metrics={**res.metrics, "stage2_rollouts": extra})
+
+
+class DARS:
+    r"""DARS: roll every prompt out ``n`` times, then top up the hard ones in one second batch.
+
+    arXiv 2508.13755 (Difficulty-Adaptive Rollout Sampling; code ``yangzhch6/DARS``,
+    ``verl/verl/trainer/ppo/ray_dars_trainer.py``; ``specs/allocators.md`` §A4). A plan makes two requests:
+
+    1. **Stage 1**: ``n`` rollouts per prompt; accuracy :math:`a` = fraction of rewards ``>= success``.
+    2. **Stage 2**: :math:`\Delta n(a)` more per prompt from the schedule (:func:`dars_extra_rollouts`; zero for
+       :math:`a \ge 0.5`, capped so a prompt gets at most ``n_max`` in all), all in one request.
+    3. **Pool and filter**: the pooled accuracy decides: prompts with pooled :math:`a = 0` or
+       :math:`a \ge` ``upper_threshold`` get weight 0 on all their rollouts; the rest train on every rollout.
+
+    **Stage-2 sampling (spec Part D item 9).** The code passes ``do_sample=False`` to the stage-2 call, but its
+    vLLM wrapper then resets the temperature to the rollout temperature, so stage 2 *samples* one response per
+    replicated prompt row (top-p 1). This library only requests counts; the engine must *sample* the stage-2
+    rollouts at the rollout temperature, exactly as stage 1 — an engine where ``do_sample=False`` means greedy
+    would produce identical responses and silently change the method. ``plan.stage`` (1 or 2) tells an adapter
+    which request it is serving.
+
+    Budget (rollouts; the project's adaptation, the code has none): stage 1 takes ``n`` per prompt (a budget
+    below ``P * n`` runs stage 1 on the ``budget // n`` lowest prompt ids; the others are ``"no_budget"``);
+    stage 2 takes what it wants if that fits, otherwise every prompt's extras are levelled to
+    :math:`\min(\Delta n_i, L)` with the largest :math:`L` that fits and the remaining units go one each to the
+    prompts still short (lowest accuracy first, then the lower id): reason ``"topped_up_budget_cut"``. The budget
+    is spent only as far as the schedule asks: ``P * n + sum(Delta n)`` at most.
+
+    Defaults (spec §A4): ``n=8``; ``n_max=None`` means the scripts' 32 for ET and 64 for HW;
+    ``upper_threshold=1.0`` (all-correct groups dropped); ``use_std=False`` (the scripts). The spec gives no
+    default schedule; ``"et"`` is ``resampling_func=1``. ``success=1.0``: a rollout counts as correct when its
+    reward is at least 1. Nothing is kept across steps: ``update`` does nothing and the state dict is empty;
+    the plan is deterministic (no seed is needed; ``seed`` is accepted for the protocol and unused).
+
+    Args:
+        n: stage-1 rollouts per prompt.
+        schedule: ``"et"`` or ``"hw"``.
+        use_std: ``grpo_use_std`` variant of the schedule.
+        n_min: smallest group a trained prompt may have (``<= n``).
+        n_max: most rollouts per prompt (``>= n``), or None for the schedule's default.
+        upper_threshold: pooled accuracy at or above which a prompt is dropped.
+        success: reward threshold of a correct rollout.
+        seed: unused (deterministic), kept for a uniform constructor.
+
+    Reasons: ``"trained"`` (no extras), ``"topped_up"``, ``"topped_up_budget_cut"``, ``"dropped_all_wrong"``,
+    ``"dropped_all_correct"`` (weight 0), ``"no_budget"``. Metric ``stage2_rollouts``.
+    """
+
+    def __init__(
+        self,
+        *,
+        n: int = 8,
+        schedule: str = "et",
+        use_std: bool = False,
+        n_min: int = 1,
+        n_max: int | None = None,
+        upper_threshold: float = 1.0,
+        success: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        _int(n, "n", 1)
+        _choice(schedule, "schedule", ("et", "hw"))
+        _bool(use_std, "use_std")
+        _int(n_min, "n_min", 1)
+        if n_min > n:
+            raise InputError("n_min", f"n_min <= n = {n}", repr(n_min), "lower n_min or raise n")
+        _int(n_max, "n_max", 1, none=True)
+        if n_max is None:
+            n_max = max(n, 32 if schedule == "et" else 64)
+        if n_max < n:
+            raise InputError("n_max", f"n_max >= n = {n}", repr(n_max), "raise n_max or lower n")
+        _real(upper_threshold, "upper_threshold", 0.0, 1.0, open_low=True)
+        if not isinstance(success, (int, float)) or isinstance(success, bool) or not math.isfinite(success):
+            raise InputError("success", "a finite number (reward threshold)", describe(success), "pass success=1.0")
+        _int(seed, "seed", 0)
+        self.n, self.schedule, self.use_std, self.n_min, self.n_max = n, schedule, use_std, n_min, n_max
+        self.upper_threshold, self.success, self.seed = float(upper_threshold), float(success), seed
+
+    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+        """Stage 1 on every prompt, then the schedule's top-up (see the class docstring)."""
+        return _DARSPlan(as_prompt_ids(prompt_ids), check_budget(budget), self)
+
+    def update(self, result: AllocationResult) -> None:
+        """Nothing to learn: DARS keeps nothing across steps."""
+        if not isinstance(result, AllocationResult):
+            raise InputError("result", "the AllocationResult of plan.finish()", describe(result), "pass it")
+
+    def state_dict(self) -> dict[str, Any]:
+        """No state."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """No state (an empty dict)."""
+        if not isinstance(state, dict) or state:
+            raise InputError("state", "an empty dict", describe(state), "pass DARS().state_dict()")
+
+
+# -- E3 budget ----------------------------------------------------------------------------------------------------
+def e3_counts(rank: Tensor, budget: int, n_min: int, n_max: int, *, cap_share: bool = True) -> Tensor:
+    r"""E3's rollout counts from difficulty ranks (``get_rollout_n_per_prompt``, arXiv 2505.18573).
+
+    Every prompt starts with :math:`n_{min}`; the spare budget :math:`S = N - P\,n_{min}` is split in proportion
+    to the rank weights :math:`w_i = \max(\mathrm{rank}_i, 0)` (rank -100, never seen, weighs 0) and floored;
+    leftover units go to the prompts in descending rank order (ties: the earlier row), each up to :math:`n_{max}`:
+
+    .. math::
+
+        c_i = n_{min} + \Big\lfloor S\,\frac{w_i}{\sum_j w_j} \Big\rfloor
+        \quad (\texttt{cap\_share=False}: \text{the code, } \textstyle\sum_j w_j + 10^{-8}),
+
+    ``cap_share=True`` (default) **fixes the code quirk** (spec Part D item 9): the code never caps the
+    proportional share at :math:`n_{max}`, so one very hard prompt can exceed it. Here the share is water-filled:
+    :math:`\min(n_{max} - n_{min},\ S_k w_i / W_k)` where the :math:`k` highest-weight prompts are capped and
+    :math:`S_k, W_k` are the spare and the weight left after them, then floored; the leftover rule is the code's.
+    ``cap_share=False`` reproduces the code (counts may exceed ``n_max``).
+
+    Args:
+        rank: float ``[P]``, ranks in [0, 1) or -100 (rows in the order the counts should come back).
+        budget: total rollouts; must be at least ``P * n_min`` (:class:`E3Budget` handles smaller budgets).
+        n_min, n_max: per-prompt caps (``1 <= n_min <= n_max``).
+        cap_share: clip and redistribute the proportional share (True) or reproduce the code (False).
+
+    Returns:
+        int64 ``[P]``; sums to ``min(budget, P * n_max)`` when ``cap_share`` (the code's version may leave units
+        unspent only when every prompt is at ``n_max``). Empty ``rank`` gives an empty tensor.
+    """
+    if not isinstance(rank, Tensor) or not rank.is_floating_point() or rank.ndim != 1:
+        raise InputError("rank", "a 1-d float tensor of ranks [P]", describe(rank), "pass E3Budget.ranks(ids)")
+    if not bool(((rank == _UNSEEN_RANK) | ((rank >= 0) & (rank <= 1))).all()):
+        raise InputError("rank", "ranks in [0, 1] or -100 (never seen)", describe(rank), "pass E3Budget.ranks(ids)")
+    _int(n_min, "n_min", 1)
+    _int(n_max, "n_max", n_min)
+    check_budget(budget)
+    p = rank.numel()
+    if budget < p * n_min:
+        raise InputError("budget", f">= P * n_min = {p * n_min}", repr(budget), "raise the budget or lower n_min")
+    w = torch.where(rank == _UNSEEN_RANK, 0.0, rank.double()).clamp(min=0)
+    spare = budget - p * n_min
+    head = n_max - n_min
+    wsum = float(w.sum())
+    if wsum <= 0:
+        share = torch.zeros(p, dtype=torch.long)
+    elif not cap_share:
+        share = torch.floor(spare * (w / (wsum + 1e-8))).long()
+    else:
+        order = torch.sort(w, descending=True, stable=True).indices
+        ws = w[order]
+        m = int((ws > 0).sum())
+        k_idx = torch.arange(m, dtype=torch.float64)
+        s_k = spare - k_idx * head  # spare left when the first k are capped
+        w_k = torch.flip(torch.cumsum(torch.flip(ws[:m], [0]), 0), [0])  # weight left from k on
+        fits = s_k * ws[:m] <= head * w_k * (1 + 1e-12)
+        k = int(torch.argmax(fits.long())) if bool(fits.any()) else m
+        cont = torch.zeros(p, dtype=torch.float64)
+        cont[:k] = head
+        if k < m:
+            cont[k:m] = float(s_k[k]) * ws[k:m] / float(w_k[k])
+        share = torch.zeros(p, dtype=torch.long)
+        share[order] = torch.floor(cont + _EPS).long().clamp(max=head)
+    counts = n_min + share
+    left = budget - int(counts.sum())
+    if left > 0:
+        idx = torch.sort(w, descending=True, stable=True).indices
+        counts[idx] += _greedy((n_max - counts[idx]).clamp(min=0), left)
+    return counts
+
+
+_E3_NAMES = ("ranked", "unseen", "capped", "no_budget")
+
+
+class _E3Plan(Conversation):
+    reason_names = _E3_NAMES
+
+    def __init__(self, prompt_ids: Tensor, budget: int, counts: Tensor, reasons: Tensor) -> None:
+        super().__init__(prompt_ids, budget)
+        self._counts, self._reasons, self._sent = counts, reasons, False
+
+    def decide(self) -> Request | None:
+        if self._sent:
+            return None
+        self._sent = True
+        keep = self._counts > 0
+        return Request(self.prompt_ids[keep], self._counts[keep]) if bool(keep.any()) else None
+
+    def select(self) -> tuple[Tensor, Tensor]:
+        return torch.ones(self.spent_observed), self._reasons
+
+
+class E3Budget:
+    r"""E3: more rollouts for prompts that ranked harder at the last epoch end (arXiv 2505.18573, EMNLP 2025).
+
+    Code ``LiaoMengqi/E3-RL4LLMs`` (``e3/trainer/ray_trainer.py`` ``get_rollout_n_per_prompt``,
+    ``e3/data/rl_dataset.py`` ``update_prompt_stats``/``update_rank``; ``specs/allocators.md`` §A3).
+
+    *State*, per prompt id (sorted int64 tensors): cumulative reward sum and rollout count over all steps, and a
+    rank. At :meth:`end_epoch` the known prompts are sorted by mean reward, descending (ties: the lower id), and
+    :math:`\mathrm{rank} = \mathrm{position}/K` (:math:`K` = known prompts; the code divides by the dataset size,
+    which the protocol does not know), so 0 is the easiest; prompts first seen after the last epoch end keep
+    rank -100 (weight 0, the code's never-seen value) until the next one. The caps follow the code's schedule:
+    both start at ``n`` and after each epoch
+
+    .. math::
+
+        n_{min} \leftarrow \max(n_{min} - n_{update}, n_{low}), \qquad
+        n_{max} \leftarrow \min(n_{max} + n_{update}, n_{high}).
+
+    *Per plan*: one request with :func:`e3_counts` (``cap_share=True``: the proportional share is clipped at
+    :math:`n_{max}` and redistributed, a deliberate fix of the code quirk; ``cap_share=False`` reproduces the code,
+    whose counts can exceed ``n_max``). A budget below :math:`P\,n_{min}` gives :math:`n_{min}` to the
+    ``budget // n_min`` hardest prompts (descending rank, ties the lower id) and runs :func:`e3_counts` on them;
+    the others get ``"no_budget"`` (the project's rule; the code clips the budget up instead). The whole budget
+    is spent up to :math:`P\,n_{max}`. Every rollout trains (weight 1).
+
+    Epochs: call :meth:`end_epoch` at each epoch end, or pass ``steps_per_epoch`` and it runs after that many
+    :meth:`update` calls.
+
+    Defaults: the 7B launch script ``scripts/train_7b.sh`` (``n=8``, ``n_low=4``, ``n_high=12``, ``n_update=2``);
+    the config file has ``n_low=2``, ``n_high=16``, ``n_update=0`` (caps frozen at ``n``: uniform). The
+    temperature schedule is separate: :class:`E3Temperature`. The README's length bias is not implemented.
+
+    Args:
+        n: rollouts per prompt in epoch 1 (initial ``n_min = n_max = n`` unless given).
+        n_low, n_high: bounds of the cap schedule (``n_low <= n_min``, ``n_max <= n_high``).
+        n_update: cap change per epoch.
+        n_min, n_max: initial caps (None: ``n``).
+        cap_share: see above.
+        steps_per_epoch: updates per epoch, or None (call :meth:`end_epoch`).
+        seed: unused (the allocation is deterministic), kept for a uniform constructor.
+
+    Reasons: ``"ranked"`` (rank > 0 share), ``"unseen"`` (rank -100 or 0: ``n_min`` plus any leftover),
+    ``"capped"`` (at ``n_max``), ``"no_budget"``.
+    """
+
+    def __init__(
+        self,
+        *,
+        n: int = 8,
+        n_low: int = 4,
+        n_high: int = 12,
+        n_update: int = 2,
+        n_min: int | None = None,
+        n_max: int | None = None,
+        cap_share: bool = True,
+        steps_per_epoch: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        _int(n, "n", 1)
+        _int(n_low, "n_low", 1)
+        _int(n_high, "n_high", n_low)
+        _int(n_update, "n_update", 0)
+        _int(n_min, "n_min", 1, none=True)
+        _int(n_max, "n_max", 1, none=True)
+        lo = n if n_min is None else n_min
+        hi = n if n_max is None else n_max
+        if not n_low <= lo:
+            raise InputError("n_min", f"n_low = {n_low} <= n_min", repr(lo), "raise n_min (or n) or lower n_low")
+        if not lo <= hi <= n_high:
+            raise InputError("n_max", f"n_min = {lo} <= n_max <= n_high = {n_high}", repr(hi), "fix the caps")
+        _bool(cap_share, "cap_share")
+        _int(steps_per_epoch, "steps_per_epoch", 1, none=True)
+        _int(seed, "seed", 0)
+        self.n, self.n_low, self.n_high, self.n_update = n, n_low, n_high, n_update
+        self.cap_share, self.steps_per_epoch, self.seed = cap_share, steps_per_epoch, seed
+        self.n_min, self.n_max = lo, hi
+        self._epoch = 0
+        self._steps = 0
+        self._ids = torch.zeros(0, dtype=torch.long)
+        self._sum = torch.zeros(0, dtype=torch.float64)
+        self._cnt = torch.zeros(0, dtype=torch.long)
+        self._rank = torch.zeros(0, dtype=torch.float64)
+
+    @property
+    def epoch(self) -> int:
+        """Epochs ended so far."""
+        return self._epoch
+
+    def ranks(self, prompt_ids: Tensor) -> Tensor:
+        """Current rank per prompt (float64 ``[P]``; -100 for prompts without one)."""
+        return self._ranks(as_prompt_ids(prompt_ids))
+
+    def _ranks(self, ids: Tensor) -> Tensor:
+        k = self._ids.numel()
+        if k == 0:
+            return torch.full(ids.shape, _UNSEEN_RANK, dtype=torch.float64)
+        pos = torch.searchsorted(self._ids, ids).clamp(max=k - 1)
+        return torch.where(self._ids[pos] == ids, self._rank[pos], _UNSEEN_RANK)
+
+    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+        """One request with the rank-proportional counts (see the class docstring)."""
+        ids = as_prompt_ids(prompt_ids)
+        budget = check_budget(budget)
+        p = ids.numel()
+        rank = self._ranks(ids)
+        k = min(p, budget // self.n_min)
+        counts = torch.zeros(p, dtype=torch.long)
+        by_id = torch.sort(ids).indices
+        sel = by_id[torch.sort(rank[by_id], descending=True, stable=True).indices][:k]  # hardest first
+        sel = sel[torch.sort(ids[sel]).indices]  # rows by id: e3_counts breaks ties toward the earlier row
+        if k:
+            counts[sel] = e3_counts(rank[sel], budget, self.n_min, self.n_max, cap_share=self.cap_share)
+        w = (rank > 0) & (rank != _UNSEEN_RANK)
+        reasons = torch.where(counts == 0, 3, torch.where(counts >= self.n_max, 2, torch.where(w, 0, 1)))
+        return _E3Plan(ids, budget, counts, reasons)
+
+    def update(self, result: AllocationResult) -> None:
+        """Add the step's per-prompt reward sums and counts; end the epoch after ``steps_per_epoch`` updates."""
+        if not isinstance(result, AllocationResult):
+            raise InputError("result", "the AllocationResult of plan.finish()", describe(result), "pass it")
+        ids = result.plan_prompt_ids
+        played = result.counts > 0
+        s = torch.bincount(result.group, weights=result.rewards.double(), minlength=ids.numel())
+        new_ids, new_s, new_c = ids[played], s[played], result.counts[played]
+        allid, inv = torch.unique(torch.cat([self._ids, new_ids]), return_inverse=True)
+        k = allid.numel()
+        tot = torch.zeros(k, dtype=torch.float64).index_add_(0, inv, torch.cat([self._sum, new_s]))
+        cnt = torch.zeros(k, dtype=torch.long).index_add_(0, inv, torch.cat([self._cnt, new_c]))
+        rank = torch.full((k,), _UNSEEN_RANK, dtype=torch.float64)
+        rank[inv[: self._ids.numel()]] = self._rank
+        self._ids, self._sum, self._cnt, self._rank = allid, tot, cnt, rank
+        self._steps += 1
+        if self.steps_per_epoch is not None and self._steps % self.steps_per_epoch == 0:
+            self.end_epoch()
+
+    def end_epoch(self) -> None:
+        """Re-rank every known prompt by mean reward (descending) and move the caps one step (``n_update``)."""
+        k = self._ids.numel()
+        if k:
+            mean = self._sum / self._cnt.double().clamp(min=1)
+            order = torch.sort(mean, descending=True, stable=True).indices  # ids are sorted: ties -> lower id
+            rank = torch.empty(k, dtype=torch.float64)
+            rank[order] = torch.arange(k, dtype=torch.float64) / k
+            self._rank = rank
+        self.n_min = max(self.n_min - self.n_update, self.n_low)
+        self.n_max = min(self.n_max + self.n_update, self.n_high)
+        self._epoch += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-prompt ids, reward sums, counts, ranks; the caps, epoch and step counters (copies)."""
+        return {
+            "ids": self._ids.clone(),
+            "sum": self._sum.clone(),
+            "count": self._cnt.clone(),
+            "rank": self._rank.clone(),
+            "n_min": self.n_min,
+            "n_max": self.n_max,
+            "epoch": self._epoch,
+            "steps": self._steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (validated: keys, shapes, sorted distinct ids)."""
+        keys = {"ids", "sum", "count", "rank", "n_min", "n_max", "epoch", "steps"}
+        if not isinstance(state, dict) or set(state) != keys:
+            raise InputError("state", f"a dict with keys {sorted(keys)}", describe(state), "pass state_dict()")
+        ids = state["ids"]
+        k = ids.numel() if isinstance(ids, Tensor) else -1
+        ok = k >= 0 and all(isinstance(state[x], Tensor) and state[x].shape == (k,) for x in ("sum", "count", "rank"))
+        if not ok or (k > 1 and not bool((ids[1:] > ids[:-1]).all())):
+            raise InputError(
+                "state", "sorted distinct ids with [K] sum/count/rank", describe(state), "pass state_dict()"
+            )
+        self._ids = ids.clone().long()
+        self._sum = state["sum"].clone().double()
+        self._cnt = state["count"].clone().long()
+        self._rank = state["rank"].clone().double()
+        self.n_min, self.n_max = int(state["n_min"]), int(state["n_max"])
+        self._epoch, self._steps = int(state["epoch"]), int(state["steps"])
+
+
+# -- E3 temperature -----------------------------------------------------------------------------------------------
+def e3_temperature_step(temperature: float, target_entropy: float, entropy: float, vocab_size: int) -> float:
+    r"""One step of E3's entropy-targeting temperature rule (``temperature_scheduler.py``, arXiv 2505.18573).
+
+    .. math::
+
+        T \leftarrow T\Big(1 + T\,\frac{\ln(H^*/H)}{\ln V + \ln\ln V}\Big)
+
+    (entropy below target raises T). No clipping here (the code has none; :class:`E3Temperature` clips).
+
+    Args:
+        temperature: current T (> 0).
+        target_entropy: H* (> 0).
+        entropy: the actor's mean token entropy of the last update, H (> 0).
+        vocab_size: V (>= 3, so that ln ln V > 0).
+
+    Returns:
+        The new temperature (a float; may be <= 0 for H far above H* with a large T — clip it).
+    """
+    _real(temperature, "temperature", 0.0, math.inf, open_low=True)
+    _real(target_entropy, "target_entropy", 0.0, math.inf, open_low=True)
+    _real(entropy, "entropy", 0.0, math.inf, open_low=True)
+    _int(vocab_size, "vocab_size", 3)
+    factor = math.log(vocab_size) + math.log(math.log(vocab_size))
+    t = float(temperature)
+    return t * (1 + t * math.log(float(target_entropy) / float(entropy)) / factor)
+
+
+class E3Temperature:
+    r"""E3's sampling-temperature schedule: steer the policy entropy to a target (arXiv 2505.18573).
+
+    Code ``e3/worker/temperature_scheduler.py`` (``TemperatureScheduler``; spec §A3). Call :meth:`step` once per
+    training step with the actor's mean token entropy; read :attr:`temperature` for the next rollout.
+
+    - During the first ``init_steps`` steps the entropies are only recorded; :math:`H^*` is their mean unless
+      ``target_entropy`` is given.
+    - Each later step applies :func:`e3_temperature_step`.
+    - Annealing (``max_steps`` given; the code's ``enable_annealing``): from step
+      :math:`s_a = \text{max\_steps} - \lfloor \text{max\_steps}\cdot\text{annealing\_ratio} \rfloor` on, after the
+      update, :math:`H^* = H^*_0\,(f + (1-f)\,\tfrac12(1+\cos(\pi\,(s - s_a)/(\text{max\_steps} - s_a))))`,
+      with :math:`f` = ``annealing_factor`` (applies to the next step's update, as in the code).
+    - Clipping: the code has none; the spec says to add it. ``t_min=0.1``, ``t_max=2.0`` are the project's safety
+      bounds (not from the paper; they bind only when the rule runs away); ``t_min=None, t_max=None`` reproduces
+      the code exactly.
+
+    Defaults from the code: ``init_temperature=1.0``, ``init_steps=1``, ``target_entropy=None``,
+    ``annealing_ratio=0.4``, ``annealing_factor=0.9``; annealing off (``max_steps=None``).
+
+    Args:
+        vocab_size: V of the tokenizer (>= 3).
+        init_temperature, init_steps, target_entropy, max_steps, annealing_ratio, annealing_factor, t_min, t_max:
+            as above.
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        init_temperature: float = 1.0,
+        init_steps: int = 1,
+        target_entropy: float | None = None,
+        max_steps: int | None = None,
+        annealing_ratio: float = 0.4,
+        annealing_factor: float = 0.9,
+        t_min: float | None = 0.1,
+        t_max: float | None = 2.0,
+    ) -> None:
+        _int(vocab_size, "vocab_size", 3)
+        _real(init_temperature, "init_temperature", 0.0, math.inf, open_low=True)
+        _int(init_steps, "init_steps", 0)
+        _real(target_entropy, "target_entropy", 0.0, math.inf, none=True, open_low=True)
+        if init_steps == 0 and target_entropy is None:
+            raise InputError("init_steps", ">= 1 when target_entropy is None", "0", "pass init_steps=1")
+        _int(max_steps, "max_steps", 1, none=True)
+        _real(annealing_ratio, "annealing_ratio", 0.0, 1.0)
+        _real(annealing_factor, "annealing_factor", 0.0, 1.0)
+        _real(t_min, "t_min", 0.0, math.inf, none=True, open_low=True)
+        _real(t_max, "t_max", 0.0, math.inf, none=True, open_low=True)
+        if t_min is not None and t_max is not None and t_min > t_max:
+            raise InputError("t_max", f">= t_min = {t_min}", repr(t_max), "raise t_max")
+        self.vocab_size, self.init_steps, self.max_steps = vocab_size, init_steps, max_steps
+        self.annealing_ratio, self.annealing_factor = float(annealing_ratio), float(annealing_factor)
+        self.t_min = None if t_min is None else float(t_min)
+        self.t_max = None if t_max is None else float(t_max)
+        self.temperature = float(init_temperature)
+        self.target_entropy = None if target_entropy is None else float(target_entropy)
+        self._initial_target = self.target_entropy
+        self._steps = 1
+        self._init_entropy: list[float] = []
+
+    def step(self, entropy: float | Tensor) -> float:
+        """Record or act on one step's mean token entropy (a float, or a tensor whose mean is used);
+        returns the temperature for the next rollout."""
+        if isinstance(entropy, Tensor):
+            if entropy.numel() == 0 or not entropy.is_floating_point():
+                raise InputError("entropy", "a float or non-empty float tensor", describe(entropy), "pass the mean")
+            entropy = float(entropy.double().mean())
+        _real(entropy, "entropy", 0.0, math.inf, open_low=True)
+        h = float(entropy)
+        if self._steps <= self.init_steps:
+            self._init_entropy.append(h)
+        else:
+            if self.target_entropy is None:
+                self.target_entropy = sum(self._init_entropy) / len(self._init_entropy)
+                self._initial_target = self.target_entropy
+            t = e3_temperature_step(self.temperature, self.target_entropy, h, self.vocab_size)
+            if self.t_min is not None:
+                t = max(t, self.t_min)
+            if self.t_max is not None:
+                t = min(t, self.t_max)
+            self.temperature = t
+            if self.max_steps is not None:
+                m = self.max_steps
+                start = m - int(m * self.annealing_ratio)
+                if self._steps >= start and m > start:
+                    progress = (self._steps - start) / (m - start)
+                    cos = 0.5 * (1 + math.cos(math.pi * progress))
+                    f = self.annealing_factor
+                    assert self._initial_target is not None
+                    self.target_entropy = self._initial_target * ((1 - f) * cos + f)
+        self._steps += 1
+        return self.temperature
+
+    def state_dict(self) -> dict[str, Any]:
+        """Temperature, targets, step counter and the recorded initial entropies."""
+        return {
+            "temperature": self.temperature,
+            "target_entropy": self.target_entropy,
+            "initial_target": self._initial_target,
+            "steps": self._steps,
+            "init_entropy": list(self._init_entropy),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        keys = {"temperature", "target_entropy", "initial_target", "steps", "init_entropy"}
+        if not isinstance(state, dict) or set(state) != keys:
+            raise InputError("state", f"a dict with keys {sorted(keys)}", describe(state), "pass state_dict()")
+        self.temperature = float(state["temperature"])
+        self.target_entropy = state["target_entropy"]
+        self._initial_target = state["initial_target"]
+        self._steps = int(state["steps"])
+        self._init_entropy = [float(x) for x in state["init_entropy"]]
