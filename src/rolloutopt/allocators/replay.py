@@ -1,0 +1,635 @@
+"""DOTS with Rollout Replay (difficulty-targeted selection, a FIFO of reusable groups) and the XRPO allocator.
+
+- :class:`DOTS` — Difficulty-targeted Online daTa Selection with Rollout Replay, arXiv 2506.05316 (NeurIPS 2025);
+  code ``ASTRAL-Group/data-efficient-llm-rl`` (``ray_trainer_teacher_replay.py``, ``teacher_utils.py``,
+  ``run_bash/final_ds_teacher_replay.sh``); ``specs/allocators.md`` §A5.
+- :class:`XRPOAllocator` — XRPO's hierarchical rollout planner (uncertainty-reduction priority plus an exploration
+  bonus), arXiv 2510.06672. No spec section describes it (``specs/advantages.md`` has no XRPO section; the
+  advantage side is :func:`rolloutopt.advantages.xrpo_sharpen`), so its rule is **[reconstructed]** from the
+  paper's abstract and public summaries and needs ``experimental=True``.
+
+Per-prompt state lives in sorted int64 id tensors looked up with ``torch.searchsorted``; the replay buffer and the
+reference set are bounded FIFOs. No Python loop over prompts or rollouts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rolloutopt._validation import describe, require_experimental
+from rolloutopt.allocators._base import AllocationResult, Conversation, Request, as_prompt_ids, check_budget
+from rolloutopt.allocators.dps import _check_float, _check_int, _check_result, _fill, _group_sizes, _insert, _lookup
+from rolloutopt.allocators.topup import _rank
+from rolloutopt.errors import InputError
+
+__all__ = ["DOTS", "DOTSPlan", "ReplayedGroups", "XRPOAllocator", "t_quantile"]
+
+_F64 = torch.float64
+_XRPO_SPEC = "docs/methods/replay.md (XRPO: no section in specs/; reconstructed from arXiv 2510.06672's abstract)"
+
+
+# -- DOTS -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReplayedGroups:
+    """Groups drawn from the replay buffer for this step (reused rollouts, off-policy).
+
+    Per group ``[G]``: ``keys`` (int64, unique per stored group, increasing in insertion order), ``prompt_ids``,
+    ``steps`` (the ``update`` count when the group was stored: the trainer's step that generated it), ``counts``.
+    Per rollout ``[M = counts.sum()]``: ``group`` (``0..G-1``), ``index`` (the rollout's position within its
+    original group, in observation order) and ``rewards`` (float64). The trainer keeps the responses and their
+    behaviour log-probs keyed by ``(steps, prompt_ids, index)`` (or by ``keys``) and fetches them with these.
+    """
+
+    keys: Tensor
+    prompt_ids: Tensor
+    steps: Tensor
+    counts: Tensor
+    group: Tensor
+    index: Tensor
+    rewards: Tensor
+
+    @property
+    def num_groups(self) -> int:
+        """Number of replayed groups."""
+        return int(self.keys.numel())
+
+
+class DOTSPlan(Conversation):
+    """A DOTS step: one request for the fresh prompts; :meth:`replayed` returns the reused groups.
+
+    Reasons per planned prompt: ``"selected"`` (a full group), ``"partial_group"`` (the leftover budget,
+    ``>= n_min``), ``"not_selected"``, ``"displaced_by_replay"`` (drawn among the first ``B`` but its slot went
+    to a replayed group). ``predicted`` holds the predicted success probability of every candidate ``[P]``.
+    """
+
+    reason_names = ("selected", "partial_group", "not_selected", "displaced_by_replay")
+
+    def __init__(
+        self, prompt_ids: Tensor, budget: int, counts: Tensor, reasons: Tensor, predicted: Tensor, rep: ReplayedGroups
+    ) -> None:
+        super().__init__(prompt_ids, budget)
+        self._counts = counts
+        self._reasons = reasons
+        self.predicted = predicted
+        self._replayed = rep
+        self._sent = False
+
+    def replayed(self) -> ReplayedGroups:
+        """The groups reused from the replay buffer this step (train on them with their stored log-probs)."""
+        return self._replayed
+
+    def decide(self) -> Request | None:
+        if self._sent:
+            return None
+        self._sent = True
+        keep = self._counts > 0
+        if not bool(keep.any()):
+            return None
+        return Request(self.prompt_ids[keep], self._counts[keep])
+
+    def select(self) -> tuple[Tensor, Tensor]:
+        return torch.ones(self.spent_observed), self._reasons
+
+    def finish(self) -> AllocationResult:
+        res = super().finish()
+        rep = self._replayed
+        return replace(
+            res,
+            metrics={
+                **res.metrics,
+                "replayed_groups": torch.tensor(float(rep.num_groups), dtype=_F64),
+                "replayed_rollouts": torch.tensor(float(rep.group.numel()), dtype=_F64),
+            },
+        )
+
+
+def _empty_replay(width: int) -> dict[str, Tensor]:
+    return {
+        "keys": torch.zeros(0, dtype=torch.long),
+        "prompt_ids": torch.zeros(0, dtype=torch.long),
+        "steps": torch.zeros(0, dtype=torch.long),
+        "counts": torch.zeros(0, dtype=torch.long),
+        "rewards": torch.zeros(0, width, dtype=_F64),
+    }
+
+
+class DOTS:
+    r"""DOTS + Rollout Replay: pick prompts whose predicted success rate is near 1/2; reuse recent groups.
+
+    **Selection.** Each candidate gets a predicted success probability :math:`\hat p` and a score
+    :math:`-|\hat p - \alpha|`; prompts are drawn without replacement with probabilities
+    :math:`\mathrm{softmax}(\text{score} / \tau)` (the code's ``torch.multinomial``):
+
+    .. math::  w_q = \frac{\exp(-|\hat p_q - \alpha| / \tau)}{\sum_{q'} \exp(-|\hat p_{q'} - \alpha| / \tau)}
+
+    drawn here as a Gumbel top-k over the logits (the same distribution, in log space, never underflows). With
+    ``tau = 1e-3`` a prompt 0.05 farther from 1/2 than another has relative weight :math:`e^{-50}`: nearly a hard
+    top-k around :math:`\alpha`.
+
+    **Rollout replay.** ``update`` pushes every rolled-out group whose rewards are not all equal (all-0 and all-1
+    groups are removed, as in the code) into a FIFO of at most ``buffer_size`` groups. A step of
+    :math:`B = \lfloor \text{budget} / n \rfloor` groups then generates only
+    :math:`B - k` fresh groups and reuses :math:`k = \min(\lfloor (1 - \sigma) B \rfloor, |\text{buffer}|)`
+    groups drawn uniformly without replacement (strategy ``"random"``), fetched with :meth:`DOTSPlan.replayed`.
+    Reused groups are off-policy: train on them with their stored behaviour log-probs.
+
+    **Predictor** (pluggable, as the spec's library note says). The code predicts :math:`\hat p` with a frozen
+    embedding LLM, an attention adapter (learned projections) over a reference set of 256 prompts rolled out 8
+    times, a calibration MLP and a linear fit on the reference set. Here:
+
+    - default (no embeddings): a prompt rolled out before predicts its last group success rate; an unseen prompt
+      predicts the mean label of the reference set (uniform similarity; ``prior`` while the set is empty);
+    - ``embeddings=`` (``[D, E]`` float, one row per ``embedding_ids`` entry, like the code's precomputed
+      embedding file): the **attention-free** similarity regression
+      :math:`\hat p_q = \sum_k \mathrm{softmax}_k(\cos(e_q, e_k) / T)\, y_k` over the reference set, then the
+      code's linear calibration fitted on the reference points (``calibrate``), clipped to [0, 1]. The learned
+      projections and the calibration MLP are replaced by the identity and cosine similarity: this predictor is
+      **[reconstructed]** and needs ``experimental=True``;
+    - ``predictor=``: any callable ``prompt_ids int64 [P] -> float [P]`` (clipped to [0, 1]).
+
+    The reference set is **[reconstructed]** as the ``ref_size`` most recently rolled-out groups (their success
+    rates are the "adaptive difficulty" labels), instead of a dedicated reference rollout each round: it costs no
+    budget and stays current. Selection happens every step (the code selects :math:`\mu B` prompts every
+    :math:`\mu = 2` steps; pass a pool of :math:`\mu B` prompts to ``plan`` to emulate it).
+
+    Reference: arXiv 2506.05316 (NeurIPS 2025), ``specs/allocators.md`` §A5. Defaults from
+    ``final_ds_teacher_replay.sh``: ``alpha = 0.5``, ``tau = 1e-3``, ``sigma = 0.5``, ``buffer_size = 512``,
+    ``ref_size = 256``, ``n = 8`` (``rollout.n``).
+
+    Args:
+        n: rollouts per fresh prompt (8). ``n_min``/``n_max`` as in :class:`~rolloutopt.allocators.dps.DPS`
+            (default ``n``): leftover budget becomes a partial group if ``>= n_min``, then extra rollouts up to
+            ``n_max`` each; the buffer stores groups of up to ``n_max`` rollouts.
+        alpha: target success rate :math:`\alpha` in [0, 1] (0.5).
+        tau: softmax temperature (1e-3), > 0.
+        replay: turn Rollout Replay on (True).
+        sigma: fraction of fresh groups per step, in (0, 1] (0.5). ``sigma = 1`` never replays.
+        buffer_size: FIFO capacity in groups (512); 0 disables the buffer.
+        ref_size: reference-set size (256), >= 1.
+        success_threshold: labels and the buffer's "all equal" test use the raw rewards when None (default, the
+            code's mean reward); otherwise the success rate of ``reward >= success_threshold``.
+        prior: prediction while no reference label exists (0.5).
+        embeddings, embedding_ids: optional prompt embeddings ``[D, E]`` and their int64 ids ``[D]`` (needs
+            ``experimental=True``); every planned prompt must have one.
+        similarity_temperature: :math:`T` of the similarity softmax (0.05, [reconstructed]).
+        calibrate: fit :math:`y \approx a \hat p + b` on the reference set and apply it (True, as the code).
+        predictor: optional callable replacing the built-in predictors.
+        seed: seed of the generator behind the draws.
+        experimental: must be True when ``embeddings`` are given.
+
+    Budget: one request of at most ``budget`` rollouts; it spends ``(B - k) n`` with the defaults (all of it
+    when no group is replayed and ``n`` divides the budget). Every fresh rollout is kept (weight 1).
+
+    Edge cases: an empty pool or ``budget < n_min`` requests nothing (and replays nothing). Replayed groups stay
+    in the buffer (FIFO eviction only), so a group may be replayed more than once. A group replayed in this step
+    is not pushed again by ``update`` (only fresh rollouts enter ``result``).
+    """
+
+    def __init__(
+        self,
+        *,
+        n: int = 8,
+        n_min: int | None = None,
+        n_max: int | None = None,
+        alpha: float = 0.5,
+        tau: float = 1e-3,
+        replay: bool = True,
+        sigma: float = 0.5,
+        buffer_size: int = 512,
+        ref_size: int = 256,
+        success_threshold: float | None = None,
+        prior: float = 0.5,
+        embeddings: Tensor | None = None,
+        embedding_ids: Tensor | None = None,
+        similarity_temperature: float = 0.05,
+        calibrate: bool = True,
+        predictor: Callable[[Tensor], Tensor] | None = None,
+        seed: int = 0,
+        experimental: bool = False,
+    ) -> None:
+        self.n, self.n_min, self.n_max = _group_sizes(n, n_min, n_max)
+        self.alpha = _check_float(alpha, "alpha", 0.0, 1.0, "pass alpha=0.5 (the code)")
+        self.tau = _check_float(tau, "tau", 0.0, 1e6, "pass tau=1e-3 (the code)", open_low=True)
+        if not isinstance(replay, bool):
+            raise InputError("replay", "a bool", describe(replay), "pass True or False")
+        self.replay = replay
+        self.sigma = _check_float(sigma, "sigma", 0.0, 1.0, "pass sigma=0.5 (the code)", open_low=True)
+        self.buffer_size = _check_int(buffer_size, "buffer_size", 0, "pass buffer_size=512 (the code)")
+        self.ref_size = _check_int(ref_size, "ref_size", 1, "pass ref_size=256 (the code)")
+        if success_threshold is not None:
+            success_threshold = _check_float(success_threshold, "success_threshold", -1e300, 1e300, "pass 1.0")
+        self.success_threshold = success_threshold
+        self.prior = _check_float(prior, "prior", 0.0, 1.0, "pass prior=0.5")
+        self.similarity_temperature = _check_float(
+            similarity_temperature, "similarity_temperature", 0.0, 1e6, "pass e.g. 0.05", open_low=True
+        )
+        if not isinstance(calibrate, bool):
+            raise InputError("calibrate", "a bool", describe(calibrate), "pass True or False")
+        self.calibrate = calibrate
+        if predictor is not None and not callable(predictor):
+            raise InputError(
+                "predictor", "None or a callable ids -> [P] floats", describe(predictor), "pass a function"
+            )
+        self.predictor = predictor
+        self._emb: Tensor | None = None
+        self._emb_ids = torch.zeros(0, dtype=torch.long)
+        if embeddings is not None or embedding_ids is not None:
+            require_experimental(experimental, "DOTS's attention-free similarity predictor", "specs/allocators.md §A5")
+            self._set_embeddings(embeddings, embedding_ids)
+        self.seed = _check_int(seed, "seed", 0, "pass a non-negative int")
+        self._gen = torch.Generator().manual_seed(self.seed)
+        self._step = 0
+        self._next_key = 0
+        self._label_ids = torch.zeros(0, dtype=torch.long)
+        self._labels = torch.zeros(0, dtype=_F64)
+        self._ref_ids = torch.zeros(0, dtype=torch.long)
+        self._ref_labels = torch.zeros(0, dtype=_F64)
+        self._buf = _empty_replay(self.n_max)
+
+    def _set_embeddings(self, embeddings: Any, embedding_ids: Any) -> None:
+        if not isinstance(embeddings, Tensor) or embeddings.ndim != 2 or not embeddings.is_floating_point():
+            raise InputError("embeddings", "a float tensor [D, E]", describe(embeddings), "pass one row per prompt")
+        ids = as_prompt_ids(embedding_ids, "embedding_ids")
+        if ids.numel() != embeddings.shape[0]:
+            raise InputError(
+                "embedding_ids", f"{embeddings.shape[0]} ids (one per embedding row)", describe(embedding_ids), "align"
+            )
+        e = embeddings.detach().cpu().to(_F64)
+        if not bool(torch.isfinite(e).all()):
+            raise InputError("embeddings", "finite values", "NaN or inf", "fix the embeddings")
+        e = e / e.norm(dim=1, keepdim=True).clamp(min=1e-12)
+        self._emb_ids, order = ids.sort()
+        self._emb = e[order]
+
+    # -- prediction ---------------------------------------------------------------------------------------------
+    def _embed(self, ids: Tensor, name: str) -> Tensor:
+        assert self._emb is not None
+        pos, found = _lookup(self._emb_ids, ids)
+        if not bool(found.all()):
+            raise InputError(name, "prompt ids that have an embedding", "ids without one", "add them to embeddings")
+        return self._emb[pos]
+
+    def predict(self, prompt_ids: Tensor) -> Tensor:
+        r"""Predicted success probability of each prompt, float64 ``[P]`` in [0, 1] (see the class docstring)."""
+        return self._predict(as_prompt_ids(prompt_ids))
+
+    def _predict(self, ids: Tensor) -> Tensor:
+        if self.predictor is not None:
+            p = self.predictor(ids)
+            if not isinstance(p, Tensor) or p.shape != ids.shape or not p.is_floating_point():
+                raise InputError("predictor", f"a float tensor of shape {tuple(ids.shape)}", describe(p), "fix it")
+            p = p.detach().cpu().to(_F64)
+            if not bool(torch.isfinite(p).all()):
+                raise InputError("predictor", "finite predictions", "NaN or inf", "fix the predictor")
+            return p.clamp(0.0, 1.0)
+        k = self._ref_ids.numel()
+        if self._emb is not None:
+            if k == 0:
+                self._embed(ids, "prompt_ids")  # validates coverage
+                return torch.full(ids.shape, self.prior, dtype=_F64)
+            ref = self._embed(self._ref_ids, "reference ids")
+            y = self._ref_labels
+            t = self.similarity_temperature
+            pred = torch.softmax(self._embed(ids, "prompt_ids") @ ref.T / t, dim=1) @ y
+            if self.calibrate:
+                x = torch.softmax(ref @ ref.T / t, dim=1) @ y
+                xm, ym = x.mean(), y.mean()
+                var = ((x - xm) ** 2).sum()
+                slope = torch.where(var > 1e-12, ((x - xm) * (y - ym)).sum() / var.clamp(min=1e-12), 0.0)
+                pred = slope * pred + (ym - slope * xm)
+            return pred.clamp(0.0, 1.0)
+        fallback = self._ref_labels.mean() if k else torch.tensor(self.prior, dtype=_F64)
+        pos, found = _lookup(self._label_ids, ids)
+        known = self._labels[pos] if self._label_ids.numel() else torch.zeros(ids.shape, dtype=_F64)
+        return torch.where(found, known, fallback)
+
+    # -- the protocol ---------------------------------------------------------------------------------------------
+    def plan(self, prompt_ids: Tensor, budget: int) -> DOTSPlan:
+        """Draw fresh prompts near ``alpha`` and replayed groups from the buffer (see the class docstring)."""
+        ids = as_prompt_ids(prompt_ids)
+        budget = check_budget(budget)
+        p = ids.numel()
+        pred = self._predict(ids)
+        by_id = ids.argsort()
+        groups = budget // self.n
+        buf_len = int(self._buf["keys"].numel())
+        k = min(math.floor((1.0 - self.sigma) * groups + 1e-9), buf_len) if self.replay and p else 0
+        if budget < self.n_min or p == 0:
+            k = 0
+        # Gumbel top-k over the logits, noise drawn in prompt-id order (a permutation of the pool permutes the plan)
+        logits = -(pred - self.alpha).abs() / self.tau
+        u = torch.rand(p, generator=self._gen, dtype=_F64).clamp(1e-300, 1.0 - 1e-16)
+        noise = torch.empty(p, dtype=_F64)
+        noise[by_id] = -torch.log(-torch.log(u))
+        order = _rank(logits + noise, by_id)
+        ranked = _fill(p, budget - k * self.n, self.n, self.n_min, self.n_max)
+        counts = torch.zeros(p, dtype=torch.long)
+        counts[order] = ranked
+        rank = torch.arange(p)
+        full = min(p, (budget - k * self.n) // self.n)
+        rank_reason = torch.where(rank < full, 0, torch.where(ranked > 0, 1, torch.where(rank < min(groups, p), 3, 2)))
+        reasons = torch.empty(p, dtype=torch.long)
+        reasons[order] = rank_reason
+        return DOTSPlan(ids, budget, counts, reasons, pred, self._draw_replay(k))
+
+    def _draw_replay(self, k: int) -> ReplayedGroups:
+        buf = self._buf
+        if k > 0:
+            pick = torch.randperm(int(buf["keys"].numel()), generator=self._gen)[:k].sort().values
+        else:
+            pick = torch.zeros(0, dtype=torch.long)
+        counts = buf["counts"][pick]
+        group = torch.repeat_interleave(torch.arange(pick.numel()), counts)
+        starts = torch.cumsum(counts, 0) - counts
+        index = torch.arange(group.numel()) - starts[group]
+        return ReplayedGroups(
+            keys=buf["keys"][pick],
+            prompt_ids=buf["prompt_ids"][pick],
+            steps=buf["steps"][pick],
+            counts=counts,
+            group=group,
+            index=index,
+            rewards=buf["rewards"][pick][group, index] if group.numel() else torch.zeros(0, dtype=_F64),
+        )
+
+    def update(self, result: AllocationResult) -> None:
+        """Record the step's group success rates (labels, reference set) and push informative groups to the FIFO."""
+        result = _check_result(result)
+        p = result.plan_prompt_ids.numel()
+        counts = result.counts
+        values = result.rewards if self.success_threshold is None else (result.rewards >= self.success_threshold)
+        values = values.to(_F64)
+        rate = torch.bincount(result.group, weights=values, minlength=p) / counts.clamp(min=1)
+        played = counts > 0
+        # labels: sorted store, overwritten by the newest rate; reference FIFO in prompt-id order
+        ids_played = result.plan_prompt_ids[played]
+        rate_played = rate[played]
+        by_id = ids_played.argsort()
+        ids_sorted, rate_sorted = ids_played[by_id], rate_played[by_id]
+        self._label_ids, (labels,), pos, order = _insert(
+            self._label_ids, ids_sorted, [(self._labels, torch.zeros((), dtype=_F64))]
+        )
+        labels = labels.clone()
+        labels[pos] = rate_sorted[order]
+        self._labels = labels
+        self._ref_ids = torch.cat([self._ref_ids, ids_sorted])[-self.ref_size :]
+        self._ref_labels = torch.cat([self._ref_labels, rate_sorted])[-self.ref_size :]
+        if self.buffer_size > 0:
+            self._push(result, values, played)
+        self._step += 1
+
+    def _push(self, result: AllocationResult, values: Tensor, played: Tensor) -> None:
+        p = result.plan_prompt_ids.numel()
+        hi = torch.full((p,), -math.inf, dtype=_F64).scatter_reduce(0, result.group, values, "amax")
+        lo = torch.full((p,), math.inf, dtype=_F64).scatter_reduce(0, result.group, values, "amin")
+        informative = played & (hi > lo)
+        cand = informative.nonzero().squeeze(1)
+        cand = cand[result.plan_prompt_ids[cand].argsort()][-self.buffer_size :]  # id order; only the tail survives
+        g = cand.numel()
+        if g == 0:
+            return
+        slot = torch.full((p,), -1, dtype=torch.long)
+        slot[cand] = torch.arange(g)
+        rows = (slot[result.group] >= 0).nonzero().squeeze(1)  # in observation order
+        gs = slot[result.group[rows]]
+        gs_sorted, perm = torch.sort(gs, stable=True)
+        gcounts = torch.bincount(gs, minlength=g)
+        starts = torch.cumsum(gcounts, 0) - gcounts
+        within = torch.arange(gs.numel()) - starts[gs_sorted]
+        rewards = torch.zeros(g, self.n_max, dtype=_F64)
+        keep = within < self.n_max
+        rewards[gs_sorted[keep], within[keep]] = result.rewards[rows[perm]][keep].to(_F64)
+        new = {
+            "keys": self._next_key + torch.arange(g),
+            "prompt_ids": result.plan_prompt_ids[cand],
+            "steps": torch.full((g,), self._step, dtype=torch.long),
+            "counts": gcounts.clamp(max=self.n_max),
+            "rewards": rewards,
+        }
+        self._next_key += g
+        self._buf = {key: torch.cat([self._buf[key], new[key]])[-self.buffer_size :] for key in new}
+
+    def replay_buffer(self) -> dict[str, Tensor]:
+        """A copy of the FIFO: ``keys``, ``prompt_ids``, ``steps``, ``counts`` ``[G]``, ``rewards [G, n_max]``
+        (zero-padded past ``counts``), oldest first."""
+        return {k: v.clone() for k, v in self._buf.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Labels, reference set, replay buffer, counters and the generator state (copies; embeddings are config)."""
+        return {
+            "step": self._step,
+            "next_key": self._next_key,
+            "label_ids": self._label_ids.clone(),
+            "labels": self._labels.clone(),
+            "ref_ids": self._ref_ids.clone(),
+            "ref_labels": self._ref_labels.clone(),
+            "buffer": self.replay_buffer(),
+            "generator": self._gen.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (validated: keys and aligned shapes)."""
+        keys = {"step", "next_key", "label_ids", "labels", "ref_ids", "ref_labels", "buffer", "generator"}
+        if not isinstance(state, dict) or set(state) != keys:
+            raise InputError("state", f"a dict with keys {sorted(keys)}", describe(state), "pass DOTS.state_dict()")
+        buf = state["buffer"]
+        ok = isinstance(buf, dict) and set(buf) == set(_empty_replay(1))
+        ok = ok and all(isinstance(v, Tensor) for v in buf.values())
+        if ok:
+            g = buf["keys"].numel()
+            ok = all(buf[k].shape == (g,) for k in ("prompt_ids", "steps", "counts"))
+            ok = ok and buf["rewards"].shape == (g, self.n_max)
+        pairs = (("label_ids", "labels"), ("ref_ids", "ref_labels"))
+        for a, b in pairs:
+            ok = ok and isinstance(state[a], Tensor) and isinstance(state[b], Tensor)
+            ok = ok and state[a].shape == state[b].shape and state[a].ndim == 1
+        if not ok:
+            raise InputError("state", "a DOTS.state_dict() of an allocator with this n_max", "other contents", "fix")
+        self._step = int(state["step"])
+        self._next_key = int(state["next_key"])
+        self._label_ids = state["label_ids"].clone().long()
+        self._labels = state["labels"].clone().to(_F64)
+        self._ref_ids = state["ref_ids"].clone().long()
+        self._ref_labels = state["ref_labels"].clone().to(_F64)
+        self._buf = {k: v.clone() for k, v in buf.items()}
+        self._gen.set_state(state["generator"])
+
+
+# -- XRPO -------------------------------------------------------------------------------------------------------
+def t_quantile(q: float, df: Tensor) -> Tensor:
+    r"""Quantile :math:`t_{q,\nu}` of Student's t distribution, float64, for ``df`` :math:`\nu \ge 1` (elementwise).
+
+    Exact for :math:`\nu = 1` (:math:`\tan(\pi(q - 1/2))`) and :math:`\nu = 2`
+    (:math:`(2q-1)/\sqrt{2q(1-q)}`); for :math:`\nu \ge 3` the Cornish–Fisher expansion in
+    :math:`z = \Phi^{-1}(q)` to :math:`O(\nu^{-4})` (Abramowitz & Stegun 26.7.5; relative error below 0.3% at
+    :math:`\nu = 3, q = 0.975`, shrinking fast with :math:`\nu`). ``df < 1`` gives NaN. (scipy is not a dependency.)
+    """
+    nu = df.to(_F64)
+    z = torch.special.ndtri(torch.tensor(q, dtype=_F64))
+    g1 = (z**3 + z) / 4
+    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+    g4 = (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160
+    nus = nu.clamp(min=1.0)
+    cf = z + g1 / nus + g2 / nus**2 + g3 / nus**3 + g4 / nus**4
+    one = torch.tan(torch.tensor(math.pi * (q - 0.5), dtype=_F64))
+    two = torch.tensor((2 * q - 1) / math.sqrt(2 * q * (1 - q)), dtype=_F64)
+    out = torch.where(nu == 1, one, torch.where(nu == 2, two, cf))
+    return torch.where(nu >= 1, out, torch.nan)
+
+
+class _XRPOPlan(Conversation):
+    reason_names = ("base", "extra", "capped", "no_budget")
+
+    def __init__(self, prompt_ids: Tensor, budget: int, cfg: XRPOAllocator) -> None:
+        super().__init__(prompt_ids, budget)
+        self.cfg = cfg
+        p = prompt_ids.numel()
+        self._base = max(cfg.n_base, cfg.n_min)
+        k = min(p, budget // self._base)
+        self._base_counts = torch.zeros(p, dtype=torch.long)
+        self._base_counts[self._order[:k]] = self._base  # short budget: the lowest prompt ids get a base group
+        self._round = 0
+
+    def priority(self) -> Tensor:
+        """Per planned prompt: :math:`\\Delta h_q + \\lambda\\sqrt{\\log(1 + T)/n_q}` (0-count prompts: -inf)."""
+        cfg = self.cfg
+        n, s, ss = self.totals()
+        nf = n.to(_F64)
+        mean = s / nf.clamp(min=1)
+        var = ((ss - nf * mean * mean) / (nf - 1).clamp(min=1)).clamp(min=0.0)
+        sd = torch.where(n >= 2, var.sqrt(), 0.0).clamp(min=cfg.s_floor)
+        q = 1.0 - cfg.alpha / 2
+        h_now = torch.where(n >= 2, t_quantile(q, (nf - 1).clamp(min=1)) * sd / nf.clamp(min=1).sqrt(), 0.0)
+        h_next = t_quantile(q, nf.clamp(min=1)) * sd / (nf + 1).sqrt()
+        delta = torch.where(n >= 2, h_now - h_next, 0.0)
+        total = float(self.spent_observed)
+        bonus = cfg.lam * torch.sqrt(math.log1p(total) / nf.clamp(min=1))
+        return torch.where(n > 0, delta + bonus, -math.inf)
+
+    def decide(self) -> Request | None:
+        cfg = self.cfg
+        self._round += 1
+        if self._round == 1:
+            keep = self._base_counts > 0
+            return Request(self.prompt_ids[keep], self._base_counts[keep]) if bool(keep.any()) else None
+        remaining = self.budget - self.spent
+        n = self._n
+        eligible = (n > 0) & (n < cfg.n_max)
+        e = int(eligible.sum())
+        if remaining <= 0 or e == 0:
+            return None
+        size = cfg.round_size if cfg.round_size is not None else max(1, -(-int((n > 0).sum()) // 4))
+        m = min(size, remaining, e)
+        ranked = _rank(torch.where(eligible, self.priority(), -math.inf), self._order)[:m]
+        return Request(self.prompt_ids[ranked], torch.ones(m, dtype=torch.long))
+
+    def select(self) -> tuple[Tensor, Tensor]:
+        n = self._n
+        reasons = torch.where(
+            n == 0, 3, torch.where((n >= self.cfg.n_max) & (n > self._base), 2, torch.where(n > self._base, 1, 0))
+        )
+        return torch.ones(self.spent_observed), reasons
+
+    def finish(self) -> AllocationResult:
+        res = super().finish()
+        return replace(res, metrics={**res.metrics, "rounds": torch.tensor(float(max(self._round - 2, 0)), dtype=_F64)})
+
+
+class XRPOAllocator:
+    r"""XRPO's rollout allocator: a base group per prompt, then extra rollouts to the largest expected uncertainty cut.
+
+    The uncertainty of prompt :math:`q`'s mean reward after :math:`n_q` rollouts is the half-width of the
+    Student-t confidence interval; the priority of one more rollout is the half-width it is expected to remove,
+    plus a UCB-style exploration bonus:
+
+    .. math::
+
+        h_q(n) = t_{1-\alpha/2,\,n-1}\,\frac{s_q}{\sqrt n}, \qquad
+        \Pi_q = \underbrace{h_q(n_q) - t_{1-\alpha/2,\,n_q}\frac{s_q}{\sqrt{n_q + 1}}}_{\Delta h_q}
+        + \lambda \sqrt{\frac{\log(1 + T)}{n_q}}
+
+    with :math:`s_q` the sample standard deviation of the prompt's rewards so far (unbiased; floored at
+    ``s_floor``), :math:`T` the rollouts observed so far in the step. Rounds give one more rollout to each of the
+    ``round_size`` prompts with the highest :math:`\Pi_q` (ties to the lower prompt id) until the budget is spent
+    or every prompt is at ``n_max``.
+
+    Reference: XRPO, arXiv 2510.06672 (Bamba et al.), the exploration component ("hierarchical rollout
+    planning"). The half-width :math:`h_q(n_q)` is as public summaries quote the paper. **[Reconstructed]** (the
+    paper's text and code ``UIUC-MLSys/XRPO`` could not be read here; every default below is our choice, hence
+    ``experimental=True``): the expected-reduction form of :math:`\Delta h_q` with :math:`s_q` held fixed, the
+    bonus's form and :math:`\lambda`, the base group ``n_base``, the round size, ``s_floor``, and the t
+    quantile's Cornish–Fisher approximation (:func:`t_quantile`). The paper's in-context seeding of all-fail
+    prompts is a prompt-rewriting step, outside an allocator.
+
+    Args:
+        n_base: base rollouts per prompt in the first request (8, [reconstructed]).
+        n_min: smallest group (default ``n_base``; the base group is ``max(n_base, n_min)``).
+        n_max: largest group (32, [reconstructed]).
+        alpha: confidence level :math:`\alpha` of the interval (0.05, a 95% interval).
+        lam: exploration weight :math:`\lambda \ge 0` (0.05, [reconstructed]; 0 gives the pure uncertainty rule).
+        round_size: prompts topped up per round, one rollout each (default: a quarter of the prompts with a
+            base group, rounded up; [reconstructed]).
+        s_floor: lower bound on :math:`s_q` (0.0): with 0, a zero-variance group gains only the bonus.
+        seed: generator seed (the rule is deterministic; the generator is kept for the protocol).
+        experimental: must be True (see above).
+
+    Budget: spends all of it unless every planned prompt reaches ``n_max`` (or ``budget < n_min``). With a budget
+    below ``P * n_base`` the lowest prompt ids get the base groups and no prompt is topped up beyond what is
+    left. Every rollout is kept (weight 1). Reasons: ``"base"``, ``"extra"``, ``"capped"``, ``"no_budget"``.
+    Stateless across steps.
+    """
+
+    def __init__(
+        self,
+        *,
+        n_base: int = 8,
+        n_min: int | None = None,
+        n_max: int = 32,
+        alpha: float = 0.05,
+        lam: float = 0.05,
+        round_size: int | None = None,
+        s_floor: float = 0.0,
+        seed: int = 0,
+        experimental: bool = False,
+    ) -> None:
+        require_experimental(experimental, "the XRPO allocation rule (priority, bonus, defaults)", _XRPO_SPEC)
+        self.n_base = _check_int(n_base, "n_base", 1, "pass e.g. n_base=8")
+        self.n_min = self.n_base if n_min is None else _check_int(n_min, "n_min", 1, "pass e.g. n_min=2")
+        self.n_max = _check_int(n_max, "n_max", 1, "pass e.g. n_max=32")
+        if self.n_max < max(self.n_base, self.n_min):
+            raise InputError(
+                "n_max", f"n_max >= max(n_base, n_min) = {max(self.n_base, self.n_min)}", repr(n_max), "raise it"
+            )
+        self.alpha = _check_float(alpha, "alpha", 0.0, 1.0, "pass alpha=0.05", open_low=True)
+        if self.alpha >= 1.0:
+            raise InputError("alpha", "a number in (0, 1)", repr(alpha), "pass alpha=0.05")
+        self.lam = _check_float(lam, "lam", 0.0, 1e6, "pass lam=0.05")
+        self.round_size = None if round_size is None else _check_int(round_size, "round_size", 1, "pass e.g. 64")
+        self.s_floor = _check_float(s_floor, "s_floor", 0.0, 1e6, "pass s_floor=0.0")
+        self.seed = _check_int(seed, "seed", 0, "pass a non-negative int")
+        self._gen = torch.Generator().manual_seed(self.seed)
+
+    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+        """Base groups, then rounds of uncertainty-reduction top-ups (see the class docstring)."""
+        return _XRPOPlan(as_prompt_ids(prompt_ids), check_budget(budget), self)
+
+    def update(self, result: AllocationResult) -> None:
+        """Nothing to learn across steps (the priority is computed within the step)."""
+        _check_result(result)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The generator state."""
+        return {"generator": self._gen.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`."""
+        if not isinstance(state, dict) or set(state) != {"generator"}:
+            raise InputError("state", "a dict with key 'generator'", describe(state), "pass XRPOAllocator.state_dict()")
+        self._gen.set_state(state["generator"])
