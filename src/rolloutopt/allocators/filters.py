@@ -206,7 +206,8 @@ class DEPO:
       remaining prompts of least exploration count (ties: higher score) (``"padded"``); the rest are
       ``"filtered"``.
 
-    The kept prompts, in the order unseen, selected, padded (epoch 0: the given order), then get ``n`` rollouts
+    The kept prompts, in the order unseen, selected, padded (unseen prompts, and every prompt at epoch 0, in a
+    seeded random order per prompt id, so the plan does not depend on the candidates' order), get ``n`` rollouts
     each until the budget runs out (:func:`~rolloutopt.allocators.dps._fill`: a partial group of at least
     ``n_min`` at the budget's edge, leftovers spread up to ``n_max``); kept prompts the budget does not reach are
     ``"over_budget"``. Remaining ties are broken by a seeded random key per prompt id.
@@ -307,7 +308,7 @@ class DEPO:
         ties = _tie_keys(ids, self._gen)
         reasons = torch.full((p,), 4, dtype=torch.long)
         if self.epoch == 0:
-            order = torch.arange(p)
+            order = ties.argsort()
             reasons[:] = 2
         else:
             score, count = self._scores_of(ids)
@@ -322,6 +323,7 @@ class DEPO:
             pad = (-kept) % self.pad_multiple
             padded = rest[_order([count[rest], -score[rest]], ties[rest])][:pad]
             unseen_idx = unseen.nonzero().squeeze(1)
+            unseen_idx = unseen_idx[ties[unseen_idx].argsort()]
             order = torch.cat([unseen_idx, top, padded])
             reasons[unseen_idx] = 1
             reasons[top] = 0

@@ -1,0 +1,421 @@
+"""HIVE (arXiv 2603.25184) and DEPO (arXiv 2509.01321): spec oracles, hand examples, properties, bad input."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rolloutopt.allocators._base import AllocationResult, Conversation, Request
+from rolloutopt.allocators.filters import DEPO, HIVE, depo_group_scores
+from rolloutopt.errors import InputError
+
+Rewards = Callable[[Request], torch.Tensor]
+DEPO_REASONS = ("selected", "unseen", "epoch_zero", "padded", "filtered", "over_budget")
+
+
+def run(plan: Conversation, rewards: Rewards) -> tuple[AllocationResult, list[Request]]:
+    reqs = []
+    while (req := plan.next()) is not None:
+        reqs.append(req)
+        plan.observe(req, rewards(req))
+    return plan.finish(), reqs
+
+
+def table(groups: dict[int, list[float]]) -> Rewards:
+    """Prompt p's rollouts get the rewards groups[p] (its request count must match)."""
+
+    def f(req: Request) -> torch.Tensor:
+        return torch.tensor([x for p in req.prompt_ids.tolist() for x in groups[p]], dtype=torch.float64)
+
+    return f
+
+
+def bern(seed: int, n_ids: int = 64) -> Rewards:
+    rate = torch.rand(n_ids, generator=torch.Generator().manual_seed(1000 + seed), dtype=torch.float64)
+
+    def f(req: Request) -> torch.Tensor:
+        q = rate[req.prompt_ids % n_ids].repeat_interleave(req.counts)
+        return (torch.rand(q.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) < q).double()
+
+    return f
+
+
+def ents(res: AllocationResult, seed: int) -> torch.Tensor:
+    return torch.rand(res.rewards.numel(), generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
+
+
+# -- DEPO: the score ----------------------------------------------------------------------------------------------
+def test_depo_score_spec_oracle() -> None:
+    # [1,1,0,0], correct entropies [1, 1], wrong [0.4, 3.0], rho 0.5: m = s = 0.5, A = +-1 (up to eps); the
+    # 3.0 failure exceeds 0.5 * 1 and is dropped: 1 + 1 + 0.4 = 2.4. Second group all correct: A+ = 0, score 0.
+    group = torch.tensor([0, 0, 0, 0, 1, 1, 1])
+    correct = torch.tensor([True, True, False, False, True, True, True])
+    h = torch.tensor([1.0, 1.0, 0.4, 3.0, 2.0, 5.0, 1.0], dtype=torch.float64)
+    s = depo_group_scores(group, correct, h, num_groups=3, neg_pos_ratio=0.5)
+    a = 0.5 / (0.5 + 1e-8)
+    assert s.dtype == torch.float64
+    assert torch.allclose(s, torch.tensor([2.4 * a, 0.0, 0.0], dtype=torch.float64), rtol=0, atol=1e-12)
+    # with rho = 3 the failure at 3.0 counts too: 1 + 1 + 0.4 + 3
+    s3 = depo_group_scores(group, correct, h, num_groups=3, neg_pos_ratio=3.0)
+    assert math.isclose(float(s3[0]), 5.4 * a, abs_tol=1e-12)
+    # all wrong: A- = 0 / (0 + eps) = 0, and no correct mean (0 in the code): score 0
+    s0 = depo_group_scores(
+        torch.tensor([0, 0]), torch.tensor([False, False]), torch.ones(2, dtype=torch.float64), num_groups=1
+    )
+    assert float(s0[0]) == 0.0
+
+
+def test_depo_score_matches_code_transcription() -> None:
+    gen = torch.Generator().manual_seed(3)
+    sizes = torch.randint(1, 9, (40,), generator=gen)
+    group = torch.arange(40).repeat_interleave(sizes)
+    correct = torch.rand(group.numel(), generator=gen) < 0.5
+    h = torch.rand(group.numel(), generator=gen, dtype=torch.float64) * 2
+    got = depo_group_scores(group, correct, h, num_groups=40)
+    for g in range(40):  # the code's per-epoch loop, transcribed
+        pos = [float(x) for x, c in zip(h[group == g], correct[group == g], strict=True) if c]
+        neg = [float(x) for x, c in zip(h[group == g], correct[group == g], strict=True) if not c]
+        acc = [1] * len(pos) + [0] * len(neg)
+        m = sum(acc) / len(acc)
+        sd = math.sqrt(sum((a - m) ** 2 for a in acc) / len(acc))
+        pa, na = (1 - m) / (sd + 1e-8), (0 - m) / (sd + 1e-8)
+        avg = sum(pos) / len(pos) if pos else 0
+        want = sum(abs(pa * x) for x in pos) + sum(abs(na * x) for x in neg if x <= 0.5 * avg)
+        assert math.isclose(float(got[g]), want, rel_tol=1e-9, abs_tol=1e-12), g
+
+
+# -- DEPO: selection by hand --------------------------------------------------------------------------------------
+def depo_history() -> DEPO:
+    """Prompts 0..3 after one epoch-0 step (3 once more): scores 0: 2.4, 1: s1, 2: 0, 3: s1; counts 1, 1, 1, 2."""
+    d = DEPO(n=4, init_ratio=1.0, decay=0.5, pad_multiple=2, seed=5)
+    groups = {0: [1.0, 1.0, 0.0, 0.0], 1: [1.0, 0.0, 0.0, 0.0], 2: [1.0, 1.0, 1.0, 1.0], 3: [1.0, 0.0, 0.0, 0.0]}
+    h = {0: [1.0, 1.0, 0.4, 3.0], 1: [1.0] * 4, 2: [1.0] * 4, 3: [1.0] * 4}
+    res, _ = run(d.plan(torch.tensor([0, 1, 2, 3]), 16), table(groups))
+    assert res.counts.tolist() == [4, 4, 4, 4] and all(DEPO_REASONS[r] == "epoch_zero" for r in res.reasons)
+    d.update(res, entropies=torch.tensor([x for p in dict.fromkeys(res.prompt_ids.tolist()) for x in h[p]]))
+    res, _ = run(d.plan(torch.tensor([3]), 4), table(groups))
+    d.update(res, entropies=torch.ones(4, dtype=torch.float64))
+    return d
+
+
+def test_depo_selection_by_hand() -> None:
+    d = depo_history()
+    score, count = d.scores(torch.tensor([0, 1, 2, 3, 9]))
+    s1 = 0.75 / (math.sqrt(0.1875) + 1e-8)  # [1,0,0,0], entropies 1: A+ * 1, the failures (1 > 0.5) dropped
+    assert torch.allclose(score[:4], torch.tensor([2.4 * 0.5 / (0.5 + 1e-8), s1, 0.0, s1], dtype=torch.float64))
+    assert math.isnan(float(score[4])) and count.tolist() == [1, 1, 1, 2, 0]
+    d.set_epoch(1)  # thr = clamp(1.0 - 0.5 * 1, 0.4, 1) = 0.5
+    assert d.keep_ratio == 0.5
+    # K = 4 seen: top floor(4 * 0.5) = 2 by (score desc, count asc): 0 (2.4), then 1 (s1, count 1) before 3 (count
+    # 2). Unseen 9 kept. 3 kept -> pad to a multiple of 2 with the least explored of {3 (count 2), 2 (count 1)}:
+    # 2. Fill order 9, 0, 1, 2 with budget 14, n = 4: 4, 4, 4, then 2 < n_min = 4 -> 2 gets nothing.
+    res, _ = run(d.plan(torch.tensor([3, 2, 9, 1, 0]), 14), lambda r: torch.zeros(r.total, dtype=torch.float64))
+    assert res.counts.tolist() == [0, 0, 4, 4, 4]
+    assert [res.reason_of(p) for p in (0, 1, 2, 3, 9)] == ["selected", "selected", "over_budget", "filtered", "unseen"]
+    res, _ = run(d.plan(torch.tensor([3, 2, 9, 1, 0]), 100), lambda r: torch.zeros(r.total, dtype=torch.float64))
+    assert res.counts.tolist() == [0, 4, 4, 4, 4] and res.reason_of(2) == "padded"
+    d.set_epoch(100)  # thr floors at 0.4: floor(4 * 0.4) = 1 -> only 0; 9 + 0 = 2 kept, no padding needed
+    res, _ = run(d.plan(torch.tensor([3, 2, 9, 1, 0]), 100), lambda r: torch.zeros(r.total, dtype=torch.float64))
+    assert res.counts.tolist() == [0, 0, 4, 0, 4]
+
+
+def test_depo_window_is_bounded_and_averages_last_k() -> None:
+    d = DEPO(n=2, history_k=2)
+    groups = [[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]  # scores h (A = +-1, the failure dropped), 0, 0
+    for g in groups:
+        res, _ = run(d.plan(torch.tensor([7]), 2), table({7: g}))
+        d.update(res, entropies=torch.tensor([0.25, 0.25], dtype=torch.float64))
+    st_ = d.state_dict()
+    assert st_["scores"].shape == (1, 2) and st_["count"].tolist() == [3]
+    score, _ = d.scores(torch.tensor([7]))
+    assert float(score[0]) == 0.0  # window of 2 holds only the last two (zero) scores
+    d2 = DEPO(n=2, history_k=3)
+    for g in groups:
+        res, _ = run(d2.plan(torch.tensor([7]), 2), table({7: g}))
+        d2.update(res, entropies=torch.tensor([0.25, 0.25], dtype=torch.float64))
+    # first score: A+ = 0.5 / (0.5 + eps) times the correct entropy 0.25; the failure (0.25 > 0.5 * 0.25) drops
+    want = 0.25 * 0.5 / (0.5 + 1e-8) / 3
+    assert math.isclose(float(d2.scores(torch.tensor([7]))[0][0]), want, rel_tol=1e-12)
+
+
+def test_depo_steps_per_epoch() -> None:
+    d = DEPO(n=2, steps_per_epoch=2)
+    sizes = []
+    for _ in range(3):
+        res, _ = run(d.plan(torch.tensor([1, 2]), 4), table({1: [1.0, 0.0], 2: [0.0, 0.0]}))
+        d.update(res, entropies=torch.ones(res.rewards.numel(), dtype=torch.float64))
+        sizes.append(int(res.counts.sum()))
+    # epochs 0, 0, 1: everything kept twice, then floor(2 * 0.99) = 1 of the two seen prompts
+    assert d.epoch == 1 and sizes == [4, 4, 2]
+
+
+# -- HIVE --------------------------------------------------------------------------------------------------------
+def hive(**kw: object) -> HIVE:
+    args: dict[str, object] = {"n": 2, "window": 2, "experimental": True, "seed": 1}
+    args.update(kw)
+    return HIVE(**args)  # type: ignore[arg-type]
+
+
+def hive_history(h: HIVE) -> None:
+    """Prompts 0..4: mean rewards 0.5, 1.0, 0.0, 0.5, 0.5; response entropies 1, -, -, 3, 2; prompt entropies 2."""
+    groups = {0: [1.0, 0.0], 1: [1.0, 1.0], 2: [0.0, 0.0], 3: [0.0, 1.0], 4: [1.0, 0.0]}
+    ids = torch.tensor([0, 1, 2, 3, 4])
+    res, _ = run(h.plan(ids, 10, prompt_entropy=torch.full((5,), 2.0)), table(groups))
+    e = {0: 1.0, 1: 9.0, 2: 9.0, 3: 3.0, 4: 2.0}
+    h.update(res, entropies=torch.tensor([e[int(p)] for p in res.prompt_ids], dtype=torch.float64))
+
+
+def test_hive_stages_by_hand() -> None:
+    h = hive()
+    hive_history(h)
+    r, hh, h0 = h.history(torch.tensor([0, 1, 2, 3, 4, 8]))
+    assert r[:5].tolist() == [0.5, 1.0, 0.0, 0.5, 0.5] and hh[:5].tolist() == [1.0, 9.0, 9.0, 3.0, 2.0]
+    assert h0[:5].tolist() == [2.0] * 5 and math.isnan(float(r[5]))
+    ids = torch.tensor([8, 4, 3, 2, 1, 0])
+    # stage 1: 1 (mean 1.0) and 2 (mean 0.0) are out of the band [0.1, 0.9]; 8 unseen passes.
+    # stage 2 (drop, delta 0.1): 3's prompt entropy fell 2.0 -> 1.7 (> 10 %): pruned; 4: 2.0 -> 1.9 stays.
+    pe = torch.tensor([5.0, 1.9, 1.7, 2.0, 2.0, 2.0], dtype=torch.float64)
+    res, _ = run(h.plan(ids, 4, prompt_entropy=pe), lambda q: torch.zeros(q.total, dtype=torch.float64))
+    # ranking: unseen 8 first, then by response entropy 4 (2.0) > 0 (1.0); budget 4 = two groups of 2
+    assert res.counts.tolist() == [2, 2, 0, 0, 0, 0]
+    assert [res.reason_of(p) for p in (8, 4, 3, 2, 1, 0)] == [
+        "selected",
+        "selected",
+        "entropy_pruned",
+        "out_of_band",
+        "out_of_band",
+        "over_budget",
+    ]
+    # the prompt entropy stored for the selected 4 is now 1.9; 3 keeps its 2.0
+    assert h.history(torch.tensor([4, 3]))[2].tolist() == [1.9, 2.0]
+
+
+def test_hive_without_prompt_entropy_skips_stage_two_and_top_mode() -> None:
+    h = hive()
+    hive_history(h)
+    ids = torch.tensor([0, 3, 4])
+    res, _ = run(h.plan(ids, 100), lambda q: torch.zeros(q.total, dtype=torch.float64))
+    assert res.counts.tolist() == [2, 2, 2]
+    t = hive(stage2="top")
+    hive_history(t)
+    res, _ = run(t.plan(ids, 4, prompt_entropy=torch.tensor([3.0, 0.1, 1.0])), lambda q: torch.zeros(q.total))
+    assert res.counts.tolist() == [2, 0, 2] and res.reason_of(3) == "over_budget"  # top-2 by prompt entropy
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    budget=st.integers(0, 120),
+    p_lo=st.floats(0.0, 0.6),
+    width=st.floats(0.0, 0.6),
+    delta=st.floats(0.0, 0.5),
+    stage2=st.sampled_from(["drop", "top"]),
+)
+def test_hive_structure(seed: int, budget: int, p_lo: float, width: float, delta: float, stage2: str) -> None:
+    """Spec oracle: |stage 2| <= |stage 1| <= |pool|, unseen prompts always survive stage 1; budget and caps."""
+    h = hive(n=3, n_min=2, n_max=5, p_lo=p_lo, p_hi=p_lo + width, delta=delta, stage2=stage2, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    for s in range(3):
+        ids = torch.randperm(40, generator=gen)[:20]
+        pe = torch.rand(20, generator=gen, dtype=torch.float64)
+        seen_before = ~torch.isnan(h.history(ids)[0])
+        res, _ = run(h.plan(ids, budget, prompt_entropy=pe), bern(seed + s, 40))
+        reasons = res.reasons
+        stage1 = reasons != 1
+        stage2_ = stage1 & (reasons != 2)
+        assert int(stage2_.sum()) <= int(stage1.sum()) <= ids.numel()
+        assert bool(stage1[~seen_before].all())
+        assert int(res.counts.sum()) <= budget
+        nz = res.counts[res.counts > 0]
+        assert bool(((nz >= 2) & (nz <= 5)).all())
+        assert bool((res.counts[reasons != 0] == 0).all())
+        h.update(res, entropies=ents(res, s))
+
+
+# -- both: budget, caps, determinism, permutation, state round trip -----------------------------------------------
+def make(kind: str, seed: int, **kw: object) -> HIVE | DEPO:
+    if kind == "hive":
+        return HIVE(n=4, n_min=2, n_max=6, window=3, experimental=True, seed=seed, **kw)  # type: ignore[arg-type]
+    return DEPO(n=4, n_min=2, n_max=6, decay=0.2, pad_multiple=3, seed=seed, **kw)  # type: ignore[arg-type]
+
+
+def drive(a: HIVE | DEPO, steps: range, budget: int, pools: list[torch.Tensor]) -> list[AllocationResult]:
+    out = []
+    for s in steps:
+        if isinstance(a, DEPO):
+            a.set_epoch(s // 2)
+        pool = pools[s]
+        if isinstance(a, HIVE):
+            pe = (pool.double() * 0.37 + s).sin().abs()
+            res, _ = run(a.plan(pool, budget, prompt_entropy=pe), bern(s))
+        else:
+            res, _ = run(a.plan(pool, budget), bern(s))
+        a.update(res, entropies=ents(res, s))
+        out.append(res)
+    return out
+
+
+@settings(max_examples=20, deadline=None)
+@given(kind=st.sampled_from(["hive", "depo"]), seed=st.integers(0, 1000), budget=st.integers(0, 150))
+def test_budget_caps_determinism(kind: str, seed: int, budget: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    pools = [torch.randperm(64, generator=gen)[:24] for _ in range(5)]
+    a, b = make(kind, seed), make(kind, seed)
+    ra, rb = drive(a, range(5), budget, pools), drive(b, range(5), budget, pools)
+    for x, y in zip(ra, rb, strict=True):
+        assert torch.equal(x.counts, y.counts) and torch.equal(x.reasons, y.reasons)
+        assert int(x.counts.sum()) <= budget and x.rewards.numel() == int(x.counts.sum())
+        nz = x.counts[x.counts > 0]
+        assert bool(((nz >= 2) & (nz <= 6)).all())
+        assert bool((x.weight == 1).all())
+
+
+@settings(max_examples=20, deadline=None)
+@given(kind=st.sampled_from(["hive", "depo"]), seed=st.integers(0, 1000), budget=st.integers(0, 150))
+def test_permutation_permutes_the_plan(kind: str, seed: int, budget: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    pools = [torch.randperm(64, generator=gen)[:24] for _ in range(3)]
+    a, b = make(kind, 7), make(kind, 7)
+    drive(a, range(3), 60, pools)
+    drive(b, range(3), 60, pools)
+    if isinstance(a, DEPO) and isinstance(b, DEPO):
+        a.set_epoch(2)
+        b.set_epoch(2)
+    ids = torch.randperm(64, generator=gen)[:30]
+    perm = torch.randperm(30, generator=gen)
+    pe = torch.rand(30, generator=gen, dtype=torch.float64)
+    zero: Rewards = lambda q: torch.zeros(q.total, dtype=torch.float64)  # noqa: E731
+    if isinstance(a, HIVE) and isinstance(b, HIVE):
+        x, _ = run(a.plan(ids, budget, prompt_entropy=pe), zero)
+        y, _ = run(b.plan(ids[perm], budget, prompt_entropy=pe[perm]), zero)
+    else:
+        x, _ = run(a.plan(ids, budget), zero)
+        y, _ = run(b.plan(ids[perm], budget), zero)
+    assert torch.equal(y.counts, x.counts[perm]) and torch.equal(y.reasons, x.reasons[perm])
+
+
+@pytest.mark.parametrize("kind", ["hive", "depo"])
+def test_state_dict_round_trip_mid_run(kind: str) -> None:
+    gen = torch.Generator().manual_seed(4)
+    pools = [torch.randperm(64, generator=gen)[:24] for _ in range(8)]
+    a = make(kind, 11)
+    drive(a, range(4), 50, pools)
+    saved = a.state_dict()
+    tail_a = drive(a, range(4, 8), 50, pools)
+    b = make(kind, 11)
+    b.load_state_dict(saved)
+    tail_b = drive(b, range(4, 8), 50, pools)
+    for x, y in zip(tail_a, tail_b, strict=True):
+        assert torch.equal(x.counts, y.counts) and torch.equal(x.reasons, y.reasons)
+        assert torch.equal(x.rewards, y.rewards) and torch.equal(x.prompt_ids, y.prompt_ids)
+    sa, sb = a.state_dict(), b.state_dict()
+    for key in sa:
+        assert (
+            torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key]).to(torch.as_tensor(sa[key]).dtype))
+            or (torch.as_tensor(sa[key]).isnan() == torch.as_tensor(sb[key]).isnan()).all()
+        ), key
+    # something was filtered along the way (the run is not trivially "keep all")
+    assert any(bool((x.reasons != 0).any()) for x in tail_a)
+
+
+@pytest.mark.parametrize("kind", ["hive", "depo"])
+def test_empty_pool_and_zero_budget(kind: str) -> None:
+    for ids, budget in ((torch.zeros(0, dtype=torch.long), 100), (torch.arange(3), 0)):
+        a = make(kind, 0)
+        res, reqs = run(a.plan(ids, budget), lambda r: torch.zeros(r.total, dtype=torch.float64))
+        assert reqs == [] and int(res.counts.sum()) == 0
+        a.update(res, entropies=torch.zeros(0, dtype=torch.float64))
+        assert a.state_dict()["ids"].numel() == 0
+
+
+# -- bad input ----------------------------------------------------------------------------------------------------
+def test_hive_requires_experimental() -> None:
+    with pytest.raises(InputError, match="experimental"):
+        HIVE()
+    HIVE(experimental=True)
+    DEPO()
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "arg"),
+    [
+        (HIVE, {"n": 0}, "n"),
+        (HIVE, {"n": 4, "n_min": 5}, "n_min"),
+        (HIVE, {"n": 4, "n_max": 3}, "n_max"),
+        (HIVE, {"p_lo": float("nan")}, "p_lo"),
+        (HIVE, {"p_lo": 0.5, "p_hi": 0.4}, "p_hi"),
+        (HIVE, {"window": 0}, "window"),
+        (HIVE, {"delta": -0.1}, "delta"),
+        (HIVE, {"stage2": "both"}, "stage2"),
+        (HIVE, {"seed": -1}, "seed"),
+        (DEPO, {"n": 0}, "n"),
+        (DEPO, {"history_k": 0}, "history_k"),
+        (DEPO, {"init_ratio": -1.0}, "init_ratio"),
+        (DEPO, {"decay": float("inf")}, "decay"),
+        (DEPO, {"min_ratio": 1.5}, "min_ratio"),
+        (DEPO, {"neg_pos_ratio": float("nan")}, "neg_pos_ratio"),
+        (DEPO, {"eps": 0.0}, "eps"),
+        (DEPO, {"pad_multiple": 0}, "pad_multiple"),
+        (DEPO, {"steps_per_epoch": 0}, "steps_per_epoch"),
+        (DEPO, {"seed": 1.5}, "seed"),
+    ],
+)
+def test_bad_constructor(cls: type, kwargs: dict[str, object], arg: str) -> None:
+    if cls is HIVE:
+        kwargs = {**kwargs, "experimental": True}
+    with pytest.raises(InputError, match=arg):
+        cls(**kwargs)
+
+
+@pytest.mark.parametrize("kind", ["hive", "depo"])
+def test_bad_plan_observe_update_load(kind: str) -> None:
+    a = make(kind, 0)
+    with pytest.raises(InputError, match="budget"):
+        a.plan(torch.tensor([1, 2]), -3)
+    with pytest.raises(InputError, match="prompt_ids"):
+        a.plan(torch.tensor([[1, 2]]), 8)
+    with pytest.raises(InputError, match="prompt_ids"):
+        a.plan(torch.tensor([1, 1]), 8)
+    plan = a.plan(torch.tensor([1, 2]), 8)
+    req = plan.next()
+    assert req is not None
+    with pytest.raises(InputError, match="request"):  # unknown ids / not the pending request
+        plan.observe(Request(torch.tensor([9]), torch.tensor([8])), torch.zeros(8))
+    with pytest.raises(InputError, match="rewards"):
+        plan.observe(req, torch.zeros(2, 4))
+    with pytest.raises(InputError, match="rewards"):
+        plan.observe(req, torch.full((8,), float("nan")))
+    plan.observe(req, torch.zeros(8))
+    res = plan.finish()
+    with pytest.raises(InputError, match="result"):
+        a.update(None, entropies=torch.zeros(8))  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="entropies"):
+        a.update(res, entropies=torch.zeros(7))
+    with pytest.raises(InputError, match="entropies"):
+        a.update(res, entropies=torch.full((8,), float("nan")))
+    with pytest.raises(InputError, match="state"):
+        a.load_state_dict({})
+    a.update(res, entropies=torch.zeros(8))
+    bad = a.state_dict()
+    bad["ids"] = torch.tensor([2, 1])
+    with pytest.raises(InputError, match="ids"):
+        a.load_state_dict(bad)
+    if isinstance(a, HIVE):
+        with pytest.raises(InputError, match="prompt_entropy"):
+            a.plan(torch.tensor([1, 2]), 8, prompt_entropy=torch.zeros(3))
+        with pytest.raises(InputError, match="prompt_entropy"):
+            HIVE(stage2="top", experimental=True).plan(torch.tensor([1]), 8)
+    else:
+        with pytest.raises(InputError, match="epoch"):
+            a.set_epoch(-1)
+        with pytest.raises(InputError, match="correct"):
+            depo_group_scores(torch.tensor([0]), torch.tensor([1.0]), torch.ones(1), num_groups=1)
+        with pytest.raises(InputError, match="group"):
+            depo_group_scores(torch.tensor([3]), torch.tensor([True]), torch.ones(1), num_groups=1)
+        with pytest.raises(InputError, match="entropies"):
+            depo_group_scores(torch.tensor([0]), torch.tensor([True]), torch.ones(2), num_groups=1)
