@@ -365,7 +365,7 @@ class DOTS:
         counts = result.counts
         values = result.rewards if self.success_threshold is None else (result.rewards >= self.success_threshold)
         values = values.to(_F64)
-        rate = torch.bincount(result.group, weights=values, minlength=p) / counts.clamp(min=1)
+        rate = torch.bincount(result.group, weights=values, minlength=p).to(_F64) / counts.clamp(min=1)
         played = counts > 0
         # labels: sorted store, overwritten by the newest rate; reference FIFO in prompt-id order
         ids_played = result.plan_prompt_ids[played]

@@ -1,0 +1,464 @@
+"""DOTS + Rollout Replay (arXiv 2506.05316) and the XRPO allocator (arXiv 2510.06672): oracles, hand examples,
+properties, state round trips, bad input."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rolloutopt.allocators._base import AllocationResult, Conversation, Request
+from rolloutopt.allocators.replay import DOTS, XRPOAllocator, t_quantile
+from rolloutopt.errors import InputError
+
+Rewards = Callable[[Request], torch.Tensor]
+F64 = torch.float64
+
+
+def run(plan: Conversation, rewards: Rewards) -> tuple[AllocationResult, list[Request]]:
+    reqs = []
+    while (req := plan.next()) is not None:
+        reqs.append(req)
+        plan.observe(req, rewards(req))
+    return plan.finish(), reqs
+
+
+def const(values: dict[int, list[float]]) -> Rewards:
+    """Each prompt's rewards, cycled to the requested count (continuing across requests)."""
+    seen: dict[int, int] = {}
+
+    def f(req: Request) -> torch.Tensor:
+        out = []
+        for p, c in zip(req.prompt_ids.tolist(), req.counts.tolist(), strict=True):
+            start = seen.get(p, 0)
+            out += [values[p][(start + i) % len(values[p])] for i in range(c)]
+            seen[p] = start + c
+        return torch.tensor(out, dtype=F64)
+
+    return f
+
+
+def bernoulli(rate: torch.Tensor, step: int) -> Rewards:
+    def f(req: Request) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 + step)
+        p = rate[req.prompt_ids].repeat_interleave(req.counts)
+        return (torch.rand(p.shape, generator=g, dtype=F64) < p).double()
+
+    return f
+
+
+def keyed(rate: torch.Tensor, step: int) -> Rewards:
+    """Rewards that depend only on (prompt, rollout index within the request, step): order-free."""
+
+    def f(req: Request) -> torch.Tensor:
+        j = torch.cat([torch.arange(int(c)) for c in req.counts]) if req.counts.numel() else req.counts
+        p = rate[req.prompt_ids].repeat_interleave(req.counts)
+        return ((j * 0.37 + p * 7.1 + step * 0.13) % 1.0 < p).double()
+
+    return f
+
+
+def table(values: list[float]) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda ids: torch.tensor(values, dtype=F64)[ids]
+
+
+# -- DOTS: the spec's oracles -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(5))
+def test_dots_spec_oracle_tau_to_zero(seed: int) -> None:
+    # predicted p = [0.1, 0.45, 0.5, 0.9], budget 2 (one rollout each): the sample is {0.5, 0.45}
+    dots = DOTS(n=1, tau=1e-6, predictor=table([0.1, 0.45, 0.5, 0.9]), seed=seed)
+    req = dots.plan(torch.arange(4), 2).next()
+    assert req is not None
+    assert sorted(req.prompt_ids.tolist()) == [1, 2]
+    assert req.counts.tolist() == [1, 1]
+
+
+def test_dots_spec_oracle_tau_1e3_weight_ratio() -> None:
+    # 0.05 farther from 1/2 -> relative weight e^-50: with one slot the nearer prompt always wins
+    dots = DOTS(n=1, predictor=table([0.55, 0.5]), seed=3)
+    for _ in range(200):
+        req = dots.plan(torch.arange(2), 1).next()
+        assert req is not None and req.prompt_ids.tolist() == [1]
+
+
+def test_dots_draws_follow_the_softmax() -> None:
+    # tau = 0.05: weights e^0 and e^-1 (0.05 farther): P(first prompt) = 1 / (1 + e) = 0.2689 for one slot
+    dots = DOTS(n=1, tau=0.05, predictor=table([0.55, 0.5]), seed=11)
+    hits = 0
+    trials = 3000
+    for _ in range(trials):
+        req = dots.plan(torch.arange(2), 1).next()
+        assert req is not None
+        hits += int(req.prompt_ids[0] == 0)
+    sd = math.sqrt(0.2689 * 0.7311 / trials)
+    assert abs(hits / trials - 1 / (1 + math.e)) < 4 * sd
+
+
+# -- DOTS: replay by hand ---------------------------------------------------------------------------------------
+def test_dots_replay_hand_example() -> None:
+    dots = DOTS(n=2, sigma=0.5, buffer_size=3, seed=0)
+    world = {0: [1.0, 0.0], 1: [1.0, 1.0], 2: [0.0, 0.0], 3: [0.0, 1.0]}
+    plan = dots.plan(torch.arange(4), 8)
+    assert plan.replayed().num_groups == 0  # empty buffer: all fresh (the code's first round)
+    res, reqs = run(plan, const(world))
+    assert res.counts.tolist() == [2, 2, 2, 2]
+    assert res.metrics["replayed_groups"].item() == 0
+    dots.update(res)
+    buf = dots.replay_buffer()
+    # all-1 (prompt 1) and all-0 (prompt 2) groups are removed; the others enter in prompt-id order
+    assert buf["prompt_ids"].tolist() == [0, 3]
+    assert buf["keys"].tolist() == [0, 1]
+    assert buf["steps"].tolist() == [0, 0]
+    assert buf["rewards"].tolist() == [[1.0, 0.0], [0.0, 1.0]]
+    # step 2: B = 4 groups, k = min(floor(0.5 * 4), 2) = 2 replayed, 2 fresh groups = 4 rollouts
+    plan = dots.plan(torch.arange(4), 8)
+    rep = plan.replayed()
+    assert rep.prompt_ids.tolist() == [0, 3] and rep.keys.tolist() == [0, 1]
+    assert rep.counts.tolist() == [2, 2]
+    assert rep.group.tolist() == [0, 0, 1, 1] and rep.index.tolist() == [0, 1, 0, 1]
+    assert rep.rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
+    res, reqs = run(plan, const(world))
+    assert len(reqs) == 1 and reqs[0].total == 4
+    names = [res.reason_names[int(r)] for r in res.reasons]
+    assert sorted(names) == ["displaced_by_replay", "displaced_by_replay", "selected", "selected"]
+    assert res.metrics["replayed_groups"].item() == 2 and res.metrics["replayed_rollouts"].item() == 4
+
+
+def test_dots_fifo_is_bounded_and_keeps_the_newest() -> None:
+    dots = DOTS(n=4, buffer_size=5, seed=1)
+    rate = torch.full((40,), 0.5, dtype=F64)
+    for step in range(6):
+        res, _ = run(dots.plan(torch.arange(40), 64), bernoulli(rate, step))
+        dots.update(res)
+        buf = dots.replay_buffer()
+        assert buf["keys"].numel() <= 5
+        assert bool((buf["keys"][1:] > buf["keys"][:-1]).all())
+        assert int(buf["keys"][-1]) == dots.state_dict()["next_key"] - 1
+        assert int(buf["steps"][-1]) == step
+        # every stored group has unequal rewards
+        for row, c in zip(buf["rewards"], buf["counts"], strict=True):
+            assert row[: int(c)].max() > row[: int(c)].min()
+
+
+def test_sigma_one_or_replay_off_never_replays() -> None:
+    for kwargs in ({"sigma": 1.0}, {"replay": False}, {"buffer_size": 0}):
+        dots = DOTS(n=2, seed=0, **kwargs)  # type: ignore[arg-type]
+        world = {i: [1.0, 0.0] for i in range(6)}
+        for _ in range(3):
+            plan = dots.plan(torch.arange(6), 12)
+            assert plan.replayed().num_groups == 0
+            res, _ = run(plan, const(world))
+            assert int(res.counts.sum()) == 12
+            dots.update(res)
+
+
+# -- DOTS: predictors ---------------------------------------------------------------------------------------------
+def test_dots_label_predictor() -> None:
+    dots = DOTS(n=4, replay=False, seed=0)
+    assert dots.predict(torch.tensor([5])).tolist() == [0.5]  # no reference: the prior
+    world = {0: [1.0, 0.0, 0.0, 0.0], 1: [1.0, 1.0, 1.0, 0.0]}
+    res, _ = run(dots.plan(torch.arange(2), 8), const(world))
+    dots.update(res)
+    # seen prompts: their last success rate; unseen: the reference mean (0.25 + 0.75) / 2
+    assert dots.predict(torch.tensor([0, 1, 7])).tolist() == [0.25, 0.75, 0.5]
+    res, _ = run(dots.plan(torch.tensor([0]), 4), const({0: [1.0, 1.0, 0.0, 1.0]}))
+    dots.update(res)
+    assert dots.predict(torch.tensor([0, 7])).tolist() == [0.75, (0.25 + 0.75 + 0.75) / 3]
+
+
+def test_dots_reference_set_is_bounded() -> None:
+    dots = DOTS(n=1, replay=False, ref_size=2, seed=0)
+    res, _ = run(dots.plan(torch.arange(3), 3), const({0: [0.0], 1: [1.0], 2: [1.0]}))
+    dots.update(res)
+    state = dots.state_dict()
+    assert state["ref_ids"].tolist() == [1, 2] and state["ref_labels"].tolist() == [1.0, 1.0]
+    assert dots.predict(torch.tensor([9])).tolist() == [1.0]
+
+
+def test_dots_embedding_predictor_by_hand() -> None:
+    emb = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 0.0], [1.0, 1.0]])
+    with pytest.raises(InputError, match="experimental"):
+        DOTS(embeddings=emb, embedding_ids=torch.arange(4))
+    dots = DOTS(
+        n=1, replay=False, embeddings=emb, embedding_ids=torch.arange(4), experimental=True, similarity_temperature=1e-3
+    )
+    assert dots.predict(torch.arange(4)).tolist() == [0.5] * 4  # no reference yet
+    res, _ = run(dots.plan(torch.arange(2), 2), const({0: [0.0], 1: [1.0]}))
+    dots.update(res)
+    p = dots.predict(torch.arange(4))
+    # prompt 2 points like prompt 0 (label 0); prompt 3 sits halfway (cosine equal to both): the mean 0.5.
+    # Calibration on the references: raw predictions (0, 1) vs labels (0, 1): slope 1, intercept 0.
+    torch.testing.assert_close(p, torch.tensor([0.0, 1.0, 0.0, 0.5], dtype=F64), atol=1e-9, rtol=0)
+    with pytest.raises(InputError, match="prompt_ids"):
+        dots.predict(torch.tensor([9]))
+
+
+def test_dots_calibration_rescales() -> None:
+    # soft similarities (T = 1) shrink the raw predictions towards the mean; the linear fit on the references
+    # maps the reference points back onto their labels exactly (two points), so prompt 0 predicts 0.
+    emb = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    kw = {"n": 1, "replay": False, "embeddings": emb, "embedding_ids": torch.arange(2), "experimental": True}
+    raw = DOTS(similarity_temperature=1.0, calibrate=False, **kw)  # type: ignore[arg-type]
+    cal = DOTS(similarity_temperature=1.0, **kw)  # type: ignore[arg-type]
+    for d in (raw, cal):
+        res, _ = run(d.plan(torch.arange(2), 2), const({0: [0.0], 1: [1.0]}))
+        d.update(res)
+    w = 1 / (1 + math.e)  # softmax([cos 0, cos 1] / 1) weight of the orthogonal reference
+    torch.testing.assert_close(raw.predict(torch.arange(2)), torch.tensor([w, 1 - w], dtype=F64))
+    torch.testing.assert_close(cal.predict(torch.arange(2)), torch.tensor([0.0, 1.0], dtype=F64))
+
+
+# -- DOTS: properties ---------------------------------------------------------------------------------------------
+@settings(max_examples=25, deadline=None)
+@given(
+    k=st.integers(0, 12),
+    budget=st.integers(0, 80),
+    n=st.integers(1, 4),
+    dn_min=st.integers(0, 3),
+    dn_max=st.integers(0, 3),
+    seed=st.integers(0, 50),
+)
+def test_dots_properties(k: int, budget: int, n: int, dn_min: int, dn_max: int, seed: int) -> None:
+    n_min = max(1, n - dn_min)
+    n_max = n + dn_max
+    rate = torch.linspace(0.0, 1.0, 30, dtype=F64)
+    ids = torch.randperm(30, generator=torch.Generator().manual_seed(seed))[:k]
+    a = DOTS(n=n, n_min=n_min, n_max=n_max, buffer_size=6, seed=seed)
+    b = DOTS(n=n, n_min=n_min, n_max=n_max, buffer_size=6, seed=seed)
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed + 1))
+    for step in range(3):
+        pa = a.plan(ids, budget)
+        pb = b.plan(ids[perm], budget)
+        ra, reqs = run(pa, keyed(rate, step))
+        rb, _ = run(pb, keyed(rate, step))
+        assert len(reqs) <= 1 and int(ra.counts.sum()) <= budget
+        got = ra.counts[ra.counts > 0]
+        assert bool(((got >= n_min) & (got <= n_max)).all())
+        assert int(ra.counts.sum()) + n * pa.replayed().num_groups <= budget or pa.replayed().num_groups == 0
+        # permutation of the pool permutes the plan (same draws, same replay) and nothing else
+        assert torch.equal(rb.counts, ra.counts[perm]) and torch.equal(rb.reasons, ra.reasons[perm])
+        assert torch.equal(pb.replayed().keys, pa.replayed().keys)
+        assert bool(torch.isfinite(pa.predicted).all())
+        a.update(ra)
+        b.update(rb)
+
+
+def test_dots_seeded_and_state_round_trip_mid_run() -> None:
+    rate = torch.rand(50, generator=torch.Generator().manual_seed(0), dtype=F64)
+    ids = torch.arange(50)
+
+    def steps(d: DOTS, start: int, count: int) -> list[tuple[list[int], list[int]]]:
+        out = []
+        for s in range(start, start + count):
+            plan = d.plan(ids, 96)
+            res, _ = run(plan, bernoulli(rate, s))
+            d.update(res)
+            out.append((res.counts.tolist(), plan.replayed().keys.tolist()))
+        return out
+
+    a = DOTS(n=4, buffer_size=10, seed=7)
+    first = steps(a, 0, 3)
+    state = a.state_dict()
+    rest_a = steps(a, 3, 4)
+    b = DOTS(n=4, buffer_size=10, seed=123)
+    b.load_state_dict(state)
+    assert steps(b, 3, 4) == rest_a
+    c = DOTS(n=4, buffer_size=10, seed=7)
+    assert steps(c, 0, 3) == first  # same seed, same run
+    assert any(keys for _, keys in rest_a)  # replay was exercised
+
+
+# -- DOTS: bad input ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "arg"),
+    [
+        ({"n": 0}, "n"),
+        ({"n_min": 9}, "n_min"),
+        ({"n_max": 2}, "n_max"),
+        ({"alpha": 1.5}, "alpha"),
+        ({"tau": 0.0}, "tau"),
+        ({"sigma": 0.0}, "sigma"),
+        ({"buffer_size": -1}, "buffer_size"),
+        ({"ref_size": 0}, "ref_size"),
+        ({"replay": 1}, "replay"),
+        ({"prior": float("nan")}, "prior"),
+        ({"similarity_temperature": -1.0}, "similarity_temperature"),
+        ({"predictor": 3}, "predictor"),
+        ({"seed": -1}, "seed"),
+        ({"embeddings": torch.zeros(3, 2), "embedding_ids": torch.arange(2), "experimental": True}, "embedding_ids"),
+        ({"embeddings": torch.zeros(3), "embedding_ids": torch.arange(3), "experimental": True}, "embeddings"),
+    ],
+)
+def test_dots_bad_constructor(kwargs: dict[str, object], arg: str) -> None:
+    with pytest.raises(InputError, match=arg):
+        DOTS(**kwargs)  # type: ignore[arg-type]
+
+
+def test_dots_bad_plan_observe_update_load() -> None:
+    dots = DOTS(n=2)
+    with pytest.raises(InputError, match="budget"):
+        dots.plan(torch.arange(3), -1)
+    with pytest.raises(InputError, match="prompt_ids"):
+        dots.plan(torch.tensor([0.5]), 2)
+    plan = dots.plan(torch.arange(3), 6)
+    req = plan.next()
+    assert req is not None
+    with pytest.raises(InputError, match="rewards"):
+        plan.observe(req, torch.zeros(req.total + 1))
+    with pytest.raises(InputError, match="rewards"):
+        plan.observe(req, torch.full((req.total,), float("nan")))
+    with pytest.raises(InputError, match="request"):
+        plan.observe(Request(torch.tensor([99]), torch.tensor([6])), torch.zeros(6))
+    with pytest.raises(InputError, match="prompt_ids"):
+        Conversation.positions(plan, torch.tensor([99]))  # unknown ids
+    with pytest.raises(InputError, match="result"):
+        dots.update("not a result")  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="state"):
+        dots.load_state_dict({"step": 0})
+    bad = dots.state_dict()
+    bad["labels"] = torch.zeros(3)
+    with pytest.raises(InputError, match="state"):
+        dots.load_state_dict(bad)
+    wrong = DOTS(n=2, n_max=3).state_dict()
+    with pytest.raises(InputError, match="state"):
+        DOTS(n=2).load_state_dict(wrong)  # buffer width n_max differs
+    with pytest.raises(InputError, match="predictor"):
+        DOTS(predictor=lambda ids: torch.zeros(1)).plan(torch.arange(3), 16)
+    with pytest.raises(InputError, match="predictor"):
+        DOTS(predictor=lambda ids: torch.full(ids.shape, math.nan, dtype=F64)).plan(torch.arange(3), 16)
+
+
+def test_dots_empty_pool_and_small_budget() -> None:
+    dots = DOTS(n=4)
+    for ids, budget in ((torch.zeros(0, dtype=torch.long), 16), (torch.arange(3), 3), (torch.arange(3), 0)):
+        res, reqs = run(dots.plan(ids, budget), const({}))
+        assert reqs == [] and res.rewards.numel() == 0
+        dots.update(res)
+
+
+# -- XRPO -----------------------------------------------------------------------------------------------------------
+def test_t_quantile_against_tables() -> None:
+    # two-sided 95% critical values of Student's t (standard tables)
+    df = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 30.0])
+    want = torch.tensor([12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.2281, 2.0423], dtype=F64)
+    got = t_quantile(0.975, df)
+    assert bool(((got - want).abs() / want < 3e-3).all())
+    torch.testing.assert_close(got[:2], want[:2], atol=1e-4, rtol=0)
+    assert bool(torch.isnan(t_quantile(0.975, torch.tensor([0.0]))).all())
+
+
+def test_xrpo_requires_experimental() -> None:
+    with pytest.raises(InputError, match="experimental"):
+        XRPOAllocator()
+
+
+def test_xrpo_priority_by_hand() -> None:
+    # lam = 0: priority = t_{.975,3} s / 2 - t_{.975,4} s / sqrt(5), s = sample sd of [1, 0, 1, 0] = sqrt(1/3)
+    xr = XRPOAllocator(n_base=4, lam=0.0, round_size=1, experimental=True)
+    plan = xr.plan(torch.tensor([10, 20]), 9)
+    world = const({10: [1.0, 0.0], 20: [1.0]})
+    req = plan.next()
+    assert req is not None and req.counts.tolist() == [4, 4]
+    plan.observe(req, world(req))
+    s = math.sqrt(1 / 3)
+    want = 3.1824 * s / 2 - 2.7764 * s / math.sqrt(5)
+    pri = plan.priority()  # type: ignore[attr-defined]
+    assert abs(float(pri[0]) - want) < 2e-3 and float(pri[1]) == 0.0
+    req = plan.next()
+    assert req is not None and req.prompt_ids.tolist() == [10] and req.counts.tolist() == [1]
+    plan.observe(req, world(req))
+    assert plan.next() is None
+    res = plan.finish()
+    assert res.counts.tolist() == [5, 4]
+    assert [res.reason_of(10), res.reason_of(20)] == ["extra", "base"]
+
+
+def test_xrpo_bonus_alone_is_round_robin() -> None:
+    # all-equal groups: Delta h = 0, the bonus lam sqrt(log(1+T)/n) favours the fewest rollouts, ties to lower ids
+    xr = XRPOAllocator(n_base=2, lam=1.0, round_size=1, experimental=True)
+    res, reqs = run(xr.plan(torch.tensor([3, 1, 2]), 6 + 3), const({1: [1.0], 2: [0.0], 3: [1.0]}))
+    assert [r.prompt_ids.tolist() for r in reqs[1:]] == [[1], [2], [3]]
+    assert res.counts.tolist() == [3, 3, 3]
+
+
+def test_xrpo_targets_uncertain_prompts_caps_and_short_budget() -> None:
+    xr = XRPOAllocator(n_base=4, n_max=12, lam=0.0, experimental=True)
+    world = const({0: [1.0, 0.0], 1: [1.0], 2: [0.0], 3: [0.0, 1.0]})
+    res, _ = run(xr.plan(torch.arange(4), 32), world)
+    assert int(res.counts.sum()) == 32
+    assert res.counts.tolist() == [12, 4, 4, 12]  # the mixed prompts take all 16 extras, up to n_max
+    assert [res.reason_of(i) for i in range(4)] == ["capped", "base", "base", "capped"]
+    res, _ = run(xr.plan(torch.arange(4), 1000), world)  # everything capped: spends 4 * 12
+    assert res.counts.tolist() == [12] * 4
+    res, _ = run(xr.plan(torch.tensor([7, 5, 6]), 9), world_all := const({5: [1.0], 6: [1.0], 7: [1.0]}))
+    assert res.counts.tolist() == [0, 5, 4] and res.reason_of(7) == "no_budget"  # lowest ids get base groups
+    del world_all
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    k=st.integers(0, 10),
+    budget=st.integers(0, 120),
+    n_base=st.integers(1, 5),
+    extra=st.integers(0, 6),
+    lam=st.sampled_from([0.0, 0.05, 1.0]),
+    seed=st.integers(0, 50),
+)
+def test_xrpo_properties(k: int, budget: int, n_base: int, extra: int, lam: float, seed: int) -> None:
+    n_max = n_base + extra
+    rate = torch.linspace(0.0, 1.0, 20, dtype=F64)
+    ids = torch.randperm(20, generator=torch.Generator().manual_seed(seed))[:k]
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed + 1))
+    xr = XRPOAllocator(n_base=n_base, n_max=n_max, lam=lam, experimental=True)
+
+    world = keyed(rate, 0)
+    ra, _ = run(xr.plan(ids, budget), world)
+    rb, _ = run(xr.plan(ids[perm], budget), world)
+    spent = int(ra.counts.sum())
+    assert spent <= budget
+    got = ra.counts[ra.counts > 0]
+    assert bool(((got >= n_base) & (got <= n_max)).all())
+    if k and budget >= k * n_base:
+        assert spent == min(budget, k * n_max)  # spends everything unless every prompt is capped
+    assert torch.equal(rb.counts, ra.counts[perm]) and torch.equal(rb.reasons, ra.reasons[perm])
+    xr.update(ra)
+    rc, _ = run(xr.plan(ids, budget), world)
+    assert torch.equal(rc.counts, ra.counts)  # deterministic
+
+
+def test_xrpo_state_and_bad_input() -> None:
+    xr = XRPOAllocator(experimental=True)
+    other = XRPOAllocator(experimental=True, seed=5)
+    other.load_state_dict(xr.state_dict())
+    assert torch.equal(other.state_dict()["generator"], xr.state_dict()["generator"])
+    for kwargs, arg in (
+        ({"n_base": 0}, "n_base"),
+        ({"n_max": 4}, "n_max"),
+        ({"alpha": 1.0}, "alpha"),
+        ({"alpha": 0.0}, "alpha"),
+        ({"lam": -1.0}, "lam"),
+        ({"round_size": 0}, "round_size"),
+        ({"s_floor": -0.1}, "s_floor"),
+        ({"n_min": 0}, "n_min"),
+    ):
+        with pytest.raises(InputError, match=arg):
+            XRPOAllocator(experimental=True, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="budget"):
+        xr.plan(torch.arange(2), -3)
+    plan = xr.plan(torch.arange(2), 16)
+    req = plan.next()
+    assert req is not None
+    with pytest.raises(InputError, match="rewards"):
+        plan.observe(req, torch.zeros(3))
+    with pytest.raises(InputError, match="rewards"):
+        plan.observe(req, torch.full((req.total,), float("nan")))
+    with pytest.raises(InputError, match="prompt_ids"):
+        plan.positions(torch.tensor([42]))
+    with pytest.raises(InputError, match="result"):
+        xr.update(None)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="state"):
+        xr.load_state_dict({})
