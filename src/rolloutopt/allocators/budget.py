@@ -216,8 +216,9 @@ class CoBAAllocator:
       ``[n_min, n_max]`` (reason ``"short_budget"``).
     - **Order**: "the first prompts" of every remainder rule and the heap's ties are by prompt id.
 
-    Budget: never more than ``T``. It spends all of it unless every prompt reaches ``n_max`` (the code then
-    leaves the rest unused, as here), or a budget below ``M n_min`` leaves a remainder below ``n_min``. Every
+    Budget: never more than ``T``. It spends all of it unless the caps bind: step 5 makes one capped uniform
+    pass per tier, as the code does, so a leftover can stay unused (the code leaves it unused too), and a
+    budget below ``M n_min`` can leave a remainder below ``n_min``. Every
     rollout is kept (weight 1). Reasons: ``"explore"``, ``"very_hard"``, ``"very_easy"``, ``"uniform"`` (no
     prompt seen), ``"short_budget"``, ``"no_budget"`` (0 rollouts).
 
@@ -445,7 +446,8 @@ class Knapsack:
     count to ``n`` when nothing is effective and no prompt has :math:`p = 0` (which fails its own assertion
     unless the budget is ``P n``) is a uniform split over all prompts. Float64 costs (the code's are float32).
 
-    Budget: never more than the budget; all of it unless every eligible prompt reaches ``n_max``. Every rollout
+    Budget: never more than the budget; all of it unless the caps bind (the surplus split is one capped pass,
+    and the DP places at most ``n_max - n_min`` extra per effective item; the rest stays unused). Every rollout
     is kept (weight 1). Reasons: ``"effective"``, ``"unsolved"`` (p = 0), ``"solved"`` (p = 1), ``"unseen"``,
     ``"surplus"`` (a non-effective prompt that got surplus), ``"short_budget"``, ``"no_budget"``.
 
