@@ -321,7 +321,7 @@ class DEPO:
             rest = ranked[top_n:]
             kept = int(unseen.sum()) + top_n
             pad = (-kept) % self.pad_multiple
-            padded = rest[_order([count[rest], -score[rest]], ties[rest])][:pad]
+            padded = rest[_order([count[rest], -score[rest]], ties[rest])][:pad] if pad else rest[:0]
             unseen_idx = unseen.nonzero().squeeze(1)
             unseen_idx = unseen_idx[ties[unseen_idx].argsort()]
             order = torch.cat([unseen_idx, top, padded])
