@@ -515,3 +515,139 @@ def test_behaviour_logprob_presets_run_with_a_rollout_func() -> None:
             assert math.isfinite(log["rolloutopt/pg_loss"]), name
         if "correction" in preset.config:  # the behaviour weights were computed from the engine's log-probs
             assert any(log["rolloutopt/is_weight_mean"] != 1.0 for log in logs), name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# allocator=: a prompt selector chooses each generation batch's prompts from a candidate pool
+
+ALLOC_PROMPTS = ["abc", "hello", "xyz 1", "count", "aaa", "b2", "tea a", "zz"]
+
+
+def selector_run(allocator: Any, *, pool: int | None = None) -> tuple[Any, list[list[str]], list[list[float]]]:
+    """Three steps, 2 prompts × 2 generations per generation batch, from 8 prompts; records what was scored."""
+    seen: list[list[str]] = []
+    scored: list[list[float]] = []
+
+    def recording_reward(completions: list[str], prompts: list[str], **kwargs: Any) -> list[float]:
+        out = reward(completions)
+        seen.append(list(prompts))
+        scored.append(out)
+        return out
+
+    ds = datasets.Dataset.from_dict({"prompt": ALLOC_PROMPTS})
+    args = config(num_generations=2, per_device_train_batch_size=4, max_steps=3)
+    trainer = GRPOTrainer(
+        model=model(), reward_funcs=recording_reward, args=args, train_dataset=ds, processing_class=tokenizer(),
+        objective="dapo", allocator=allocator, allocator_pool=pool,
+    )  # fmt: skip
+    trainer.train()
+    return trainer, seen, scored
+
+
+class Spy:
+    """Records every ``update`` result of the allocator class it is mixed into."""
+
+    results: list[Any]
+
+    def update(self, result: Any) -> None:
+        self.results.append(result)
+        super().update(result)  # type: ignore[misc]
+
+
+def spy(make: Any) -> Any:
+    cls = make.func
+    obj = type(f"Spy{cls.__name__}", (Spy, cls), {})(**make.keywords)
+    obj.results = []
+    return obj
+
+
+@pytest.mark.parametrize("which", ["dps", "greso", "greso_pad", "gdro"])
+def test_selector_allocator_chooses_the_trained_prompts(which: str) -> None:
+    from rolloutopt.allocators import DPS, GRESO, PromptGDRO
+
+    pool_size = 6
+    if which == "dps":
+        make: Any = functools.partial(DPS, n=2, seed=3)
+    elif which == "gdro":
+        make = functools.partial(PromptGDRO, n=2, seed=3, experimental=True)
+    else:
+        # greso_pad: p_easy = floor = 0 skips every prompt with an easy run (mean reward >= 1) for sure, and a pool
+        # of 2 then leaves the selector short of the 2 prompts a generation batch holds: padding fills it
+        pad = which == "greso_pad"
+        pool_size = 2 if pad else 6
+        make = functools.partial(
+            GRESO, n=2, filter_zero_variance=False, sampling_batch_size=2, min_sampling_batch_size=1,
+            easy_threshold=1.0, hard_threshold=0.5, seed=3, p_easy=0.0 if pad else 0.5, min_p=0.0,
+            floor=0.0 if pad else 0.01,
+        )  # fmt: skip
+    alloc = spy(make)
+    trainer, seen, scored = selector_run(alloc, pool=pool_size)
+    logs = step_logs(trainer)
+    assert len(logs) == 3 and all(math.isfinite(h["loss"]) and math.isfinite(h["grad_norm"]) for h in logs)
+    assert len(alloc.results) == 3 == len(seen)  # one plan, one update per generation batch
+    replay = make()  # the same allocator, same seed, fed the same pools and rewards, selects the same prompts
+    gen = torch.Generator().manual_seed(0)  # args.seed
+    for res, prompts, rewards in zip(alloc.results, seen, scored, strict=True):
+        pool = torch.randperm(len(ALLOC_PROMPTS), generator=gen)[:pool_size]
+        plan = replay.plan(pool, 4)
+        req = plan.next()
+        assert req is not None and req.counts.tolist() == [2] * req.prompt_ids.numel()
+        # the prompts trained are the ones selected, in request order, each num_generations times
+        selected = res.prompt_ids.tolist()
+        assert selected == req.prompt_ids.repeat_interleave(2).tolist()
+        assert prompts[: len(selected)] == [ALLOC_PROMPTS[i] for i in selected]
+        # update got TRL's rewards of those rollouts
+        assert_close(res.rewards, torch.tensor(rewards[: len(selected)], dtype=torch.float64))
+        plan.observe(req, res.rewards)
+        assert plan.next() is None
+        replay.update(plan.finish())
+        # padding (when the selector chose fewer than 2 prompts): unselected candidates of the same pool
+        padding = prompts[len(selected) :]
+        assert len(prompts) == 4 and set(padding) <= {ALLOC_PROMPTS[int(i)] for i in pool} - set(
+            prompts[: len(selected)]
+        )
+    padded = [h["rolloutopt/alloc/padded_prompts"] for h in logs]
+    assert padded == [(4 - r.prompt_ids.numel()) // 2 for r in alloc.results]
+    assert (sum(padded) > 0) == (which == "greso_pad")
+    if which == "dps":  # the allocator's state changed: every selected prompt was rolled out and counted
+        ids = torch.cat([r.plan_prompt_ids[r.counts > 0] for r in alloc.results])
+        assert alloc.num_known > 0
+        assert int(alloc.sampled_times(torch.unique(ids)).sum()) == 6
+        assert_close(alloc.predictive(torch.arange(8)), replay.predictive(torch.arange(8)))
+    elif which == "gdro":  # the adversary's distribution moved away from uniform, as the replay's did
+        assert_close(alloc.bin_probs(), replay.bin_probs())
+        fresh = make().bin_probs()
+        assert not torch.allclose(alloc.bin_probs(), fresh)
+    else:
+        assert alloc.steps == 3 == replay.steps
+        for a, b in zip(alloc.run_lengths(torch.arange(8)), replay.run_lengths(torch.arange(8)), strict=True):
+            assert a.tolist() == b.tolist()
+        assert sum(int(x.sum()) for x in alloc.run_lengths(torch.arange(8))) > 0
+
+
+def test_allocators_trl_cannot_run_are_refused() -> None:
+    from rolloutopt.allocators import DPS, GRESO, VIGOR, DAPODynamicSampling
+
+    ds = datasets.Dataset.from_dict({"prompt": ALLOC_PROMPTS})
+
+    def build(alloc: Any, **kw: Any) -> Any:
+        args = config(num_generations=2, per_device_train_batch_size=4)
+        return GRPOTrainer(
+            model=model(), reward_funcs=reward, args=args, train_dataset=ds, processing_class=tokenizer(),
+            allocator=alloc, **kw,
+        )  # fmt: skip
+
+    with pytest.raises(InputError, match=r"^allocator:.*VIGOR"):
+        build(VIGOR())
+    with pytest.raises(InputError, match=r"^allocator:.*DAPODynamicSampling"):
+        build(DAPODynamicSampling())
+    with pytest.raises(InputError, match=r"^allocator:.*filter_zero_variance"):
+        build(GRESO(n=2))
+    with pytest.raises(InputError, match=r"^allocator:.*num_generations"):
+        build(DPS(n=4))
+    with pytest.raises(InputError, match=r"^allocator:.*sampling_batch_size"):
+        build(GRESO(n=2, filter_zero_variance=False, sampling_batch_size=1, min_sampling_batch_size=1))
+    with pytest.raises(InputError, match=r"^allocator_pool:"):
+        build(DPS(n=2), allocator_pool=1)
+    with pytest.raises(InputError, match=r"^allocator_pool:"):
+        build(DPS(n=2), allocator_pool=9)

@@ -3,10 +3,14 @@
 ``rolloutopt.integrations.trl.GRPOTrainer(..., objective=rolloutopt.losses.get("m2po"),
 advantage=rolloutopt.advantages.get("mc_grpo"))`` trains with TRL's generation, rewards, reference model,
 optimizer and logging, and with rolloutopt's policy loss and advantage estimator in place of TRL's
-``loss_type`` and group normalisation. It overrides three methods of TRL's trainer (specs/integrations.md §2.4):
+``loss_type`` and group normalisation; with ``allocator=`` a prompt selector (DPS, PromptGDRO, GRESO without
+dynamic sampling) chooses each generation batch's prompts. It overrides three methods of TRL's trainer
+(specs/integrations.md §2.4):
 
 - ``_calculate_rewards``: stores the rewards TRL gathered over every process, ``[N, n_funcs]``;
-- ``_generate_and_score_completions``: after TRL's own, recomputes the advantages from those rewards with the
+- ``_generate_and_score_completions``: with an allocator, first replaces the generation batch by the prompts it
+  selects from a candidate pool of dataset indices, and afterwards feeds it TRL's gathered rewards
+  (``observe``/``finish``/``update``); after TRL's own, recomputes the advantages from those rewards with the
   rolloutopt estimator and TRL's prompt grouping (consecutive blocks of ``num_generations`` rows of the
   gathered batch), and slices this process's rows;
 - ``_compute_loss``: the per-token log-probs from TRL's ``_get_per_token_logps_and_entropies``, then the
@@ -179,6 +183,47 @@ def _fail(argument: str, expected: str, got: Any, fix: str) -> InputError:
     return InputError(argument, expected, repr(got), fix)
 
 
+_REFUSED_ALLOCATORS: dict[str, str] = {
+    "VIGOR": "tops up prompts in several requests with unequal counts",
+    "PilotCommit": "samples a pilot round, then commits unequal counts",
+    "RolloutGDRO": "gives prompts unequal rollout counts",
+    "DAPODynamicSampling": "samples again until enough groups have variance (several generation rounds)",
+    "Uniform": "spreads the budget over every candidate (not a prompt selector)",
+}
+
+
+def _check_allocator(allocator: Any, num_generations: Any, pool: Any) -> None:
+    """Accept a prompt selector whose plan is one request of ``num_generations`` rollouts per prompt."""
+    from rolloutopt.allocators import DPS, GRESO, PromptGDRO
+
+    if pool is not None and (not isinstance(pool, int) or isinstance(pool, bool) or pool < 1):
+        raise _fail("allocator_pool", "None or an int >= 1 (candidates per generation batch)", pool, "pass e.g. 64")
+    name = type(allocator).__name__
+    if not isinstance(allocator, (DPS, GRESO, PromptGDRO)):
+        why = next((v for k, v in _REFUSED_ALLOCATORS.items() if k == name), "is not a known fixed-count selector")
+        raise _fail(
+            "allocator",
+            "a prompt selector TRL can run (DPS, PromptGDRO, GRESO(filter_zero_variance=False)): TRL generates "
+            "num_generations completions per prompt, once per generation batch",
+            f"{name}, which {why}",
+            "use a selector, or run this allocator with a trainer that supports per-prompt counts (verl adapter)",
+        )
+    if isinstance(allocator, GRESO) and allocator.filter_zero_variance:
+        raise _fail(
+            "allocator",
+            "GRESO(filter_zero_variance=False): its dynamic-sampling rounds need several generations per step",
+            "GRESO(filter_zero_variance=True)",
+            "construct GRESO(..., filter_zero_variance=False) (the skip-before-rollout selection still runs)",
+        )
+    if allocator.n != num_generations or allocator.n_max != allocator.n:
+        raise _fail(
+            "allocator",
+            f"a group size n = n_max = num_generations = {num_generations}",
+            f"{name}(n={allocator.n}, n_max={allocator.n_max})",
+            f"construct the allocator with n={num_generations} and the default n_max",
+        )
+
+
 @functools.cache
 def _trainer_class() -> type:
     """Build the :class:`GRPOTrainer` subclass (imports TRL; called on first access of ``GRPOTrainer``)."""
@@ -221,7 +266,14 @@ def _trainer_class() -> type:
                 plain callable is assumed to aggregate with ``token-mean``). None keeps TRL's ``loss_type`` loss.
             advantage: an estimator from :mod:`rolloutopt.advantages` (or its name) taking ``(rewards, group)``
                 plus keywords (bind others with ``functools.partial``), or None for TRL's group normalisation.
-            allocator: must be None (allocators are not available in this adapter yet).
+            allocator: None, or a prompt *selector* (:class:`~rolloutopt.allocators.DPS`,
+                :class:`~rolloutopt.allocators.PromptGDRO`, :class:`~rolloutopt.allocators.GRESO` with
+                ``filter_zero_variance=False``) with ``n = num_generations``: each generation batch it chooses the
+                prompts from a candidate pool and learns from their rewards (see :meth:`_ro_select`). Allocators
+                that give prompts unequal counts or sample in several rounds are refused.
+            allocator_pool: candidates offered to the allocator per generation batch: None (default) the whole
+                training dataset, else that many dataset indices (>= prompts per generation batch), drawn without
+                replacement with a generator seeded by ``args.seed`` (identical on every process).
             use_fused: must be False (fused log-prob kernels are not available yet).
             experimental: acknowledge an experimental preset or estimator (passed as ``experimental=True``).
 
@@ -230,7 +282,8 @@ def _trainer_class() -> type:
                 ``requires`` the trainer cannot provide (``behav_logp`` needs ``use_vllm=True`` or a
                 ``rollout_func`` that returns log-probs; ``versions``, ``topk_logp``, ``topk_behav_logp`` and
                 ``confidence`` are not available from TRL), for an estimator that needs more than rewards and
-                groups, and for an experimental preset without ``experimental=True``.
+                groups, for an experimental preset without ``experimental=True``, and for an allocator that is
+                not a fixed-count prompt selector (or whose group size is not ``num_generations``).
 
         Metrics: every ``LossOutput.metrics`` entry is logged as ``rolloutopt/<name>`` and every
         ``AdvantageOutput.metrics`` entry as ``rolloutopt/adv/<name>`` through TRL's ``self._metrics[mode]``
@@ -246,17 +299,11 @@ def _trainer_class() -> type:
             objective: Any = None,
             advantage: Any = None,
             allocator: Any = None,
+            allocator_pool: int | None = None,
             use_fused: bool = False,
             experimental: bool = False,
             **kwargs: Any,
         ) -> None:
-            if allocator is not None:
-                raise _fail(
-                    "allocator",
-                    "None: allocators are not available in the TRL adapter yet",
-                    allocator,
-                    "pass allocator=None (TRL's fixed num_generations per prompt)",
-                )
             if use_fused is not False:
                 raise _fail(
                     "use_fused",
@@ -288,7 +335,14 @@ def _trainer_class() -> type:
             if self._ro_advantage is not None:
                 self._check_advantage(config)
             self._ro_rewards: Tensor | None = None
+            self._ro_alloc_rewards: Tensor | None = None
+            self._ro_allocator = allocator
+            self._ro_pool = allocator_pool
+            if allocator is not None:
+                _check_allocator(allocator, config.num_generations, allocator_pool)
             super().__init__(*args, **kwargs)
+            if allocator is not None:
+                self._ro_init_allocator()
 
         # ------------------------------------------------------------------ validation
         def _check_objective(self, config: Any, has_rollout_func: bool) -> None:
@@ -465,9 +519,97 @@ def _trainer_class() -> type:
         def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Tensor:
             rewards_per_func: Tensor = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
             self._ro_rewards = rewards_per_func
+            self._ro_alloc_rewards = rewards_per_func
             return rewards_per_func
 
+        # ------------------------------------------------------------------ allocator (prompt selection)
+        def _ro_init_allocator(self) -> None:
+            ds: Any = self.train_dataset
+            if ds is None or not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__"):
+                raise _fail(
+                    "train_dataset",
+                    "a map-style dataset (indexable, with a length) when allocator is given",
+                    type(ds).__name__,
+                    "pass a datasets.Dataset (prompt ids are dataset indices)",
+                )
+            targs: Any = self.args
+            prompts = int(targs.generation_batch_size) // int(self.num_generations)  # type: ignore[arg-type]
+            size = len(ds)
+            pool = size if self._ro_pool is None else self._ro_pool
+            if not prompts <= pool <= size:
+                raise _fail(
+                    "allocator_pool",
+                    f"between the prompts per generation batch ({prompts}) and the dataset size ({size})",
+                    pool,
+                    "pass allocator_pool=None (the whole dataset) or a pool size in that range",
+                )
+            sbs = getattr(self._ro_allocator, "sampling_batch_size", None)
+            if sbs is not None and sbs < prompts:
+                raise _fail(
+                    "allocator",
+                    f"GRESO with sampling_batch_size >= {prompts} (the prompts per generation batch)",
+                    f"sampling_batch_size={sbs}",
+                    f"construct GRESO(..., sampling_batch_size={prompts}) or larger",
+                )
+            self._ro_pool_size = pool
+            self._ro_prompts_per_batch = prompts
+            self._ro_gen = torch.Generator().manual_seed(int(targs.seed))
+            self.last_allocation: Any = None  # the AllocationResult of the last generation batch
+
+        def _ro_select(self, inputs: list[Any]) -> tuple[list[Any], Any, Any, int]:
+            """Plan over a candidate pool and return this process's rows of the selected prompts.
+
+            Every process draws the same pool and the allocator plans identically, so the global generation batch
+            is the selected prompts (request order) each repeated ``num_generations`` times, then, if the
+            allocator selected fewer than the batch holds, the next unselected candidates (padding, trained but
+            not reported to the allocator); this process takes its contiguous slice, as TRL's sampler would give.
+            """
+            g = int(self.num_generations)  # type: ignore[arg-type]
+            b_prompts = self._ro_prompts_per_batch
+            pool = torch.randperm(len(self.train_dataset), generator=self._ro_gen)[: self._ro_pool_size]  # type: ignore[arg-type]
+            plan = self._ro_allocator.plan(pool, b_prompts * g)
+            req = plan.next()
+            chosen = torch.zeros(0, dtype=torch.long) if req is None else req.prompt_ids
+            if req is not None and (bool((req.counts != g).any()) or chosen.numel() > b_prompts):
+                raise RuntimeError(
+                    f"the allocator requested counts {req.counts.tolist()} for {chosen.numel()} prompts; the TRL "
+                    f"adapter needs at most {b_prompts} prompts with num_generations={g} rollouts each"
+                )
+            pad = pool[~torch.isin(pool, chosen)][: b_prompts - chosen.numel()]
+            prompt_ids = torch.cat([chosen, pad]).repeat_interleave(g)
+            b = len(inputs)
+            start = self.accelerator.process_index * b
+            local = prompt_ids[start : start + b].tolist()
+            ds: Any = self.train_dataset
+            return [ds[i] for i in local], plan, req, int(pad.numel())
+
+        def _ro_feed(self, plan: Any, req: Any, padded: int) -> None:
+            """Observe the selected prompts' rewards (TRL's gathered, weighted sum), finish the plan, update."""
+            rpf, self._ro_alloc_rewards = self._ro_alloc_rewards, None
+            if rpf is None:
+                raise RuntimeError("TRL did not call _calculate_rewards; the rolloutopt adapter needs TRL 1.16")
+            if req is not None:
+                rewards = (rpf * self.reward_weights.to(rpf.device).unsqueeze(0)).nansum(dim=1)
+                plan.observe(req, rewards[: req.total].detach().double().cpu())
+                if plan.next() is not None:
+                    raise RuntimeError("the allocator requested a second round; the TRL adapter generates once")
+            result = plan.finish()
+            self._ro_allocator.update(result)
+            self.last_allocation = result
+            metrics = {**result.metrics, "padded_prompts": torch.tensor(float(padded))}
+            for name, value in metrics.items():
+                self._metrics["train"][f"rolloutopt/alloc/{name}"].append(float(value))
+
         def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+            training = bool(getattr(self.model, "training", False))
+            if self._ro_allocator is None or not training:
+                return self._ro_generate(inputs)
+            inputs, plan, req, padded = self._ro_select(list(inputs))
+            out = self._ro_generate(inputs)
+            self._ro_feed(plan, req, padded)
+            return out
+
+        def _ro_generate(self, inputs: Any) -> dict[str, Any]:
             out: dict[str, Any] = super()._generate_and_score_completions(inputs)
             if self._ro_advantage is None:
                 return out
