@@ -69,13 +69,21 @@ class _DEPOPlan(_OneShotPlan):
     reason_names = ("selected", "unseen", "epoch_zero", "padded", "filtered", "over_budget")
 
 
-def _tie_keys(ids: Tensor, gen: torch.Generator) -> Tensor:
-    """Seeded random tie-break keys, one per prompt *id* (drawn in sorted-id order, so a permutation of the
-    candidates permutes the keys with them)."""
+def _keyed(ids: Tensor, gen: torch.Generator, store: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One sort of the candidates for two things: seeded random tie-break keys, one per prompt *id* (drawn in
+    sorted-id order, so a permutation of the candidates permutes the keys with them), and the candidates'
+    positions in the sorted ``store`` ids with whether each is there (positions of absent ids are junk)."""
+    q, order = ids.sort()
     u = torch.rand(ids.numel(), generator=gen, dtype=torch.float64)
-    rank = torch.empty_like(ids)
-    rank[ids.argsort()] = torch.arange(ids.numel())
-    return u[rank]
+    ties = torch.empty_like(u)
+    ties[order] = u
+    pos = torch.zeros_like(ids)
+    found = torch.zeros(ids.shape, dtype=torch.bool)
+    if store.numel():
+        ps = torch.searchsorted(store, q).clamp(max=store.numel() - 1)
+        pos[order] = ps
+        found[order] = store[ps] == q
+    return ties, pos, found
 
 
 def _order(keys: list[Tensor], ties: Tensor) -> Tensor:
@@ -297,6 +305,11 @@ class DEPO:
         if self._ids.numel() == 0:
             return torch.full(ids.shape, math.nan, dtype=torch.float64), torch.zeros_like(ids)
         pos, found = _lookup(self._ids, ids)
+        return self._scores_at(pos, found)
+
+    def _scores_at(self, pos: Tensor, found: Tensor) -> tuple[Tensor, Tensor]:
+        if self._ids.numel() == 0:
+            return torch.full(pos.shape, math.nan, dtype=torch.float64), torch.zeros_like(pos)
         score = torch.where(found, torch.nanmean(self._scores[pos], dim=1), math.nan)
         return score, torch.where(found, self._count[pos], 0)
 
@@ -305,18 +318,19 @@ class DEPO:
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
         p = ids.numel()
-        ties = _tie_keys(ids, self._gen)
+        ties, at, found = _keyed(ids, self._gen, self._ids)
         reasons = torch.full((p,), 4, dtype=torch.long)
         if self.epoch == 0:
             order = ties.argsort()
             reasons[:] = 2
         else:
-            score, count = self._scores_of(ids)
+            score, count = self._scores_at(at, found)
             unseen = count == 0
             seen_idx = unseen.logical_not().nonzero().squeeze(1)
             k = seen_idx.numel()
             top_n = int(k * self.keep_ratio)
-            ranked = seen_idx[_order([-score[seen_idx], count[seen_idx]], ties[seen_idx])]
+            # (count, tie) as one float64 key: count + u with u in [0, 1) orders like the pair
+            ranked = seen_idx[_order([-score[seen_idx]], count[seen_idx] + ties[seen_idx])]
             top = ranked[:top_n]
             rest = ranked[top_n:]
             kept = int(unseen.sum()) + top_n
@@ -462,6 +476,12 @@ class HIVE:
             nan = torch.full(ids.shape, math.nan, dtype=torch.float64)
             return nan, nan.clone(), nan.clone()
         pos, found = _lookup(self._ids, ids)
+        return self._history_at(pos, found)
+
+    def _history_at(self, pos: Tensor, found: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if self._ids.numel() == 0:
+            nan = torch.full(pos.shape, math.nan, dtype=torch.float64)
+            return nan, nan.clone(), nan.clone()
         r = torch.where(found, torch.nanmean(self._reward[pos], dim=1), math.nan)
         h = torch.where(found, torch.nanmean(self._entropy[pos], dim=1), math.nan)
         return r, h, torch.where(found, self._prompt_entropy[pos], math.nan)
@@ -474,8 +494,8 @@ class HIVE:
         h_now = None if prompt_entropy is None else _check_entropies(prompt_entropy, p, "prompt_entropy")
         if self.stage2 == "top" and h_now is None:
             raise InputError("prompt_entropy", "a float tensor [P] with stage2='top'", "None", "pass prompt_entropy")
-        ties = _tie_keys(ids, self._gen)
-        r, h_hist, h_stored = self._history(ids)
+        ties, at, found = _keyed(ids, self._gen, self._ids)
+        r, h_hist, h_stored = self._history_at(at, found)
         seen = ~torch.isnan(r)
         stage1 = ~seen | ((r >= self.p_lo) & (r <= self.p_hi))
         reasons = torch.where(stage1, 0, 1)
