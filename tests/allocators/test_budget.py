@@ -13,7 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.allocators._base import AllocationResult, Conversation, Request
-from rolloutopt.allocators.budget import CoBAAllocator, Knapsack, _top_units, coba_beta_params, knapsack_value
+from rolloutopt.allocators.budget import (
+    CoBAAllocator,
+    Knapsack,
+    _top_units,
+    _top_units_lazy,
+    coba_beta_params,
+    knapsack_value,
+)
 from rolloutopt.errors import InputError
 
 Rewards = Callable[[Request], torch.Tensor]
@@ -492,3 +499,12 @@ def test_bad_hyper_parameters() -> None:
         Knapsack(negative_n=1000)
     with pytest.raises(InputError, match="n_max"):
         Knapsack(n_min=4, n_max=3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 12), st.integers(0, 80), st.integers(1, 4), st.integers(0, 2**31))
+def test_lazy_columns_equal_the_full_table(rows: int, length: int, r: int, first: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randint(0, 4, (rows, length), generator=g).double().sort(dim=1, descending=True).values
+    got = _top_units_lazy(lambda cols: full[:, :cols], length, r, first=first)
+    assert got.tolist() == _top_units(full, r).tolist() == heap_greedy(full.tolist(), r)

@@ -18,6 +18,7 @@ and nothing else.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -79,6 +80,18 @@ def _top_units(gains: Tensor, r: int) -> Tensor:
     need = r - above.sum()
     take = above | (tie & (torch.cumsum(tie, 0) <= need))
     return take.view(e, length).sum(1)
+
+
+def _top_units_lazy(gain_fn: Callable[[int], Tensor], length: int, r: int, first: int = 16) -> Tensor:
+    """:func:`_top_units` on ``gain_fn(L')`` (the first ``L'`` columns of the full ``[E, length]`` table), with
+    ``L'`` doubled until no row takes all ``L'`` columns (or ``L' = length``). Exact: a row that stops before
+    column ``L'`` has every later gain ``<=`` its first untaken one, which the cut already rejected."""
+    cols = min(length, first)
+    while True:
+        counts = _top_units(gain_fn(cols), r)
+        if cols >= length or not bool((counts >= cols).any()):
+            return counts
+        cols = min(length, 2 * cols)
 
 
 def _spread(amount: int, mask: Tensor, room: Tensor) -> Tensor:
@@ -296,9 +309,13 @@ class CoBAAllocator:
         tau = self._tau(p)
         pc = p.clamp(self.smoothing, 1.0 - self.smoothing)
         c = pc * (1.0 - pc) / tau
-        levels = torch.arange(self.n_min, self.n_max, dtype=_F64)
-        gains = torch.exp(self._log_pdf(pc)[:, None] - levels[None, :] * c[:, None]) * (-torch.expm1(-c))[:, None]
-        return _top_units(gains, units)
+        log_pdf, scale = self._log_pdf(pc)[:, None], (-torch.expm1(-c))[:, None]
+
+        def gains(cols: int) -> Tensor:
+            levels = torch.arange(self.n_min, self.n_min + cols, dtype=_F64)
+            return torch.exp(log_pdf - levels[None, :] * c[:, None]) * scale
+
+        return _top_units_lazy(gains, self.n_max - self.n_min, units)
 
     def _weighted(self, rem: int, tier: Tensor, counts: Tensor, p: Tensor) -> tuple[Tensor, int]:
         avail = tier & (counts < self.n_max)
@@ -511,11 +528,13 @@ class Knapsack:
         self.history = PromptHistory(window=1, success_threshold=st, capacity=_int(capacity, "capacity", 1))
         self._step = 0
 
-    def gains(self, p: Tensor) -> Tensor:
-        """Marginal gains ``[E, n_max - n_min]`` of the effective items (column ``k``: the ``(k+1)``-th extra)."""
+    def gains(self, p: Tensor, cols: int | None = None) -> Tensor:
+        """Marginal gains ``[E, cols]`` of the effective items (column ``k``: the ``(k+1)``-th extra unit; ``cols``
+        defaults to ``n_max - n_min``)."""
         pp = p.to(_F64)[:, None]
         q = 1.0 - pp
-        levels = torch.arange(self.n_min, self.n_max, dtype=_F64)[None, :]
+        cols = self.n_max - self.n_min if cols is None else cols
+        levels = torch.arange(self.n_min, self.n_min + cols, dtype=_F64)[None, :]
         c = pp * q * q
         g = c * (torch.exp(levels * torch.log(pp)) * q + torch.exp(levels * torch.log(q)) * pp)
         if self.no_extra == "zero" and g.shape[1] > 0:
@@ -559,7 +578,8 @@ class Knapsack:
                     counts = counts + give
                     surplus_to = give > 0
                     rem -= int(give.sum())
-        extra = _top_units(self.gains(p[eff]), rem)
+        pe = p[eff]
+        extra = _top_units_lazy(lambda cols: self.gains(pe, cols), self.n_max - self.n_min, rem)
         counts[eff] += extra
         return counts, torch.where(surplus_to, 4, reasons)
 
