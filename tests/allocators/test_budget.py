@@ -508,3 +508,20 @@ def test_lazy_columns_equal_the_full_table(rows: int, length: int, r: int, first
     full = torch.randint(0, 4, (rows, length), generator=g).double().sort(dim=1, descending=True).values
     got = _top_units_lazy(lambda cols: full[:, :cols], length, r, first=first)
     assert got.tolist() == _top_units(full, r).tolist() == heap_greedy(full.tolist(), r)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.sampled_from(["coba", "knapsack"]),
+    st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=10),
+    st.integers(0, 300),
+)
+def test_spends_everything_when_caps_do_not_bind(kind: str, groups: list[tuple[int, int]], budget: int) -> None:
+    a: CoBAAllocator | Knapsack = (
+        CoBAAllocator(n_min=2, n_max=10**4) if kind == "coba" else Knapsack(n=4, n_min=2, n_max=10**4)
+    )
+    ids = seed_history(a, [min(s, t) for s, t in groups], [t for _, t in groups])
+    counts = a.plan(ids, budget).counts
+    check_caps(counts, budget, 2, 10**4)
+    if budget >= 4 * len(groups):  # at least every base allocation (n = 4 for never-seen Knapsack prompts)
+        assert int(counts.sum()) == budget
