@@ -70,25 +70,27 @@ class _DEPOPlan(_OneShotPlan):
 
 
 def _keyed(ids: Tensor, gen: torch.Generator, store: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """One sort of the candidates for two things: seeded random tie-break keys, one per prompt *id* (drawn in
-    sorted-id order, so a permutation of the candidates permutes the keys with them), and the candidates'
-    positions in the sorted ``store`` ids with whether each is there (positions of absent ids are junk)."""
+    """One sort of the candidates for two things: a seeded random tie-break order, and the candidates'
+    positions in the sorted ``store`` ids with whether each is there (positions of absent ids are junk).
+
+    The tie order ``seq`` lists candidate indices by a random rank drawn per prompt *id* (a permutation from
+    ``gen`` applied in sorted-id order), so a permutation of the candidates permutes it with them."""
     q, order = ids.sort()
-    u = torch.rand(ids.numel(), generator=gen, dtype=torch.float64)
-    ties = torch.empty_like(u)
-    ties[order] = u
+    seq = torch.empty_like(order)
+    seq[torch.randperm(ids.numel(), generator=gen)] = order
     pos = torch.zeros_like(ids)
     found = torch.zeros(ids.shape, dtype=torch.bool)
     if store.numel():
         ps = torch.searchsorted(store, q).clamp(max=store.numel() - 1)
         pos[order] = ps
         found[order] = store[ps] == q
-    return ties, pos, found
+    return seq, pos, found
 
 
-def _order(keys: list[Tensor], ties: Tensor) -> Tensor:
-    """Indices sorted ascending by ``keys[0]``, then ``keys[1]``, ..., then ``ties`` (stable sorts, last key first)."""
-    idx = ties.argsort()
+def _order(keys: list[Tensor], seq: Tensor, mask: Tensor) -> Tensor:
+    """Indices of ``mask`` sorted ascending by ``keys[0]``, then ``keys[1]``, ..., then the tie order ``seq``
+    (keys are full-length ``[P]``; stable sorts, last key first, starting from ``seq`` restricted to ``mask``)."""
+    idx = seq[mask[seq]]
     for key in reversed(keys):
         idx = idx[key[idx].argsort(stable=True)]
     return idx
@@ -218,7 +220,7 @@ class DEPO:
     seeded random order per prompt id, so the plan does not depend on the candidates' order), get ``n`` rollouts
     each until the budget runs out (:func:`~rolloutopt.allocators.dps._fill`: a partial group of at least
     ``n_min`` at the budget's edge, leftovers spread up to ``n_max``); kept prompts the budget does not reach are
-    ``"over_budget"``. Remaining ties are broken by a seeded random key per prompt id.
+    ``"over_budget"``. Remaining ties are broken by a seeded random rank per prompt id.
 
     Reference: ``txy77/DEPO`` ``verl/trainer/rollout_purning/rollout_purning.py`` (``specs/allocators.md`` §A14).
     Defaults: ``history_k = 5``, ``init_ratio = 1.0``, ``decay = 0.01``, ``neg_pos_ratio = 0.5`` from a
@@ -318,26 +320,29 @@ class DEPO:
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
         p = ids.numel()
-        ties, at, found = _keyed(ids, self._gen, self._ids)
+        seq, at, found = _keyed(ids, self._gen, self._ids)
         reasons = torch.full((p,), 4, dtype=torch.long)
         if self.epoch == 0:
-            order = ties.argsort()
+            order = seq
             reasons[:] = 2
         else:
             score, count = self._scores_at(at, found)
             unseen = count == 0
-            seen_idx = unseen.logical_not().nonzero().squeeze(1)
-            k = seen_idx.numel()
+            seen = ~unseen
+            k = int(seen.sum())
             top_n = int(k * self.keep_ratio)
-            # (count, tie) as one float64 key: count + u with u in [0, 1) orders like the pair
-            ranked = seen_idx[_order([-score[seen_idx]], count[seen_idx] + ties[seen_idx])]
+            ranked = _order([-score, count], seq, seen)
             top = ranked[:top_n]
             rest = ranked[top_n:]
-            kept = int(unseen.sum()) + top_n
+            kept = (p - k) + top_n
             pad = (-kept) % self.pad_multiple
-            padded = rest[_order([count[rest], -score[rest]], ties[rest])][:pad] if pad else rest[:0]
-            unseen_idx = unseen.nonzero().squeeze(1)
-            unseen_idx = unseen_idx[ties[unseen_idx].argsort()]
+            if pad:
+                left = torch.zeros(p, dtype=torch.bool)
+                left[rest] = True
+                padded = _order([count, -score], seq, left)[:pad]
+            else:
+                padded = rest[:0]
+            unseen_idx = seq[unseen[seq]]
             order = torch.cat([unseen_idx, top, padded])
             reasons[unseen_idx] = 1
             reasons[top] = 0
@@ -414,7 +419,7 @@ class HIVE:
 
     The ranked survivors get ``n`` rollouts each until the budget runs out (partial group of at least ``n_min``
     at the edge, leftovers spread up to ``n_max``); the rest are ``"over_budget"``. Stage 2 never adds prompts:
-    ``|stage 2| <= |stage 1| <= |pool|``. Remaining ties are broken by a seeded random key per prompt id.
+    ``|stage 2| <= |stage 1| <= |pool|``. Remaining ties are broken by a seeded random rank per prompt id.
 
     Args:
         n: rollouts per selected prompt (8, project default); n_min, n_max: per-prompt caps (default ``n``).
@@ -494,7 +499,7 @@ class HIVE:
         h_now = None if prompt_entropy is None else _check_entropies(prompt_entropy, p, "prompt_entropy")
         if self.stage2 == "top" and h_now is None:
             raise InputError("prompt_entropy", "a float tensor [P] with stage2='top'", "None", "pass prompt_entropy")
-        ties, at, found = _keyed(ids, self._gen, self._ids)
+        seq, at, found = _keyed(ids, self._gen, self._ids)
         r, h_hist, h_stored = self._history_at(at, found)
         seen = ~torch.isnan(r)
         stage1 = ~seen | ((r >= self.p_lo) & (r <= self.p_hi))
@@ -502,14 +507,12 @@ class HIVE:
         if h_now is not None and self.stage2 == "drop":
             pruned = stage1 & ~torch.isnan(h_stored) & (h_stored - h_now > self.delta * h_stored.abs())
             reasons = torch.where(pruned, 2, reasons)
-        survivors = (reasons == 0).nonzero().squeeze(1)
         if self.stage2 == "top":
             assert h_now is not None
-            key = -h_now[survivors]
+            key = -h_now
         else:
-            hh = h_hist[survivors]
-            key = -torch.where(~seen[survivors], math.inf, torch.where(torch.isnan(hh), -math.inf, hh))
-        order = survivors[_order([key], ties[survivors])]
+            key = -torch.where(~seen, math.inf, torch.where(torch.isnan(h_hist), -math.inf, h_hist))
+        order = _order([key], seq, reasons == 0)
         counts = torch.zeros(p, dtype=torch.long)
         counts[order] = _fill(order.numel(), budget, self.n, self.n_min, self.n_max)
         reasons = torch.where((reasons == 0) & (counts == 0), 3, reasons)
