@@ -523,7 +523,9 @@ def test_behaviour_logprob_presets_run_with_a_rollout_func() -> None:
 ALLOC_PROMPTS = ["abc", "hello", "xyz 1", "count", "aaa", "b2", "tea a", "zz"]
 
 
-def selector_run(allocator: Any, *, pool: int | None = None) -> tuple[Any, list[list[str]], list[list[float]]]:
+def selector_run(
+    allocator: Any, *, pool: int | None = None, per_device: int = 4
+) -> tuple[Any, list[list[str]], list[list[float]]]:
     """Three steps, 2 prompts × 2 generations per generation batch, from 8 prompts; records what was scored."""
     seen: list[list[str]] = []
     scored: list[list[float]] = []
@@ -535,7 +537,7 @@ def selector_run(allocator: Any, *, pool: int | None = None) -> tuple[Any, list[
         return out
 
     ds = datasets.Dataset.from_dict({"prompt": ALLOC_PROMPTS})
-    args = config(num_generations=2, per_device_train_batch_size=4, max_steps=3)
+    args = config(num_generations=2, per_device_train_batch_size=per_device, max_steps=3)
     trainer = GRPOTrainer(
         model=model(), reward_funcs=recording_reward, args=args, train_dataset=ds, processing_class=tokenizer(),
         objective="dapo", allocator=allocator, allocator_pool=pool,
@@ -651,3 +653,44 @@ def test_allocators_trl_cannot_run_are_refused() -> None:
         build(DPS(n=2), allocator_pool=1)
     with pytest.raises(InputError, match=r"^allocator_pool:"):
         build(DPS(n=2), allocator_pool=9)
+
+
+TWO_PROCESS_ALLOC_SCRIPT = """
+import functools, json, os, sys
+sys.path.insert(0, {here!r})
+import torch
+import test_trl_trainer as t
+from rolloutopt.allocators import DPS
+alloc = t.spy(functools.partial(DPS, n=2, seed=3))
+trainer, seen, scored = t.selector_run(alloc, pool=6, per_device=2)
+assert trainer.accelerator.num_processes == 2
+out = dict(
+    seen=seen, scored=scored,
+    ids=[r.prompt_ids.tolist() for r in alloc.results], rewards=[r.rewards.tolist() for r in alloc.results],
+    pi=alloc.predictive(torch.arange(8)).tolist(), loss=[h["loss"] for h in t.step_logs(trainer)],
+)
+print("RESULT" + os.environ["RANK"] + " " + json.dumps(out))
+"""
+
+
+def test_selector_allocator_two_processes(tmp_path: Any) -> None:
+    """Two processes (gloo): both allocators plan and learn identically; each process trains its slice."""
+    here = str(pathlib.Path(__file__).parent)
+    script = tmp_path / "two_alloc.py"
+    script.write_text(TWO_PROCESS_ALLOC_SCRIPT.format(here=here))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = [
+        json.loads(next(x for x in proc.stdout.splitlines() if x.startswith(f"RESULT{r} "))[len("RESULT0 ") :])
+        for r in (0, 1)
+    ]
+    a, b = res
+    assert a["ids"] == b["ids"] and a["rewards"] == b["rewards"] and a["pi"] == b["pi"]
+    assert len(a["ids"]) == 3 and all(math.isfinite(x) for x in a["loss"])
+    for step, ids in enumerate(a["ids"]):
+        assert len(ids) == 4  # 2 prompts x 2 generations, no padding
+        # process 0 trained the first half of the global batch, process 1 the second
+        assert a["seen"][step] + b["seen"][step] == [ALLOC_PROMPTS[i] for i in ids]
+        assert_close(a["rewards"][step], a["scored"][step] + b["scored"][step])
