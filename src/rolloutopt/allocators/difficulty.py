@@ -324,12 +324,12 @@ def e3_counts(rank: Tensor, budget: int, n_min: int, n_max: int, *, cap_share: b
     spare = budget - p * n_min
     head = n_max - n_min
     wsum = float(w.sum())
+    order = torch.sort(w, descending=True, stable=True).indices  # descending rank, ties: the earlier row
     if wsum <= 0:
         share = torch.zeros(p, dtype=torch.long)
     elif not cap_share:
         share = torch.floor(spare * (w / (wsum + 1e-8))).long()
     else:
-        order = torch.sort(w, descending=True, stable=True).indices
         ws = w[order]
         m = int((ws > 0).sum())
         k_idx = torch.arange(m, dtype=torch.float64)
@@ -346,8 +346,7 @@ def e3_counts(rank: Tensor, budget: int, n_min: int, n_max: int, *, cap_share: b
     counts = n_min + share
     left = budget - int(counts.sum())
     if left > 0:
-        idx = torch.sort(w, descending=True, stable=True).indices
-        counts[idx] += _greedy((n_max - counts[idx]).clamp(min=0), left)
+        counts[order] += _greedy((n_max - counts[order]).clamp(min=0), left)
     return counts
 
 
@@ -479,9 +478,11 @@ class E3Budget:
         rank = self._ranks(ids)
         k = min(p, budget // self.n_min)
         counts = torch.zeros(p, dtype=torch.long)
-        by_id = torch.sort(ids).indices
-        sel = by_id[torch.sort(rank[by_id], descending=True, stable=True).indices][:k]  # hardest first
-        sel = sel[torch.sort(ids[sel]).indices]  # rows by id: e3_counts breaks ties toward the earlier row
+        by_id = torch.sort(ids).indices  # rows by id: e3_counts breaks ties toward the earlier row
+        sel = by_id
+        if k < p:  # short budget: the k hardest (descending rank, ties the lower id)
+            sel = by_id[torch.sort(rank[by_id], descending=True, stable=True).indices][:k]
+            sel = sel[torch.sort(ids[sel]).indices]
         if k:
             counts[sel] = e3_counts(rank[sel], budget, self.n_min, self.n_max, cap_share=self.cap_share)
         w = (rank > 0) & (rank != _UNSEEN_RANK)
