@@ -413,7 +413,7 @@ class E3Budget:
         seed: unused (the allocation is deterministic), kept for a uniform constructor.
 
     Reasons: ``"ranked"`` (rank > 0 share), ``"unseen"`` (rank -100 or 0: ``n_min`` plus any leftover),
-    ``"capped"`` (at ``n_max``), ``"no_budget"``.
+    ``"capped"`` (at ``n_max``, when ``n_max > n_min``), ``"no_budget"``.
     """
 
     def __init__(
@@ -486,7 +486,9 @@ class E3Budget:
         if k:
             counts[sel] = e3_counts(rank[sel], budget, self.n_min, self.n_max, cap_share=self.cap_share)
         w = (rank > 0) & (rank != _UNSEEN_RANK)
-        reasons = torch.where(counts == 0, 3, torch.where(counts >= self.n_max, 2, torch.where(w, 0, 1)))
+        reasons = torch.where(
+            counts == 0, 3, torch.where((counts >= self.n_max) & (self.n_max > self.n_min), 2, torch.where(w, 0, 1))
+        )
         return _E3Plan(ids, budget, counts, reasons)
 
     def update(self, result: AllocationResult) -> None:

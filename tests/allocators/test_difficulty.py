@@ -1,0 +1,366 @@
+"""DARS, E3Budget and the E3 temperature schedule: the spec's oracles (specs/allocators.md §A3, §A4), properties,
+state round trips, bad input."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rolloutopt.allocators import AllocationResult, Conversation
+from rolloutopt.allocators.difficulty import (
+    DARS,
+    E3Budget,
+    E3Temperature,
+    dars_extra_rollouts,
+    e3_counts,
+    e3_temperature_step,
+)
+from rolloutopt.errors import InputError
+
+Rewards = Callable[[int, int], float]
+
+
+def table(t: dict[int, list[float]]) -> Rewards:
+    return lambda pid, k: t[pid][k % len(t[pid])]
+
+
+def hashed(seed: int) -> Rewards:
+    def f(pid: int, k: int) -> float:
+        q = ((pid * 2654435761 + seed) % 101) / 100
+        u = ((pid * 7919 + k * 104729 + seed * 31) % 997) / 997
+        return float(u < q)
+
+    return f
+
+
+def run(plan: Conversation, reward: Rewards) -> tuple[AllocationResult, list[tuple[list[int], list[int]]]]:
+    occ: dict[int, int] = {}
+    reqs = []
+    while (req := plan.next()) is not None:
+        vals = []
+        for pid, c in zip(req.prompt_ids.tolist(), req.counts.tolist(), strict=True):
+            for _ in range(c):
+                k = occ.get(pid, 0)
+                occ[pid] = k + 1
+                vals.append(reward(pid, k))
+        reqs.append((req.prompt_ids.tolist(), req.counts.tolist()))
+        plan.observe(req, torch.tensor(vals, dtype=torch.float64))
+    return plan.finish(), reqs
+
+
+def names(res: AllocationResult) -> list[str]:
+    return [res.reason_names[int(i)] for i in res.reasons]
+
+
+# -- DARS: the schedule oracle (spec §A4, n = 8) --------------------------------------------------------------------
+def test_dars_schedule_oracle() -> None:
+    acc = torch.tensor([0.0, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0])
+    et = dars_extra_rollouts(acc, n=8, n_max=32, schedule="et")
+    hw = dars_extra_rollouts(acc, n=8, n_max=64, schedule="hw")
+    assert et.tolist() == [24, 11, 3, 1, 0, 0, 0]
+    assert hw.tolist() == [56, 24, 8, 3, 0, 0, 0]
+    assert et.dtype == torch.long
+
+
+def test_dars_schedule_std_variant_by_hand() -> None:
+    # S = 2 sqrt(a(1-a)), peak n: a = 0.25 -> S = sqrt(3)/2; ET: ceil(8 (1 - S) / S) = ceil(1.2376) = 2
+    # HW: ceil((2 * 0.75 * 8 - 8 S) / S) = ceil(12/S - 8) = ceil(5.856) = 6
+    a = torch.tensor([0.25])
+    assert dars_extra_rollouts(a, n=8, n_max=64, use_std=True).tolist() == [2]
+    assert dars_extra_rollouts(a, n=8, n_max=64, schedule="hw", use_std=True).tolist() == [6]
+
+
+def test_dars_ceil_tolerance() -> None:
+    # HW at a = 0.125 is exactly 24 in real arithmetic; a float error must not make it 25
+    a = torch.tensor([0.125 + 1e-15])
+    assert dars_extra_rollouts(a, n=8, n_max=64, schedule="hw").tolist() == [24]
+
+
+def test_dars_plan_by_hand() -> None:
+    # prompt 5: 1/8 correct (a = .125 -> 11 extras); 6: 4/8 (no extras); 7: 0/8 (24 extras, capped at 32 - 8)
+    rew = table({5: [1.0] + [0.0] * 7 + [1.0] * 40, 6: [1.0, 0.0], 7: [0.0]})
+    plan = DARS().plan(torch.tensor([7, 5, 6]), 200)
+    res, reqs = run(plan, rew)
+    assert reqs[0] == ([7, 5, 6], [8, 8, 8])
+    assert reqs[1] == ([7, 5], [24, 11])
+    assert res.counts.tolist() == [32, 19, 8]
+    assert names(res) == ["dropped_all_wrong", "topped_up", "trained"]
+    w = res.weight
+    assert bool((w[res.prompt_ids == 7] == 0).all()) and bool((w[res.prompt_ids != 7] == 1).all())
+    assert float(res.metrics["stage2_rollouts"]) == 35.0
+
+
+def test_dars_drops_all_correct_pool() -> None:
+    res, _ = run(DARS().plan(torch.tensor([1]), 8), table({1: [1.0]}))
+    assert names(res) == ["dropped_all_correct"] and float(res.weight.sum()) == 0.0
+
+
+def test_dars_budget_cut_by_hand() -> None:
+    rew = table({5: [1.0] + [0.0] * 7, 6: [1.0, 0.0], 7: [0.0]})
+    # stage 1 costs 24; 20 left for wants (5: 11, 7: 24): level L = 10 (10 + 10 = 20), nothing left over
+    res, reqs = run(DARS().plan(torch.tensor([5, 6, 7]), 44), rew)
+    assert reqs[1] == ([5, 7], [10, 10])
+    assert names(res)[0] == "topped_up_budget_cut"
+    # 21 left: L = 10 uses 20, the one left goes to the lowest accuracy (prompt 7, a = 0)
+    res, reqs = run(DARS().plan(torch.tensor([5, 6, 7]), 45), rew)
+    assert reqs[1] == ([5, 7], [10, 11])
+
+
+def test_dars_short_budget_lowest_ids_first() -> None:
+    res, reqs = run(DARS().plan(torch.tensor([30, 10, 20]), 17), table({10: [1.0], 20: [1.0], 30: [1.0]}))
+    assert reqs == [([10, 20], [8, 8])]
+    assert names(res)[0] == "no_budget" and res.counts.tolist() == [0, 8, 8]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    p=st.integers(0, 12),
+    budget=st.integers(0, 400),
+    seed=st.integers(0, 50),
+    schedule=st.sampled_from(["et", "hw"]),
+    n=st.integers(2, 8),
+)
+def test_dars_properties(p: int, budget: int, seed: int, schedule: str, n: int) -> None:
+    ids = torch.randperm(1000, generator=torch.Generator().manual_seed(seed))[:p]
+    alloc = DARS(n=n, schedule=schedule)
+    res, _ = run(alloc.plan(ids, budget), hashed(seed))
+    assert int(res.counts.sum()) <= budget
+    played = res.counts > 0
+    assert bool((res.counts[played] >= n).all()) and bool((res.counts <= alloc.n_max).all())
+    # deterministic, and permuting the prompts permutes the plan and nothing else
+    perm = torch.randperm(p, generator=torch.Generator().manual_seed(seed + 1))
+    res2, _ = run(DARS(n=n, schedule=schedule).plan(ids[perm], budget), hashed(seed))
+    assert res2.counts.tolist() == res.counts[perm].tolist()
+    assert res2.reasons.tolist() == res.reasons[perm].tolist()
+    # unlimited budget: stage 2 gets exactly the schedule's extras
+    big, _ = run(DARS(n=n, schedule=schedule).plan(ids, 10_000), hashed(seed))
+    if p:
+        acc = torch.tensor([sum(hashed(seed)(int(i), k) for k in range(n)) / n for i in ids.tolist()])
+        want = dars_extra_rollouts(acc, n=n, n_max=alloc.n_max, schedule=schedule)
+        assert big.counts.tolist() == (want + n).tolist()
+
+
+def test_dars_state_and_update() -> None:
+    alloc = DARS(schedule="hw")
+    assert alloc.n_max == 64 and alloc.state_dict() == {}
+    res, _ = run(alloc.plan(torch.tensor([1, 2]), 64), hashed(0))
+    alloc.update(res)
+    fresh = DARS(schedule="hw")
+    fresh.load_state_dict(alloc.state_dict())
+    a, _ = run(alloc.plan(torch.tensor([1, 2]), 64), hashed(0))
+    b, _ = run(fresh.plan(torch.tensor([1, 2]), 64), hashed(0))
+    assert a.counts.tolist() == b.counts.tolist()
+
+
+# -- E3: allocation oracles (spec §A3, n_min = 4, n_max = 12, N_total = 32) ---------------------------------------
+@pytest.mark.parametrize("cap_share", [True, False])
+def test_e3_counts_oracle(cap_share: bool) -> None:
+    kw = {"cap_share": cap_share}
+    assert e3_counts(torch.tensor([0.0, 0.25, 0.5, 0.75]), 32, 4, 12, **kw).tolist() == [4, 6, 10, 12]
+    assert e3_counts(torch.tensor([-100.0, -100.0, 0.5, 0.5]), 32, 4, 12, **kw).tolist() == [4, 4, 12, 12]
+    assert e3_counts(torch.tensor([0.0, 1 / 3, 2 / 3]), 24, 4, 12, **kw).tolist() == [4, 8, 12]
+
+
+def test_e3_share_cap_quirk_by_hand() -> None:
+    rank = torch.tensor([0.0, 0.0, 0.0, 0.9])
+    # the code: spare 24 all to the one ranked prompt: floor(24 * .9 / (.9 + 1e-8)) = 23 -> 27 > n_max; the one
+    # unit left goes to the first prompt with headroom in descending rank (ties: earlier row) -> row 0
+    assert e3_counts(rank, 40, 4, 12, cap_share=False).tolist() == [5, 4, 4, 27]
+    # fixed: the share stops at n_max - n_min = 8; the 16 left fill rows 0, 1 (rank 0, earlier rows first)
+    assert e3_counts(rank, 40, 4, 12).tolist() == [12, 12, 4, 12]
+
+
+def test_e3_water_filling_by_hand() -> None:
+    # weights [3, 1, 1], spare 12, head 5: proportional 7.2 > 5 -> cap row 0; 7 left over weight 2 -> 3.5 each
+    # -> floors [5, 3, 3] = 11, the leftover unit to row 1 (equal rank, earlier row)
+    assert e3_counts(torch.tensor([0.75, 0.25, 0.25]), 24, 4, 9).tolist() == [9, 8, 7]
+
+
+def test_e3_budget_flow_by_hand() -> None:
+    alloc = E3Budget(n=8, n_low=4, n_high=12, n_update=2)
+    ids = torch.tensor([40, 10, 30, 20])
+    res, reqs = run(
+        alloc.plan(ids, 32), table({10: [1.0], 20: [1.0, 1.0, 1.0, 0.0], 30: [1.0, 0.0], 40: [0.0, 0.0, 0.0, 1.0]})
+    )
+    assert reqs == [([40, 10, 30, 20], [8, 8, 8, 8])]  # epoch 1: caps at n
+    assert set(names(res)) == {"unseen"}
+    alloc.update(res)
+    alloc.end_epoch()
+    # means 10: 1, 20: .75, 30: .5, 40: .25 -> ranks 0, .25, .5, .75; caps 6 / 10
+    assert alloc.ranks(torch.tensor([10, 20, 30, 40, 99])).tolist() == [0.0, 0.25, 0.5, 0.75, -100.0]
+    assert (alloc.n_min, alloc.n_max) == (6, 10)
+    # spare 8 by weight (sum 1.5): 0, 1.33, 2.67, 4 -> floors 0, 1, 2, 4; leftover 1: 40 is at 10, so 30 gets it
+    res, reqs = run(alloc.plan(ids, 32), hashed(0))
+    assert reqs[0] == ([40, 10, 30, 20], [10, 6, 9, 7])
+    assert names(res) == ["capped", "unseen", "ranked", "ranked"]
+    alloc.update(res)
+    alloc.end_epoch()
+    assert (alloc.n_min, alloc.n_max) == (4, 12) and alloc.epoch == 2
+
+
+def test_e3_short_budget_hardest_first() -> None:
+    alloc = E3Budget(n=4, n_low=4, n_high=4, n_update=0)
+    alloc.load_state_dict(
+        {
+            "ids": torch.tensor([1, 2, 3]),
+            "sum": torch.zeros(3, dtype=torch.float64),
+            "count": torch.ones(3, dtype=torch.long),
+            "rank": torch.tensor([0.0, 2 / 3, 1 / 3], dtype=torch.float64),
+            "n_min": 4,
+            "n_max": 4,
+            "epoch": 1,
+            "steps": 1,
+        }
+    )
+    res, _ = run(alloc.plan(torch.tensor([1, 2, 3]), 9), hashed(0))
+    assert res.counts.tolist() == [0, 4, 4] and names(res)[0] == "no_budget"
+
+
+def test_e3_steps_per_epoch() -> None:
+    alloc = E3Budget(steps_per_epoch=2)
+    for k in range(2):
+        assert alloc.epoch == 0
+        res, _ = run(alloc.plan(torch.tensor([1, 2]), 16), hashed(k))
+        alloc.update(res)
+    assert alloc.epoch == 1 and (alloc.n_min, alloc.n_max) == (6, 10)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    p=st.integers(1, 12),
+    extra=st.integers(0, 150),
+    seed=st.integers(0, 50),
+    cap_share=st.booleans(),
+)
+def test_e3_properties(p: int, extra: int, seed: int, cap_share: bool) -> None:
+    g = torch.Generator().manual_seed(seed)
+    alloc = E3Budget(steps_per_epoch=1, cap_share=cap_share)
+    ids = torch.randperm(500, generator=g)[:p]
+    res, _ = run(alloc.plan(ids, 8 * p), hashed(seed))
+    alloc.update(res)  # epoch 1 ends: caps 6 / 10, ranks for all
+    budget = 6 * p + extra
+    res, _ = run(alloc.plan(ids, budget), hashed(seed + 1))
+    total = int(res.counts.sum())
+    assert total <= budget
+    if cap_share:
+        assert total == min(budget, 10 * p)
+        assert bool((res.counts >= 6).all()) and bool((res.counts <= 10).all())
+    perm = torch.randperm(p, generator=g)
+    twin = E3Budget(steps_per_epoch=1, cap_share=cap_share)
+    run_first, _ = run(twin.plan(ids, 8 * p), hashed(seed))
+    twin.update(run_first)
+    res2, _ = run(twin.plan(ids[perm], budget), hashed(seed + 1))
+    assert res2.counts.tolist() == res.counts[perm].tolist()
+    assert res2.reasons.tolist() == res.reasons[perm].tolist()
+
+
+def test_e3_state_round_trip_mid_run() -> None:
+    ids = torch.arange(20) * 7
+    a = E3Budget(steps_per_epoch=2)
+    for k in range(3):
+        a.update(run(a.plan(ids[k:], 8 * (20 - k)), hashed(k))[0])
+    b = E3Budget(steps_per_epoch=2)
+    b.load_state_dict(a.state_dict())
+    for k in range(3, 7):
+        ra, rqa = run(a.plan(ids, 9 * 20), hashed(k))
+        rb, rqb = run(b.plan(ids, 9 * 20), hashed(k))
+        assert rqa == rqb and ra.reasons.tolist() == rb.reasons.tolist()
+        a.update(ra)
+        b.update(rb)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) if isinstance(sa[k], torch.Tensor) else sa[k] == sb[k] for k in sa)
+
+
+# -- E3 temperature ------------------------------------------------------------------------------------------------
+def test_temperature_rule_by_hand() -> None:
+    v = 100
+    f = math.log(100) + math.log(math.log(100))
+    assert e3_temperature_step(1.0, 2.0, 2.0, v) == 1.0  # on target: unchanged
+    assert e3_temperature_step(0.5, 2.0, 1.0, v) == pytest.approx(0.5 * (1 + 0.5 * math.log(2) / f))
+    sched = E3Temperature(vocab_size=v, t_min=None, t_max=None)
+    assert sched.step(2.0) == 1.0 and sched.target_entropy is None  # step 1 only records
+    t = sched.step(torch.tensor([1.0, 1.0]))  # H* = 2, H = 1 -> T = 1 + ln 2 / f
+    assert sched.target_entropy == 2.0 and t == pytest.approx(1 + math.log(2) / f)
+
+
+def test_temperature_clipping_and_annealing() -> None:
+    sched = E3Temperature(vocab_size=100, target_entropy=1.0, init_steps=1, t_max=1.05)
+    sched.step(1.0)
+    assert sched.step(0.01) == 1.05  # far below target: the rule would jump to 1 + ln(100)/f > 1.05
+    ann = E3Temperature(vocab_size=100, target_entropy=2.0, max_steps=10, t_min=None, t_max=None)
+    targets = []
+    for _ in range(10):
+        ann.step(2.0)
+        targets.append(ann.target_entropy)
+    # annealing starts at step 10 - int(10 * 0.4) = 6; target after step s: 2 * (.9 + .1 * .5 (1 + cos(pi (s-6)/4)))
+    assert targets[:5] == [2.0] * 5
+    for s in range(6, 11):
+        assert targets[s - 1] == pytest.approx(2 * (0.9 + 0.05 * (1 + math.cos(math.pi * (s - 6) / 4))))
+    assert targets[-1] == pytest.approx(1.8)
+
+
+def test_temperature_state_round_trip() -> None:
+    a = E3Temperature(vocab_size=1000)
+    for h in (1.0, 0.8, 0.9):
+        a.step(h)
+    b = E3Temperature(vocab_size=1000)
+    b.load_state_dict(a.state_dict())
+    for h in (0.7, 1.2, 1.1):
+        assert a.step(h) == b.step(h)
+
+
+# -- bad input -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("alloc", [DARS(), E3Budget()], ids=["dars", "e3"])
+def test_bad_protocol_input(alloc: DARS | E3Budget) -> None:
+    with pytest.raises(InputError, match="budget"):
+        alloc.plan(torch.tensor([1, 2]), -1)
+    with pytest.raises(InputError, match="prompt_ids"):
+        alloc.plan(torch.tensor([1.0, 2.0]), 16)
+    plan = alloc.plan(torch.tensor([1, 2]), 16)
+    req = plan.next()
+    assert req is not None
+    with pytest.raises(InputError, match="rewards"):
+        plan.observe(req, torch.zeros(req.total + 1))
+    with pytest.raises(InputError, match="rewards"):
+        plan.observe(req, torch.full((req.total,), float("nan")))
+    with pytest.raises(InputError, match="prompt_ids"):
+        plan.positions(torch.tensor([99]))
+    with pytest.raises(InputError, match="result"):
+        alloc.update("not a result")  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="state"):
+        alloc.load_state_dict({"x": 1})
+
+
+@pytest.mark.parametrize(
+    ("make", "arg"),
+    [
+        (lambda: DARS(n=0), "n"),
+        (lambda: DARS(n=8, n_max=4), "n_max"),
+        (lambda: DARS(n_min=9), "n_min"),
+        (lambda: DARS(schedule="x"), "schedule"),
+        (lambda: DARS(upper_threshold=0.0), "upper_threshold"),
+        (lambda: DARS(success=float("nan")), "success"),
+        (lambda: E3Budget(n=4, n_low=5), "n_min"),
+        (lambda: E3Budget(n_high=6), "n_high"),
+        (lambda: E3Budget(n_max=13), "n_max"),
+        (lambda: E3Budget(cap_share=1), "cap_share"),
+        (lambda: E3Budget(steps_per_epoch=0), "steps_per_epoch"),
+        (lambda: E3Temperature(vocab_size=2), "vocab_size"),
+        (lambda: E3Temperature(vocab_size=100, t_min=2.0, t_max=1.0), "t_max"),
+        (lambda: E3Temperature(vocab_size=100, init_steps=0), "init_steps"),
+        (lambda: E3Temperature(vocab_size=100).step(-1.0), "entropy"),
+        (lambda: e3_counts(torch.tensor([0.5, 2.0]), 32, 4, 12), "rank"),
+        (lambda: e3_counts(torch.tensor([0.5, 0.2]), 7, 4, 12), "budget"),
+        (lambda: dars_extra_rollouts(torch.tensor([1.5])), "acc"),
+        (lambda: dars_extra_rollouts(torch.tensor([1, 0])), "acc"),
+        (lambda: e3_temperature_step(1.0, 1.0, 0.0, 100), "entropy"),
+    ],
+)
+def test_bad_arguments(make: Callable[[], object], arg: str) -> None:
+    with pytest.raises(InputError, match=arg):
+        make()
