@@ -437,3 +437,20 @@ def test_v05budget_bad_prior_and_output() -> None:
 def test_ar3po_reused_before_finish() -> None:
     with pytest.raises(InputError, match=r"plan\.reused"):
         ar3po().plan(torch.tensor([1]), 4).reused()
+
+
+def test_aero_plan_sizes_equal_the_lgamma_rule() -> None:
+    """The plan's cumulative-product P0 picks the same n as dead_zone_probability (lgamma) on random posteriors."""
+    e = aero(n_min=3, n_max=12, eps=0.15, tau_skip=0.7)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.arange(200)
+    a = torch.rand(200, generator=g, dtype=torch.float64) * 30 + 0.1
+    b = torch.rand(200, generator=g, dtype=torch.float64) * 30 + 0.1
+    e.load_state_dict({"ids": ids, "a": a, "b": b, "generator": torch.Generator().get_state()})
+    res, _ = run(e.plan(ids, 10**6), hashed(0))
+    ns = torch.arange(3, 13)
+    p0 = dead_zone_probability(a[:, None], b[:, None], ns[None, :])
+    below = p0 <= 0.15
+    want = torch.where(below.any(1), ns[below.to(torch.int8).argmax(1)], 12)
+    want = torch.where(p0[:, -1] > 0.7, 0, want)
+    assert torch.equal(res.counts, want) and bool((want == 0).any()) and bool((want > 3).any())

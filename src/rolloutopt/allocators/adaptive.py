@@ -534,9 +534,13 @@ class AERO:
         p = ids.numel()
         a, b = self.posterior(ids)
         ns = torch.arange(self.n_min, self.n_max + 1)
-        p0 = dead_zone_probability(a[:, None], b[:, None], ns[None, :])  # [P, K], decreasing in n
+        # P0(n) = prod_{j<n} (a+j)/(a+b+j) + prod_{j<n} (b+j)/(a+b+j): a cumulative product, no lgamma (the
+        # factors lie in (0, 1), so nothing overflows); equal to dead_zone_probability.
+        j = torch.arange(self.n_max, dtype=torch.float64)[None, :]
+        den = a[:, None] + b[:, None] + j
+        p0 = (torch.cumprod((a[:, None] + j) / den, 1) + torch.cumprod((b[:, None] + j) / den, 1))[:, self.n_min - 1 :]
         skip = p0[:, -1] > self.tau_skip
-        below = p0 <= self.eps
+        below = p0 <= self.eps + 1e-12  # a tolerance: 2/(n+1) hits eps exactly at the defaults
         first = torch.where(below.any(1), below.to(torch.int8).argmax(1), ns.numel() - 1)
         want = torch.where(skip, 0, ns[first])
         pri = torch.where(skip, math.inf, p0.gather(1, first[:, None]).squeeze(1))
