@@ -604,10 +604,11 @@ class E3Temperature:
     Defaults from the code: ``init_temperature=1.0``, ``init_steps=1``, ``target_entropy=None``,
     ``annealing_ratio=0.4``, ``annealing_factor=0.9``; annealing off (``max_steps=None``).
 
+    The keywords ``init_temperature``, ``init_steps``, ``target_entropy``, ``max_steps``, ``annealing_ratio``,
+    ``annealing_factor``, ``t_min`` and ``t_max`` are described above.
+
     Args:
         vocab_size: V of the tokenizer (>= 3).
-        init_temperature, init_steps, target_entropy, max_steps, annealing_ratio, annealing_factor, t_min, t_max:
-            as above.
     """
 
     def __init__(
