@@ -11,7 +11,9 @@ rollouts that landed in zero-variance groups. Experimental (reconstructed) alloc
 
 Part 2 (speed): 100,000 prompts; the allocator's history is first fed one step of 1,000,000 rollouts (10 per
 prompt); then one ``plan`` conversation (plan, every next/observe, finish; the rewards are drawn beforehand) and
-one ``update`` are timed (median of repeats). Target: under 50 ms each.
+one ``update`` are timed (median of repeats). Target: under 50 ms each. Not run: DEPO (its ``update`` needs
+per-rollout response entropies, which the testbed does not model) and the V0.5 budget rule (it consumes the
+``v05`` estimator's request); HIVE runs without prompt entropies (its stage 2 is then skipped).
 
 Run: ``python benchmarks/allocators.py`` (``--quick``: fewer seeds and steps).
 """
@@ -47,6 +49,15 @@ def contenders() -> dict[str, Callable[[], Any]]:
         "RolloutGDRO": lambda: A.RolloutGDRO(seed=0, experimental=True),
         "DPS": lambda: A.DPS(seed=0),
         "GRESO": lambda: A.GRESO(seed=0, steps_per_epoch=10, train_batch_size=128),
+        "CoBAAllocator": lambda: A.CoBAAllocator(),
+        "Knapsack": lambda: A.Knapsack(),
+        "DARS": lambda: A.DARS(seed=0),
+        "E3Budget": lambda: A.E3Budget(seed=0),
+        "AR3PO": lambda: A.AR3PO(seed=0, experimental=True),
+        "AERO": lambda: A.AERO(seed=0, experimental=True),
+        "DOTS": lambda: A.DOTS(seed=0, experimental=True),
+        "XRPOAllocator": lambda: A.XRPOAllocator(seed=0, experimental=True),
+        "HIVE (no prompt entropy)": lambda: A.HIVE(seed=0, experimental=True),
     }
 
 
