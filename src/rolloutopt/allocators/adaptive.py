@@ -692,6 +692,10 @@ class V05Budget:
         unseen_prior: prior for a prompt with neither a value-model prediction nor history.
         v05_kwargs: further keywords of ``v05`` (``cost``, ``variance``, ``threshold``, ``fallback``, ...).
         experimental: must be True.
+
+    Edge cases: a budget below ``n * P`` gives round 0 to the lowest ids (the rest ``"no_budget"``) and leaves
+    nothing for top-ups; ``rounds=0`` or ``max_extra=0`` is a fixed group of ``n``; rewards outside [0, 1] need
+    ``v05_kwargs={"variance": "sample"}`` (``v05`` raises otherwise).
     """
 
     def __init__(
