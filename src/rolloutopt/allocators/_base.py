@@ -48,6 +48,8 @@ class AllocationResult:
     position in the plan, ``0..P-1``, so rollouts of one prompt from several requests share it), ``rewards``
     (float64),
     ``weight`` (0 for rollouts kept out of the loss, e.g. a zero-variance group dropped by dynamic sampling).
+    An allocator that reuses stored responses (AR3PO) appends them after the generated rows, so
+    ``counts.sum()`` (rollouts generated, what the budget paid for) can be less than ``rewards.numel()``.
     Per planned prompt (``[P]``, the order given to ``plan``): ``plan_prompt_ids``, ``counts`` (rollouts it
     got), ``reasons`` (int codes into ``reason_names``, why it got them). ``metrics``: detached 0-d tensors.
     """

@@ -232,15 +232,16 @@ def run(
         result = plan.finish()
         allocator.update(result)
         population.learn(result)
-        n = result.rewards.numel()
+        # Generated rollouts only: an allocator may append reused responses (AR3PO's replay) after them.
+        n = int(result.counts.sum())
         if n:
-            r = result.rewards.double()
+            r, g = result.rewards[:n].double(), result.group[:n]
             p = result.plan_prompt_ids.numel()
-            rmax = torch.full((p,), -torch.inf, dtype=torch.float64).scatter_reduce(0, result.group, r, "amax")
-            rmin = torch.full((p,), torch.inf, dtype=torch.float64).scatter_reduce(0, result.group, r, "amin")
-            flat = (rmax == rmin)[result.group]
+            rmax = torch.full((p,), -torch.inf, dtype=torch.float64).scatter_reduce(0, g, r, "amax")
+            rmin = torch.full((p,), torch.inf, dtype=torch.float64).scatter_reduce(0, g, r, "amin")
+            flat = (rmax == rmin)[g]
             zero_var += int(flat.sum())
-            kept += int((result.weight > 0).sum())
+            kept += int((result.weight[:n] > 0).sum())
         total += n
         done = step + 1
         rate = population.mean_pass_rate
