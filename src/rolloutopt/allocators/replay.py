@@ -119,6 +119,14 @@ def _empty_replay(width: int) -> dict[str, Tensor]:
     }
 
 
+def _tail_by_id(ids: Tensor, k: int) -> Tensor:
+    """Indices of the ``k`` largest ``ids``, in increasing id order (the tail a FIFO fed in id order keeps)."""
+    if ids.numel() > k:
+        sel = torch.topk(ids, k).indices
+        return sel[ids[sel].argsort()]
+    return ids.argsort()
+
+
 class DOTS:
     r"""DOTS + Rollout Replay: pick prompts whose predicted success rate is near 1/2; reuse recent groups.
 
@@ -370,16 +378,15 @@ class DOTS:
         # labels: sorted store, overwritten by the newest rate; reference FIFO in prompt-id order
         ids_played = result.plan_prompt_ids[played]
         rate_played = rate[played]
-        by_id = ids_played.argsort()
-        ids_sorted, rate_sorted = ids_played[by_id], rate_played[by_id]
         self._label_ids, (labels,), pos, order = _insert(
-            self._label_ids, ids_sorted, [(self._labels, torch.zeros((), dtype=_F64))]
+            self._label_ids, ids_played, [(self._labels, torch.zeros((), dtype=_F64))]
         )
         labels = labels.clone()
-        labels[pos] = rate_sorted[order]
+        labels[pos] = rate_played[order]
         self._labels = labels
-        self._ref_ids = torch.cat([self._ref_ids, ids_sorted])[-self.ref_size :]
-        self._ref_labels = torch.cat([self._ref_labels, rate_sorted])[-self.ref_size :]
+        tail = _tail_by_id(ids_played, self.ref_size)
+        self._ref_ids = torch.cat([self._ref_ids, ids_played[tail]])[-self.ref_size :]
+        self._ref_labels = torch.cat([self._ref_labels, rate_played[tail]])[-self.ref_size :]
         if self.buffer_size > 0:
             self._push(result, values, played)
         self._step += 1
@@ -390,7 +397,7 @@ class DOTS:
         lo = torch.full((p,), math.inf, dtype=_F64).scatter_reduce(0, result.group, values, "amin")
         informative = played & (hi > lo)
         cand = informative.nonzero().squeeze(1)
-        cand = cand[result.plan_prompt_ids[cand].argsort()][-self.buffer_size :]  # id order; only the tail survives
+        cand = cand[_tail_by_id(result.plan_prompt_ids[cand], self.buffer_size)]  # id order; only the tail survives
         g = cand.numel()
         if g == 0:
             return
