@@ -25,6 +25,7 @@ from rolloutopt.allocators._base import (
     AllocationResult,
     Allocator,
     Conversation,
+    OneShotPlan,
     Request,
     as_prompt_ids,
     check_budget,
@@ -42,7 +43,7 @@ from rolloutopt.allocators.history import *  # noqa: F403
 from rolloutopt.allocators.replay import *  # noqa: F403
 from rolloutopt.allocators.topup import *  # noqa: F403
 
-__all__ = ["AllocationResult", "Allocator", "Conversation", "Request", "as_prompt_ids", "check_budget"]
+__all__ = ["AllocationResult", "Allocator", "Conversation", "OneShotPlan", "Request", "as_prompt_ids", "check_budget"]
 __all__ += baselines.__all__
 __all__ += history.__all__
 __all__ += dynamic.__all__

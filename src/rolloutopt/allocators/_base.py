@@ -24,7 +24,15 @@ from torch import Tensor
 from rolloutopt._validation import checks_enabled, describe
 from rolloutopt.errors import InputError
 
-__all__ = ["AllocationResult", "Allocator", "Conversation", "Request", "as_prompt_ids", "check_budget"]
+__all__ = [
+    "AllocationResult",
+    "Allocator",
+    "Conversation",
+    "OneShotPlan",
+    "Request",
+    "as_prompt_ids",
+    "check_budget",
+]
 
 
 @dataclass(frozen=True)
@@ -252,3 +260,32 @@ class Conversation:
                 "kept_frac": (weight != 0).double().mean() if n else torch.tensor(0.0, dtype=torch.float64),
             },
         )
+
+
+class OneShotPlan(Conversation):
+    """A plan that is a single request with counts and reasons decided up front; every rollout is kept.
+
+    The shape of every pre-rollout allocator (Uniform, DPS, Prompt-GDRO, HIVE, DEPO, ...): subclass it to name
+    the reasons (``reason_names``) and pass the per-prompt ``counts`` (int64 ``[P]``, 0 = not requested) and
+    ``reasons`` (int64 ``[P]``).
+    """
+
+    def __init__(self, prompt_ids: Tensor, budget: int, counts: Tensor, reasons: Tensor) -> None:
+        super().__init__(prompt_ids, budget)
+        self._counts = counts
+        self._reasons = reasons
+        self._sent = False
+
+    def decide(self) -> Request | None:
+        """The one request (the prompts with a positive count), then None."""
+        if self._sent:
+            return None
+        self._sent = True
+        keep = self._counts > 0
+        if not bool(keep.any()):
+            return None
+        return Request(self.prompt_ids[keep], self._counts[keep])
+
+    def select(self) -> tuple[Tensor, Tensor]:
+        """Every rollout kept, the reasons decided up front."""
+        return torch.ones(self.spent_observed), self._reasons

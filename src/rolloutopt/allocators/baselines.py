@@ -7,36 +7,28 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rolloutopt.allocators._base import AllocationResult, Conversation, Request, as_prompt_ids, check_budget
+from rolloutopt.allocators._base import (
+    AllocationResult,
+    Conversation,
+    OneShotPlan,
+    as_prompt_ids,
+    check_budget,
+)
 from rolloutopt.errors import InputError
 
 __all__ = ["Uniform"]
 
 
-class _UniformPlan(Conversation):
+class _UniformPlan(OneShotPlan):
     reason_names = ("uniform", "remainder", "no_budget")
 
-    def __init__(self, prompt_ids: Tensor, budget: int, n: int | None) -> None:
-        super().__init__(prompt_ids, budget)
-        p = prompt_ids.numel()
-        per, extra = (budget // p, budget % p) if n is None else (min(n, budget // max(p, 1)), 0)
-        counts = torch.full((p,), per, dtype=torch.long)
-        counts[:extra] += 1
-        self._counts = counts
-        self._reasons = torch.where(counts == 0, 2, torch.where(torch.arange(p) < extra, 1, 0))
-        self._sent = False
 
-    def decide(self) -> Request | None:
-        if self._sent:
-            return None
-        self._sent = True
-        keep = self._counts > 0
-        if not bool(keep.any()):
-            return None
-        return Request(self.prompt_ids[keep], self._counts[keep])
-
-    def select(self) -> tuple[Tensor, Tensor]:
-        return torch.ones(self.spent_observed), self._reasons
+def _uniform_counts(p: int, budget: int, n: int | None) -> tuple[Tensor, Tensor]:
+    per, extra = (budget // p, budget % p) if n is None else (min(n, budget // max(p, 1)), 0)
+    counts = torch.full((p,), per, dtype=torch.long)
+    counts[:extra] += 1
+    reasons = torch.where(counts == 0, 2, torch.where(torch.arange(p) < extra, 1, 0))
+    return counts, reasons
 
 
 class Uniform:
@@ -55,7 +47,8 @@ class Uniform:
 
     def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
         """One request: ``budget`` spread over ``prompt_ids`` (see the class docstring)."""
-        return _UniformPlan(as_prompt_ids(prompt_ids), check_budget(budget), self.n)
+        ids, budget = as_prompt_ids(prompt_ids), check_budget(budget)
+        return _UniformPlan(ids, budget, *_uniform_counts(ids.numel(), budget, self.n))
 
     def update(self, result: AllocationResult) -> None:
         """Nothing to learn."""

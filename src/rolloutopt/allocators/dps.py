@@ -22,7 +22,13 @@ import torch
 from torch import Tensor
 
 from rolloutopt._validation import describe
-from rolloutopt.allocators._base import AllocationResult, Conversation, Request, as_prompt_ids, check_budget
+from rolloutopt.allocators._base import (
+    AllocationResult,
+    Conversation,
+    OneShotPlan,
+    as_prompt_ids,
+    check_budget,
+)
 from rolloutopt.errors import InputError
 
 __all__ = ["DPS"]
@@ -154,27 +160,12 @@ def _check_result(result: Any) -> AllocationResult:
 
 
 # -- the plan ---------------------------------------------------------------------------------------------------
-class _DPSPlan(Conversation):
+class _DPSPlan(OneShotPlan):
     reason_names = ("selected", "partial_group", "not_selected")
 
     def __init__(self, prompt_ids: Tensor, budget: int, counts: Tensor, reasons: Tensor, scores: Tensor) -> None:
-        super().__init__(prompt_ids, budget)
-        self._counts = counts
-        self._reasons = reasons
+        super().__init__(prompt_ids, budget, counts, reasons)
         self.scores = scores
-        self._sent = False
-
-    def decide(self) -> Request | None:
-        if self._sent:
-            return None
-        self._sent = True
-        keep = self._counts > 0
-        if not bool(keep.any()):
-            return None
-        return Request(self.prompt_ids[keep], self._counts[keep])
-
-    def select(self) -> tuple[Tensor, Tensor]:
-        return torch.ones(self.spent_observed), self._reasons
 
 
 class DPS:

@@ -29,7 +29,13 @@ import torch
 from torch import Tensor
 
 from rolloutopt._validation import choice, describe, require_experimental
-from rolloutopt.allocators._base import AllocationResult, Conversation, Request, as_prompt_ids, check_budget
+from rolloutopt.allocators._base import (
+    AllocationResult,
+    Conversation,
+    OneShotPlan,
+    as_prompt_ids,
+    check_budget,
+)
 from rolloutopt.allocators.dps import _check_float, _check_int, _check_result, _fill, _group_sizes, _insert, _lookup
 from rolloutopt.errors import InputError
 
@@ -39,33 +45,11 @@ _SPEC_HIVE = "specs/allocators.md §A13"
 
 
 # -- shared helpers ---------------------------------------------------------------------------------------------
-class _OneShotPlan(Conversation):
-    """One request with precomputed counts; every rollout kept; precomputed reasons."""
-
-    def __init__(self, prompt_ids: Tensor, budget: int, counts: Tensor, reasons: Tensor) -> None:
-        super().__init__(prompt_ids, budget)
-        self._counts = counts
-        self._reasons = reasons
-        self._sent = False
-
-    def decide(self) -> Request | None:
-        if self._sent:
-            return None
-        self._sent = True
-        keep = self._counts > 0
-        if not bool(keep.any()):
-            return None
-        return Request(self.prompt_ids[keep], self._counts[keep])
-
-    def select(self) -> tuple[Tensor, Tensor]:
-        return torch.ones(self.spent_observed), self._reasons
-
-
-class _HIVEPlan(_OneShotPlan):
+class _HIVEPlan(OneShotPlan):
     reason_names = ("selected", "out_of_band", "entropy_pruned", "over_budget")
 
 
-class _DEPOPlan(_OneShotPlan):
+class _DEPOPlan(OneShotPlan):
     reason_names = ("selected", "unseen", "epoch_zero", "padded", "filtered", "over_budget")
 
 

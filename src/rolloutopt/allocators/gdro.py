@@ -28,7 +28,14 @@ import torch
 from torch import Tensor
 
 from rolloutopt._validation import choice, describe, positive, require_experimental
-from rolloutopt.allocators._base import AllocationResult, Conversation, Request, as_prompt_ids, check_budget
+from rolloutopt.allocators._base import (
+    AllocationResult,
+    Conversation,
+    OneShotPlan,
+    Request,
+    as_prompt_ids,
+    check_budget,
+)
 from rolloutopt.errors import InputError
 
 __all__ = [
@@ -538,26 +545,8 @@ def _load_generator(g: torch.Generator, state: Any) -> None:
 # ------------------------------------------------------------------------------------------------ Prompt-GDRO
 
 
-class _PromptPlan(Conversation):
+class _PromptPlan(OneShotPlan):
     reason_names = ("selected", "not_selected", "no_budget")
-
-    def __init__(self, prompt_ids: Tensor, budget: int, counts: Tensor, reasons: Tensor) -> None:
-        super().__init__(prompt_ids, budget)
-        self._counts = counts
-        self._reasons = reasons
-        self._sent = False
-
-    def decide(self) -> Request | None:
-        if self._sent:
-            return None
-        self._sent = True
-        keep = self._counts > 0
-        if not bool(keep.any()):
-            return None
-        return Request(self.prompt_ids[keep], self._counts[keep])
-
-    def select(self) -> tuple[Tensor, Tensor]:
-        return torch.ones(self.spent_observed), self._reasons
 
 
 class PromptGDRO:
