@@ -15,6 +15,7 @@ accounting, assembling the result); an allocator's plan subclasses it and decide
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -104,6 +105,29 @@ def as_prompt_ids(prompt_ids: Any, name: str = "prompt_ids") -> Tensor:
     if checks_enabled() and torch.unique(ids).numel() != ids.numel():
         raise InputError(name, "distinct prompt ids", f"{describe(prompt_ids)} with repeats", "deduplicate the prompts")
     return ids
+
+
+# -- hyper-parameter checks shared by the allocators --------------------------------------------------------------
+def _int(x: Any, name: str, low: int, *, none: bool = False) -> None:
+    if none and x is None:
+        return
+    if not isinstance(x, int) or isinstance(x, bool) or x < low:
+        raise InputError(name, f"{'None or ' if none else ''}an int >= {low}", describe(x), f"pass e.g. {name}={low}")
+
+
+def _real(x: Any, name: str, low: float, high: float, *, none: bool = False, open_low: bool = False) -> None:
+    if none and x is None:
+        return
+    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
+    ok = ok and (float(x) > low if open_low else float(x) >= low) and float(x) <= high
+    if not ok:
+        lo = "(" if open_low else "["
+        raise InputError(name, f"{'None or ' if none else ''}a number in {lo}{low}, {high}]", describe(x), "fix it")
+
+
+def _choice(x: Any, name: str, options: tuple[str, ...]) -> None:
+    if x not in options:
+        raise InputError(name, f"one of {options}", describe(x), f"pass {name}={options[0]!r}")
 
 
 def _cat(parts: list[Tensor], empty: Tensor) -> Tensor:

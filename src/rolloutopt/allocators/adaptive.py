@@ -22,9 +22,18 @@ import torch
 from torch import Tensor
 
 from rolloutopt._validation import describe, require_experimental
-from rolloutopt.allocators._base import AllocationResult, Conversation, Request, as_prompt_ids, check_budget
+from rolloutopt.allocators._base import (
+    AllocationResult,
+    Conversation,
+    Request,
+    _choice,
+    _int,
+    _real,
+    as_prompt_ids,
+    check_budget,
+)
 from rolloutopt.allocators.dps import _insert, _lookup
-from rolloutopt.allocators.topup import _choice, _int, _real, _Tracked
+from rolloutopt.allocators.topup import _Tracked
 from rolloutopt.errors import InputError
 
 __all__ = ["AERO", "AR3PO", "ReusedResponses", "V05Budget", "dead_zone_probability", "response_key"]

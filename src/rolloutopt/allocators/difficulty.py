@@ -18,7 +18,16 @@ import torch
 from torch import Tensor
 
 from rolloutopt._validation import describe
-from rolloutopt.allocators._base import AllocationResult, Conversation, Request, as_prompt_ids, check_budget
+from rolloutopt.allocators._base import (
+    AllocationResult,
+    Conversation,
+    Request,
+    _choice,
+    _int,
+    _real,
+    as_prompt_ids,
+    check_budget,
+)
 from rolloutopt.errors import InputError
 
 __all__ = ["DARS", "E3Budget", "E3Temperature", "dars_extra_rollouts", "e3_counts", "e3_temperature_step"]
@@ -28,26 +37,6 @@ _UNSEEN_RANK = -100.0  # E3's rank of a never-seen prompt (weight 0)
 
 
 # -- validation helpers -------------------------------------------------------------------------------------------
-def _int(x: Any, name: str, low: int, *, none: bool = False) -> None:
-    if none and x is None:
-        return
-    if not isinstance(x, int) or isinstance(x, bool) or x < low:
-        raise InputError(name, f"{'None or ' if none else ''}an int >= {low}", describe(x), f"pass e.g. {name}={low}")
-
-
-def _real(x: Any, name: str, low: float, high: float, *, none: bool = False, open_low: bool = False) -> None:
-    if none and x is None:
-        return
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
-    ok = ok and (float(x) > low if open_low else float(x) >= low) and float(x) <= high
-    if not ok:
-        lo = "(" if open_low else "["
-        raise InputError(name, f"{'None or ' if none else ''}a number in {lo}{low}, {high}]", describe(x), "fix it")
-
-
-def _choice(x: Any, name: str, options: tuple[str, ...]) -> None:
-    if x not in options:
-        raise InputError(name, f"one of {options}", describe(x), f"pass {name}={options[0]!r}")
 
 
 def _bool(x: Any, name: str) -> None:
