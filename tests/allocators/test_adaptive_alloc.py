@@ -13,41 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.advantages.prior import v05
-from rolloutopt.allocators import AllocationResult, Conversation, Request
+from rolloutopt.allocators import AllocationResult, Request
 from rolloutopt.allocators.adaptive import AERO, AR3PO, V05Budget, dead_zone_probability, response_key
 from rolloutopt.errors import InputError
 
-Rewards = Callable[[int, int], float]
-
-
-def table(t: dict[int, list[float]]) -> Rewards:
-    return lambda pid, k: t[pid][k % len(t[pid])]
-
-
-def hashed(seed: int) -> Rewards:
-    """A deterministic pseudo-random 0/1 reward per (prompt, occurrence) with a per-prompt success rate."""
-
-    def f(pid: int, k: int) -> float:
-        q = ((pid * 2654435761 + seed) % 101) / 100
-        u = ((pid * 7919 + k * 104729 + seed * 31) % 997) / 997
-        return float(u < q)
-
-    return f
-
-
-def run(plan: Conversation, reward: Rewards) -> tuple[AllocationResult, list[tuple[list[int], list[int]]]]:
-    occ: dict[int, int] = {}
-    reqs = []
-    while (req := plan.next()) is not None:
-        vals = []
-        for pid, c in zip(req.prompt_ids.tolist(), req.counts.tolist(), strict=True):
-            for _ in range(c):
-                k = occ.get(pid, 0)
-                occ[pid] = k + 1
-                vals.append(reward(pid, k))
-        reqs.append((req.prompt_ids.tolist(), req.counts.tolist()))
-        plan.observe(req, torch.tensor(vals, dtype=torch.float64))
-    return plan.finish(), reqs
+from .helpers import hashed, run, table
 
 
 def reasons(res: AllocationResult) -> dict[int, str]:

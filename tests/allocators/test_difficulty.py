@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rolloutopt.allocators import AllocationResult, Conversation
+from rolloutopt.allocators import AllocationResult
 from rolloutopt.allocators.difficulty import (
     DARS,
     E3Budget,
@@ -22,35 +22,7 @@ from rolloutopt.allocators.difficulty import (
 )
 from rolloutopt.errors import InputError
 
-Rewards = Callable[[int, int], float]
-
-
-def table(t: dict[int, list[float]]) -> Rewards:
-    return lambda pid, k: t[pid][k % len(t[pid])]
-
-
-def hashed(seed: int) -> Rewards:
-    def f(pid: int, k: int) -> float:
-        q = ((pid * 2654435761 + seed) % 101) / 100
-        u = ((pid * 7919 + k * 104729 + seed * 31) % 997) / 997
-        return float(u < q)
-
-    return f
-
-
-def run(plan: Conversation, reward: Rewards) -> tuple[AllocationResult, list[tuple[list[int], list[int]]]]:
-    occ: dict[int, int] = {}
-    reqs = []
-    while (req := plan.next()) is not None:
-        vals = []
-        for pid, c in zip(req.prompt_ids.tolist(), req.counts.tolist(), strict=True):
-            for _ in range(c):
-                k = occ.get(pid, 0)
-                occ[pid] = k + 1
-                vals.append(reward(pid, k))
-        reqs.append((req.prompt_ids.tolist(), req.counts.tolist()))
-        plan.observe(req, torch.tensor(vals, dtype=torch.float64))
-    return plan.finish(), reqs
+from .helpers import hashed, run, table
 
 
 def names(res: AllocationResult) -> list[str]:

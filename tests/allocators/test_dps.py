@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rolloutopt.allocators._base import AllocationResult, Conversation, Request
-from rolloutopt.allocators.dps import DPS, _fill
+from rolloutopt.allocators._base import AllocationResult, Conversation, Request, _fill
+from rolloutopt.allocators.dps import DPS
 from rolloutopt.errors import InputError
 
 Rewards = Callable[[Request], torch.Tensor]

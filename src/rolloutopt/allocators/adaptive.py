@@ -27,12 +27,13 @@ from rolloutopt.allocators._base import (
     Conversation,
     Request,
     _choice,
+    _insert,
     _int,
+    _lookup,
     _real,
     as_prompt_ids,
     check_budget,
 )
-from rolloutopt.allocators.dps import _insert, _lookup
 from rolloutopt.allocators.topup import _Tracked
 from rolloutopt.errors import InputError
 

@@ -15,7 +15,6 @@ The state of every prompt ever planned lives in sorted int64 tensors (ids ``[K]`
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 import torch
@@ -26,6 +25,13 @@ from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
     OneShotPlan,
+    _check_float,
+    _check_int,
+    _check_result,
+    _fill,
+    _group_sizes,
+    _insert,
+    _lookup,
     as_prompt_ids,
     check_budget,
 )
@@ -48,99 +54,6 @@ _NAMED_PI: dict[str, list[float]] = {
 
 
 # -- helpers shared with rolloutopt.allocators.greso (private) -------------------------------------------------
-def _check_int(value: Any, name: str, low: int, fix: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise InputError(name, f"an int >= {low}", describe(value), fix)
-    return value
-
-
-def _check_float(value: Any, name: str, low: float, high: float, fix: str, *, open_low: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
-    if ok:
-        v = float(value)
-        ok = (v > low if open_low else v >= low) and v <= high
-    if not ok:
-        bracket = "(" if open_low else "["
-        raise InputError(name, f"a finite number in {bracket}{low}, {high}]", describe(value), fix)
-    return float(value)
-
-
-def _group_sizes(n: Any, n_min: Any, n_max: Any) -> tuple[int, int, int]:
-    """Validate the group size ``n`` and the per-prompt caps ``n_min <= n <= n_max`` (None means ``n``)."""
-    n = _check_int(n, "n", 1, "pass the rollouts per prompt, e.g. n=8")
-    n_min = n if n_min is None else _check_int(n_min, "n_min", 1, "pass 1 <= n_min <= n")
-    n_max = n if n_max is None else _check_int(n_max, "n_max", 1, "pass n_max >= n")
-    if n_min > n:
-        raise InputError("n_min", f"n_min <= n = {n}", repr(n_min), "lower n_min or raise n")
-    if n_max < n:
-        raise InputError("n_max", f"n_max >= n = {n}", repr(n_max), "raise n_max or lower n")
-    return n, n_min, n_max
-
-
-def _fill(length: int, budget: int, n: int, n_min: int, n_max: int) -> Tensor:
-    """Rollouts for ``length`` ranked prompts (best first) out of ``budget``: int64 ``[length]``.
-
-    The first ``budget // n`` prompts get a full group of ``n``. What is left, ``r < n`` when prompts remain,
-    goes to the next prompt as a partial group if ``r >= n_min``; then anything still left is spread one by one
-    over the full groups, best first, up to ``n_max`` each. With ``n_min = n_max = n`` (every default) this is
-    the papers' fixed group size and at most ``n - 1`` rollouts stay unspent. Every non-zero count lies in
-    ``[n_min, n_max]`` and the counts sum to at most ``budget``.
-    """
-    counts = torch.zeros(length, dtype=torch.long)
-    full = min(length, budget // n)
-    counts[:full] = n
-    rest = budget - full * n
-    if full < length and rest >= n_min:
-        counts[full] = rest
-        rest = 0
-    if full > 0 and rest > 0 and n_max > n:
-        extra = torch.full((full,), rest // full, dtype=torch.long)
-        extra[: rest % full] += 1
-        counts[:full] += extra.clamp(max=n_max - n)
-    return counts
-
-
-def _locate(sorted_ids: Tensor, query: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Look ``query`` up in ``sorted_ids`` in sorted-query order: ``(pos, found, order)`` where ``pos[i]`` is the
-    position of ``query[order[i]]`` (junk where ``found[i]`` is False). Sorted queries walk the table in order,
-    about twice as fast as random ones, and the positions come out increasing, so that the gathers and scatters
-    that follow are sequential too."""
-    q, order = query.sort()
-    k = sorted_ids.numel()
-    if k == 0:
-        return torch.zeros_like(q), torch.zeros(q.shape, dtype=torch.bool), order
-    pos = torch.searchsorted(sorted_ids, q).clamp(max=k - 1)
-    return pos, sorted_ids[pos] == q, order
-
-
-def _lookup(sorted_ids: Tensor, query: Tensor) -> tuple[Tensor, Tensor]:
-    """Positions of ``query`` in ``sorted_ids`` and whether each is there (positions of absent ids are junk)."""
-    pos_s, found_s, order = _locate(sorted_ids, query)
-    pos = torch.empty_like(pos_s)
-    pos[order] = pos_s
-    found = torch.empty_like(found_s)
-    found[order] = found_s
-    return pos, found
-
-
-def _insert(
-    sorted_ids: Tensor, new_ids: Tensor, fields: list[tuple[Tensor, Tensor]]
-) -> tuple[Tensor, list[Tensor], Tensor, Tensor]:
-    """Add the distinct ``new_ids`` absent from ``sorted_ids``; each field grows by its fill row. Stays sorted.
-
-    Returns the merged ids, the merged fields, and the increasing positions ``pos`` of ``new_ids[order]`` in the
-    merged ids together with ``order`` (see :func:`_locate`).
-    """
-    pos, found, order = _locate(sorted_ids, new_ids)
-    add = new_ids[order[~found]]
-    if add.numel() == 0:
-        return sorted_ids, [f for f, _ in fields], pos, order
-    ids, perm = torch.cat([sorted_ids, add]).sort()
-    out = [torch.cat([f, fill.expand(add.numel(), *fill.shape).to(f.dtype)])[perm] for f, fill in fields]
-    pos, _, order = _locate(ids, new_ids)
-    return ids, out, pos, order
-
-
 def _sum3(x: Tensor, dim: int) -> Tensor:
     """Sum over an axis of size 3, written out (torch's reduction over a tiny axis is several times slower)."""
     return x.select(dim, 0) + x.select(dim, 1) + x.select(dim, 2)
@@ -151,12 +64,6 @@ def _group_stats(result: AllocationResult, success_threshold: float | None) -> t
     values = result.rewards if success_threshold is None else (result.rewards >= success_threshold).double()
     total = torch.bincount(result.group, weights=values, minlength=result.plan_prompt_ids.numel())
     return result.counts, total / result.counts.clamp(min=1)
-
-
-def _check_result(result: Any) -> AllocationResult:
-    if not isinstance(result, AllocationResult):
-        raise InputError("result", "the AllocationResult of plan.finish()", describe(result), "pass plan.finish()")
-    return result
 
 
 # -- the plan ---------------------------------------------------------------------------------------------------

@@ -33,10 +33,16 @@ from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
     OneShotPlan,
+    _check_float,
+    _check_int,
+    _check_result,
+    _fill,
+    _group_sizes,
+    _insert,
+    _lookup,
     as_prompt_ids,
     check_budget,
 )
-from rolloutopt.allocators.dps import _check_float, _check_int, _check_result, _fill, _group_sizes, _insert, _lookup
 from rolloutopt.errors import InputError
 
 __all__ = ["DEPO", "HIVE", "depo_group_scores"]

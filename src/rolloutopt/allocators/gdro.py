@@ -32,7 +32,6 @@ from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
     OneShotPlan,
-    Request,
     as_prompt_ids,
     check_budget,
 )
@@ -709,29 +708,14 @@ class PromptGDRO:
 # ----------------------------------------------------------------------------------------------- Rollout-GDRO
 
 
-class _RolloutPlan(Conversation):
+class _RolloutPlan(OneShotPlan):
     reason_names = ("allocated", "trimmed_to_budget", "no_budget")
 
     def __init__(
         self, prompt_ids: Tensor, budget: int, counts: Tensor, reasons: Tensor, metrics: dict[str, Tensor]
     ) -> None:
-        super().__init__(prompt_ids, budget)
-        self._counts = counts
-        self._reasons = reasons
+        super().__init__(prompt_ids, budget, counts, reasons)
         self._metrics = metrics
-        self._sent = False
-
-    def decide(self) -> Request | None:
-        if self._sent:
-            return None
-        self._sent = True
-        keep = self._counts > 0
-        if not bool(keep.any()):
-            return None
-        return Request(self.prompt_ids[keep], self._counts[keep])
-
-    def select(self) -> tuple[Tensor, Tensor]:
-        return torch.ones(self.spent_observed), self._reasons
 
     def finish(self) -> AllocationResult:
         result = super().finish()

@@ -20,8 +20,20 @@ import torch
 from torch import Tensor
 
 from rolloutopt._validation import describe
-from rolloutopt.allocators._base import AllocationResult, Conversation, Request, as_prompt_ids, check_budget
-from rolloutopt.allocators.dps import _check_float, _check_int, _check_result, _fill, _group_sizes, _insert, _lookup
+from rolloutopt.allocators._base import (
+    AllocationResult,
+    Conversation,
+    Request,
+    _check_float,
+    _check_int,
+    _check_result,
+    _fill,
+    _group_sizes,
+    _insert,
+    _lookup,
+    as_prompt_ids,
+    check_budget,
+)
 from rolloutopt.errors import InputError
 
 __all__ = ["GRESO", "greso_skip_probability"]

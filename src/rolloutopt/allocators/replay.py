@@ -23,8 +23,21 @@ import torch
 from torch import Tensor
 
 from rolloutopt._validation import describe, require_experimental
-from rolloutopt.allocators._base import AllocationResult, Conversation, Request, as_prompt_ids, check_budget
-from rolloutopt.allocators.dps import _check_float, _check_int, _check_result, _fill, _group_sizes, _insert, _lookup
+from rolloutopt.allocators._base import (
+    AllocationResult,
+    Conversation,
+    OneShotPlan,
+    Request,
+    _check_float,
+    _check_int,
+    _check_result,
+    _fill,
+    _group_sizes,
+    _insert,
+    _lookup,
+    as_prompt_ids,
+    check_budget,
+)
 from rolloutopt.allocators.topup import _rank
 from rolloutopt.errors import InputError
 
@@ -60,7 +73,7 @@ class ReplayedGroups:
         return int(self.keys.numel())
 
 
-class DOTSPlan(Conversation):
+class DOTSPlan(OneShotPlan):
     """A DOTS step: one request for the fresh prompts; :meth:`replayed` returns the reused groups.
 
     Reasons per planned prompt: ``"selected"`` (a full group), ``"partial_group"`` (the leftover budget,
@@ -73,28 +86,13 @@ class DOTSPlan(Conversation):
     def __init__(
         self, prompt_ids: Tensor, budget: int, counts: Tensor, reasons: Tensor, predicted: Tensor, rep: ReplayedGroups
     ) -> None:
-        super().__init__(prompt_ids, budget)
-        self._counts = counts
-        self._reasons = reasons
+        super().__init__(prompt_ids, budget, counts, reasons)
         self.predicted = predicted
         self._replayed = rep
-        self._sent = False
 
     def replayed(self) -> ReplayedGroups:
         """The groups reused from the replay buffer this step (train on them with their stored log-probs)."""
         return self._replayed
-
-    def decide(self) -> Request | None:
-        if self._sent:
-            return None
-        self._sent = True
-        keep = self._counts > 0
-        if not bool(keep.any()):
-            return None
-        return Request(self.prompt_ids[keep], self._counts[keep])
-
-    def select(self) -> tuple[Tensor, Tensor]:
-        return torch.ones(self.spent_observed), self._reasons
 
     def finish(self) -> AllocationResult:
         res = super().finish()
