@@ -1,0 +1,390 @@
+"""The streaming stop-rule protocol every rule speaks (``DESIGN.md`` §4), and the outputs rules share.
+
+A stop rule is streamed, vectorised over the live batch, and never sees a model::
+
+    state = rule.init(batch_size)                        # per-generation state: tensors only
+    for each decoding step:
+        state, stop = rule.step(state, logprobs=..., entropy=..., topk_logprobs=..., tokens=..., active=...)
+        # stop: bool [N], cumulative (a row once stopped stays stopped); stop sampling those rows
+    result = rule.finalize(state)                        # per-row stop positions and reasons, for the loss side
+
+:class:`StopRule` implements the bookkeeping once (validation, the cumulative ``stop`` mask, positions and
+reasons, the inputs a rule needs); a rule subclasses it and decides only *which live rows fire now*
+(:meth:`StopRule._step`). :func:`replay` drives a rule over recorded ``[N, T]`` tensors (offline analysis, tests).
+
+Positions. Row ``i``'s token counter ``state.steps[i]`` counts the tokens it generated while live (active and not
+stopped). A rule that fires at a step keeps the token of that step: ``position`` is that token's index and the
+kept length is ``position + 1``. ``active=False`` rows (finished by EOS, or padding) are never stopped, never
+counted, and their rule state does not change.
+
+Post-hoc rules (decide after generation) return a :class:`TruncationOutput` (new mask, rewards, lengths and
+metrics): nothing is dropped silently, every changed row is visible in the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from rolloutopt._validation import Dims, as_float, as_index, as_mask, checks_enabled, describe, finite
+from rolloutopt.errors import InputError
+
+__all__ = [
+    "StepInputs",
+    "StopResult",
+    "StopRule",
+    "StopState",
+    "TruncationOutput",
+    "replay",
+    "truncate_mask",
+]
+
+#: The inputs every rule's ``step`` accepts, with their shapes (``N`` live batch, ``K`` top-k width).
+STANDARD_INPUTS: dict[str, str] = {
+    "logprobs": "N",
+    "entropy": "N",
+    "topk_logprobs": "N K",
+    "tokens": "N",
+}
+
+
+@dataclass(frozen=True)
+class StopState:
+    """Per-generation state of a stop rule: tensors only, so ``torch.save(state.state_dict())`` checkpoints it.
+
+    ``stopped`` bool ``[N]`` (cumulative), ``position`` int64 ``[N]`` (index of the last kept token of a stopped
+    row, -1 while running), ``reason`` int64 ``[N]`` (0 while running, else an index into the rule's
+    ``reason_names``), ``steps`` int64 ``[N]`` (tokens generated while live), ``extra`` (the rule's own per-row
+    tensors, e.g. a smoothed regret).
+    """
+
+    stopped: Tensor
+    position: Tensor
+    reason: Tensor
+    steps: Tensor
+    extra: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        """N, the number of rows."""
+        return int(self.stopped.shape[0])
+
+    def state_dict(self) -> dict[str, Any]:
+        """A plain dict of tensors (cloned) that :meth:`from_state_dict` restores exactly."""
+        out: dict[str, Any] = {f.name: getattr(self, f.name).clone() for f in fields(self) if f.name != "extra"}
+        out["extra"] = {k: v.clone() for k, v in self.extra.items()}
+        return out
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> StopState:
+        """Rebuild a state saved with :meth:`state_dict`."""
+        try:
+            return cls(
+                stopped=state["stopped"].clone(),
+                position=state["position"].clone(),
+                reason=state["reason"].clone(),
+                steps=state["steps"].clone(),
+                extra={k: v.clone() for k, v in state.get("extra", {}).items()},
+            )
+        except (KeyError, AttributeError, TypeError) as exc:
+            raise InputError(
+                "state", "a dict saved by StopState.state_dict()", describe(state), "pass state.state_dict()"
+            ) from exc
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """The validated inputs of one ``step`` (fp32 floats, bool ``active``); absent inputs are ``None``.
+
+    ``live`` is ``active & ~stopped``: the rows a rule may change. ``extra`` holds the rule-specific inputs
+    declared in its ``extra_inputs`` (e.g. critic values ``[N]``, teacher top-k ids ``[N, K]``).
+    """
+
+    live: Tensor
+    active: Tensor
+    logprobs: Tensor | None = None
+    entropy: Tensor | None = None
+    topk_logprobs: Tensor | None = None
+    tokens: Tensor | None = None
+    extra: dict[str, Tensor] = field(default_factory=dict)
+
+    def need(self, name: str, by: str) -> Tensor:
+        """Return input ``name`` or raise an InputError saying that rule ``by`` needs it."""
+        value = self.extra.get(name) if name not in STANDARD_INPUTS else getattr(self, name)
+        if value is None:
+            raise InputError(name, f"a tensor: {by} needs it", "None", f"pass {name}= to step()")
+        return value
+
+
+@dataclass(frozen=True)
+class StopResult:
+    """Where and why each row stopped; what the loss-side helpers consume.
+
+    ``stopped`` bool ``[N]``; ``position`` int64 ``[N]`` (last kept token, -1 for rows that did not stop);
+    ``length`` int64 ``[N]`` (tokens kept: ``position + 1`` for stopped rows, the tokens generated otherwise);
+    ``reason`` int64 ``[N]`` into ``reason_names`` (``reason_names[0]`` is ``"running"``: never stopped);
+    ``metrics``: detached 0-d tensors (``stop_frac``, ``stop_position_mean``, ``stop_frac/<reason>``).
+    """
+
+    stopped: Tensor
+    position: Tensor
+    length: Tensor
+    reason: Tensor
+    reason_names: tuple[str, ...]
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+    def reasons(self) -> list[str]:
+        """The reason of every row, as names (a convenience for logs and tests)."""
+        return [self.reason_names[int(r)] for r in self.reason]
+
+    def keep_mask(self, length: int) -> Tensor:
+        """Bool ``[N, length]``: True for the tokens a stopped row keeps; rows that did not stop keep all."""
+        t = torch.arange(length, device=self.position.device)
+        limit = torch.where(self.stopped, self.position + 1, torch.full_like(self.position, length))
+        return t[None, :] < limit[:, None]
+
+
+@dataclass(frozen=True)
+class TruncationOutput:
+    """What a post-hoc truncation or length rule produced.
+
+    ``mask`` bool ``[B, T]`` (the new loss mask), ``rewards`` float ``[B]`` (the new rewards), ``lengths`` int64
+    ``[B]`` (the new response lengths), ``truncated`` bool ``[B]`` (rows the rule changed), ``metrics``: detached
+    0-d tensors. Nothing is dropped silently: a changed row has ``truncated`` True and shows in the metrics.
+    """
+
+    mask: Tensor
+    rewards: Tensor
+    lengths: Tensor
+    truncated: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+def truncate_mask(mask: Any, result: StopResult) -> Tensor:
+    """The loss mask after a stop rule: ``mask & keep`` where ``keep`` holds the first ``position + 1`` tokens
+    of every stopped row (rows that did not stop are unchanged).
+
+    ``mask`` bool ``[N, T]``; ``result`` from :meth:`StopRule.finalize` for the same rows.
+    """
+    dims = Dims()
+    m = as_mask(mask, "mask", dims, "N T")
+    if checks_enabled() and result.stopped.shape[0] != m.shape[0]:
+        raise InputError(
+            "result",
+            f"a StopResult for N={m.shape[0]} rows",
+            f"one for {result.stopped.shape[0]} rows",
+            "finalize the same batch",
+        )
+    return m & result.keep_mask(m.shape[1]).to(m.device)
+
+
+class StopRule:
+    """Base class of the streaming stop rules: ``init`` → ``step``… → ``finalize``.
+
+    A subclass sets ``reason_names`` (``reason_names[0]`` must be ``"running"``), ``uses`` (the standard inputs it
+    reads; absent ones raise an InputError naming them), ``extra_inputs`` (rule-specific per-row inputs:
+    name → ``(shape spec, kind)`` with kind ``"float"``, ``"int"`` or ``"bool"``; shapes use ``N`` and other
+    letters), overrides :meth:`_init` (per-row ``extra`` state) and :meth:`_step` (which live rows fire, and why),
+    and, when it learns across batches, :meth:`state_dict`/:meth:`load_state_dict`.
+    """
+
+    reason_names: ClassVar[tuple[str, ...]] = ("running", "stopped")
+    uses: ClassVar[tuple[str, ...]] = ()
+    extra_inputs: ClassVar[dict[str, tuple[str, str]]] = {}
+
+    # -- the protocol ------------------------------------------------------------------------------------------
+    def init(self, batch_size: int, *, device: torch.device | str | None = None, **inputs: Any) -> StopState:
+        """A fresh state for ``batch_size`` rows (rule-specific keywords, e.g. ``group=``, go to :meth:`_init`)."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+            raise InputError("batch_size", "a non-negative int", describe(batch_size), "pass the number of rows")
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        n = batch_size
+        return StopState(
+            stopped=torch.zeros(n, dtype=torch.bool, device=dev),
+            position=torch.full((n,), -1, dtype=torch.long, device=dev),
+            reason=torch.zeros(n, dtype=torch.long, device=dev),
+            steps=torch.zeros(n, dtype=torch.long, device=dev),
+            extra=self._init(n, dev, **inputs),
+        )
+
+    def step(
+        self,
+        state: StopState,
+        *,
+        logprobs: Any = None,
+        entropy: Any = None,
+        topk_logprobs: Any = None,
+        tokens: Any = None,
+        active: Any = None,
+        **inputs: Any,
+    ) -> tuple[StopState, Tensor]:
+        """Observe one decoding step of every row; return the new state and the cumulative bool ``stop [N]``.
+
+        ``logprobs`` float ``[N]`` (sampled token), ``entropy`` float ``[N]``, ``topk_logprobs`` float ``[N, K]``,
+        ``tokens`` int ``[N]``, ``active`` bool ``[N]`` (default all True). Inputs the rule does not use are
+        ignored; rule-specific inputs go by keyword (see the rule's ``extra_inputs``).
+        """
+        if not isinstance(state, StopState):
+            raise InputError("state", "a StopState from rule.init()", describe(state), "call rule.init(batch_size)")
+        x = self._inputs(state, logprobs, entropy, topk_logprobs, tokens, active, inputs)
+        extra, fire, reason = self._step(state, x)
+        newly = fire.to(torch.bool) & x.live
+        reason_t = torch.as_tensor(reason, dtype=torch.long, device=state.reason.device).expand_as(state.reason)
+        new = StopState(
+            stopped=state.stopped | newly,
+            position=torch.where(newly, state.steps, state.position),
+            reason=torch.where(newly, reason_t, state.reason),
+            steps=state.steps + x.live.long(),
+            extra=extra,
+        )
+        return new, new.stopped
+
+    def finalize(self, state: StopState) -> StopResult:
+        """Per-row stop positions, kept lengths and reasons, with ``stop_frac`` and per-reason metrics."""
+        if not isinstance(state, StopState):
+            raise InputError("state", "a StopState from rule.init()", describe(state), "pass the state step() returned")
+        stopped = state.stopped
+        n = max(stopped.numel(), 1)
+        fstop = stopped.float()
+        metrics: dict[str, Tensor] = {
+            "stop_frac": fstop.sum() / n,
+            "stop_position_mean": (state.position.clamp_min(0).float() * fstop).sum() / fstop.sum().clamp_min(1.0),
+            "tokens_mean": state.steps.float().sum() / n,
+        }
+        for code, name in enumerate(self.reason_names[1:], start=1):
+            metrics[f"stop_frac/{name}"] = (state.reason == code).float().sum() / n
+        return StopResult(
+            stopped=stopped.clone(),
+            position=state.position.clone(),
+            length=state.steps.clone(),
+            reason=state.reason.clone(),
+            reason_names=self.reason_names,
+            metrics={k: v.detach() for k, v in metrics.items()},
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rule's cross-batch state (running statistics, controllers); empty for memoryless rules."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` exactly."""
+        if not isinstance(state, dict):
+            raise InputError("state", "a dict from state_dict()", describe(state), "pass rule.state_dict()")
+
+    # -- for subclasses ----------------------------------------------------------------------------------------
+    def _init(self, n: int, device: torch.device, **inputs: Any) -> dict[str, Tensor]:
+        if inputs:
+            name = sorted(inputs)[0]
+            raise InputError(
+                name, f"no keyword {name!r}: {type(self).__name__}.init takes none", name, f"remove {name}="
+            )
+        return {}
+
+    def _step(self, state: StopState, x: StepInputs) -> tuple[dict[str, Tensor], Tensor, Tensor | int]:
+        """Return ``(new extra, fire bool [N], reason code(s))``; only live rows' decisions count."""
+        raise NotImplementedError
+
+    # -- validation --------------------------------------------------------------------------------------------
+    def _inputs(
+        self,
+        state: StopState,
+        logprobs: Any,
+        entropy: Any,
+        topk_logprobs: Any,
+        tokens: Any,
+        active: Any,
+        inputs: dict[str, Any],
+    ) -> StepInputs:
+        name = type(self).__name__
+        n = state.batch_size
+        dims = Dims()
+        dims.sizes["N"] = (n, "state")
+        dev = state.stopped.device
+        given = {"logprobs": logprobs, "entropy": entropy, "topk_logprobs": topk_logprobs, "tokens": tokens}
+        for need in self.uses:
+            if given[need] is None:
+                raise InputError(
+                    need,
+                    f"a tensor of shape [{', '.join(STANDARD_INPUTS[need].split())}]: {name} uses it",
+                    "None",
+                    f"pass {need}= to step()",
+                )
+        std: dict[str, Tensor | None] = {}
+        for key, value in given.items():
+            if value is None or key not in self.uses:
+                std[key] = None
+            elif key == "tokens":
+                std[key] = as_index(value, key, dims, "N").to(dev)
+            else:
+                t = as_float(value, key, dims, STANDARD_INPUTS[key]).to(dev)
+                std[key] = t
+        act = (
+            torch.ones(n, dtype=torch.bool, device=dev)
+            if active is None
+            else as_mask(active, "active", dims, "N").to(dev)
+        )
+        live = act & ~state.stopped
+        for key in ("logprobs", "entropy", "topk_logprobs"):
+            value_t = std[key]
+            if value_t is not None:
+                finite(value_t, key, live[:, None].expand_as(value_t) if value_t.ndim == 2 else live)
+        extra: dict[str, Tensor] = {}
+        for key, value in inputs.items():
+            if key not in self.extra_inputs:
+                known = ", ".join(sorted(self.extra_inputs)) or "none"
+                raise InputError(
+                    key, f"a keyword {name}.step accepts (extra inputs: {known})", describe(value), f"remove {key}="
+                )
+            spec, kind = self.extra_inputs[key]
+            if value is None:
+                continue
+            if kind == "float":
+                t = as_float(value, key, dims, spec).to(dev)
+                finite(t, key, live.view(-1, *([1] * (t.ndim - 1))).expand_as(t))
+            elif kind == "int":
+                t = as_index(value, key, dims, spec).to(dev)
+            else:
+                t = as_mask(value, key, dims, spec).to(dev)
+            extra[key] = t
+        return StepInputs(live=live, active=act, extra=extra, **std)
+
+
+def replay(rule: StopRule, *, mask: Any = None, init: dict[str, Any] | None = None, **per_token: Any) -> StopResult:
+    """Drive ``rule`` over a recorded generation and return :meth:`StopRule.finalize`'s result.
+
+    Every per-token input is ``[N, T, ...]`` (``logprobs``, ``entropy``, ``topk_logprobs [N, T, K]``, ``tokens``,
+    and the rule's extra inputs); step ``t`` passes ``x[:, t]``. ``mask`` bool ``[N, T]`` is the ``active`` mask
+    (default all True), ``init`` the keywords for ``rule.init`` (e.g. ``{"group": group}``). A Python loop over
+    T — the time axis of generation — as the engine's own loop would run it.
+    """
+    if not isinstance(rule, StopRule):
+        raise InputError("rule", "a StopRule", describe(rule), "pass a rule such as ESPO()")
+    tensors = {k: v for k, v in per_token.items() if v is not None}
+    if not tensors and mask is None:
+        raise InputError("per_token", "at least one [N, T] input or mask", "nothing", "pass logprobs=... or mask=...")
+    first = mask if mask is not None else next(iter(tensors.values()))
+    if not isinstance(first, Tensor) or first.ndim < 2:
+        raise InputError(
+            "mask" if mask is not None else next(iter(tensors)),
+            "a tensor [N, T, ...]",
+            describe(first),
+            "pass per-token tensors",
+        )
+    n, t_len = int(first.shape[0]), int(first.shape[1])
+    for key, value in tensors.items():
+        if not isinstance(value, Tensor) or value.ndim < 2 or tuple(value.shape[:2]) != (n, t_len):
+            raise InputError(
+                key,
+                f"a tensor [N, T, ...] with N={n}, T={t_len}",
+                describe(value),
+                "pass per-token tensors of one shape",
+            )
+    act = None if mask is None else as_mask(mask, "mask", Dims(), "N T")
+    state = rule.init(n, device=first.device, **(init or {}))
+    for t in range(t_len):
+        step_inputs = {k: v[:, t] for k, v in tensors.items()}
+        state, _ = rule.step(state, active=None if act is None else act[:, t], **step_inputs)
+    return rule.finalize(state)
