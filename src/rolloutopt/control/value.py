@@ -1,5 +1,577 @@
-"""Placeholder: filled in by the rollout-control issue."""
+r"""Value-based stop rules: dynamic abstention (arXiv 2604.18419) and ARRoL's quality-head pruning (arXiv 2603.24840).
+
+Both rules look at a rollout only at *checkpoints* and ask one question there: is this partial rollout worth
+finishing? (``specs/rollout_control.md`` B10, B11.)
+
+- :class:`Abstention`: every ``every`` tokens, estimate the value :math:`\hat V(s_t)` of the partial rollout and
+  abstain (stop, terminal reward :math:`r_{abs}`) when :math:`\hat V < r_{abs}`. The estimate is either given by
+  the engine (extra input ``values``) or computed by a pluggable estimator, by default the KL-regularised soft
+  value :func:`soft_value` over the rewards of a few cheap continuations (extra input ``continuation_rewards``).
+- :class:`QualityHeadPruner`: over-generate each group, and at checkpoint position :math:`L_c` prune inside each
+  group so that the survivors' predicted positive fraction is closest to :math:`\rho`; the predictor is a
+  logistic head trained on the fly (:meth:`QualityHeadPruner.train_head`) whose weights and label buffer
+  checkpoint with the rule.
+
+Both read their checkpoint inputs only at the rows due at that step: other rows may hold anything (NaN included)
+and a stopped row is never evaluated again. :meth:`Abstention.due` and :meth:`QualityHeadPruner.due` tell the
+engine which rows need the (costly) inputs at the next step.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from rolloutopt._validation import (
+    Dims,
+    as_float,
+    as_index,
+    as_mask,
+    checks_enabled,
+    describe,
+    finite,
+    require_experimental,
+)
+from rolloutopt.control._base import StepInputs, StopResult, StopRule, StopState
+from rolloutopt.control.espo import _check_keys, _int, _real
+from rolloutopt.errors import InputError
+from rolloutopt.groups import Groups
+
+__all__ = ["Abstention", "QualityHeadPruner", "SoftValue", "ValueEstimator", "soft_value"]
+
+#: A value estimator for :class:`Abstention`: ``(inputs, due bool [N]) -> V_hat float [N]``; only the ``due`` rows
+#: of the result are read (and only they need valid inputs).
+ValueEstimator = Callable[[StepInputs, Tensor], Tensor]
+
+
+def _soft_value(r: Tensor, beta: float) -> Tensor:
+    return beta * (torch.logsumexp(r / beta, dim=-1) - math.log(r.shape[-1]))
+
+
+def soft_value(rewards: Tensor, *, beta: float = 1.0) -> Tensor:
+    r"""The KL-regularised soft value of a state from the rewards of a few continuations sampled from it.
+
+    .. math::
+        \hat V(s_t) = \beta \log \frac1J \sum_{j=1}^J \exp(r_j / \beta)
+
+    the value of the KL-regularised objective (temperature :math:`\beta`) estimated from :math:`J` continuations;
+    it lies between their mean (:math:`\beta \to \infty`) and their max (:math:`\beta \to 0`). Reference:
+    "Knowing When to Quit", arXiv 2604.18419 (``specs/rollout_control.md`` B11); the paper derives an efficient
+    approximation of :math:`V`; this form is the spec's **reconstruction** of it.
+
+    Args:
+        rewards: float ``[N, J]``, ``J >= 1`` continuation rewards per row.
+        beta: :math:`\beta > 0` (default 1.0: ours, the paper's value is unknown).
+
+    Returns:
+        float32 ``[N]``; computed with ``logsumexp``, finite for finite rewards. ``N = 0`` gives ``[0]``.
+    """
+    b = _real(beta, "beta", 0.0, open_low=True)
+    r = as_float(rewards, "rewards", Dims(), "N J")
+    if checks_enabled():
+        if r.shape[1] == 0:
+            raise InputError("rewards", "J >= 1 continuation rewards per row", describe(r), "pass [N, J] with J >= 1")
+        finite(r, "rewards")
+    return _soft_value(r, b)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SoftValue:
+    """The default :class:`Abstention` estimator: :func:`soft_value` over the extra input ``continuation_rewards``.
+
+    ``beta``: the temperature (1.0, ours). ``inputs`` declares the extra input it reads (``[N, J]``); rows that are
+    not due may hold anything.
+    """
+
+    beta: float = 1.0
+
+    def __post_init__(self) -> None:
+        _real(self.beta, "beta", 0.0, open_low=True)
+
+    @property
+    def inputs(self) -> dict[str, tuple[str, str]]:
+        """The extra step inputs this estimator reads: ``continuation_rewards`` float ``[N, J]``."""
+        return {"continuation_rewards": ("N J", "float")}
+
+    def __call__(self, x: StepInputs, due: Tensor) -> Tensor:
+        r = x.need("continuation_rewards", "SoftValue")
+        if checks_enabled() and r.shape[1] == 0:
+            raise InputError("continuation_rewards", "J >= 1 rewards per row", describe(r), "pass [N, J], J >= 1")
+        r = torch.where(due[:, None], r, torch.zeros((), dtype=r.dtype, device=r.device))
+        return _soft_value(r, self.beta)
+
+
+class _CheckpointRule(StopRule):
+    """Validates the checkpoint-only inputs (``_due_inputs``) at the due rows only; the others are not read."""
+
+    _due_inputs: dict[str, tuple[str, str]]
+
+    def _due_mask(self, state: StopState, live: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _bound_dims(self) -> dict[str, tuple[int, str]]:
+        return {}
+
+    def due(self, state: StopState, active: Any = None) -> Tensor:
+        """Bool ``[N]``: the rows evaluated at the next :meth:`step` (live and at a checkpoint), i.e. the rows for
+        which the engine must provide the checkpoint inputs."""
+        if not isinstance(state, StopState):
+            raise InputError("state", "a StopState from rule.init()", describe(state), "call rule.init(batch_size)")
+        dims = Dims()
+        dims.sizes["N"] = (state.batch_size, "state")
+        act = (
+            torch.ones_like(state.stopped)
+            if active is None
+            else as_mask(active, "active", dims, "N").to(state.stopped.device)
+        )
+        return self._due_mask(state, act & ~state.stopped)
+
+    def _inputs(
+        self,
+        state: StopState,
+        logprobs: Any,
+        entropy: Any,
+        topk_logprobs: Any,
+        tokens: Any,
+        active: Any,
+        inputs: dict[str, Any],
+    ) -> StepInputs:
+        mine = {k: inputs.pop(k) for k in list(inputs) if k in self._due_inputs}
+        x = super()._inputs(state, logprobs, entropy, topk_logprobs, tokens, active, inputs)
+        if not mine:
+            return x
+        due = self._due_mask(state, x.live)
+        dims = Dims()
+        dims.sizes["N"] = (state.batch_size, "state")
+        dims.sizes.update(self._bound_dims())
+        dev = state.stopped.device
+        extra = dict(x.extra)
+        for key, value in mine.items():
+            if value is None:
+                continue
+            spec, kind = self._due_inputs[key]
+            if kind == "float":
+                t = as_float(value, key, dims, spec).to(dev)
+                finite(t, key, due.view(-1, *([1] * (t.ndim - 1))).expand_as(t))
+            elif kind == "int":
+                t = as_index(value, key, dims, spec).to(dev)
+            else:
+                t = as_mask(value, key, dims, spec).to(dev)
+            extra[key] = t
+        return replace(x, extra=extra)
+
+
+def _output(v: Any, n: int, due: Tensor, name: str) -> Tensor:
+    if checks_enabled():
+        if not isinstance(v, Tensor) or tuple(v.shape) != (n,) or not v.is_floating_point():
+            raise InputError(name, f"a float tensor of shape [{n}] from the estimator", describe(v), "return [N]")
+        finite(v, name, due.to(v.device))
+    out: Tensor = v
+    return out.to(due.device).float()
+
+
+class Abstention(_CheckpointRule):
+    r"""Dynamic mid-generation abstention [reconstructed schedule and estimator]: stop when the estimated value of
+    the partial rollout falls below the abstention reward.
+
+    .. math::
+        \text{at } t \in \{K, 2K, \dots\}: \quad \text{abstain} \iff \hat V(s_t) < r_{abs}
+
+    (:math:`t` counts the row's generated tokens, the current one included.) An abstained rollout outputs
+    "abstain" and earns :math:`r_{abs}` (:meth:`terminal_rewards`, or :func:`~rolloutopt.control.absorbing_failure`
+    with ``r_fail=rule.r_abs`` for token rewards). Reference: "Knowing When to Quit", arXiv 2604.18419
+    (``specs/rollout_control.md`` B11): the rule :math:`V < r_{abs}` is the paper's (proven optimal in its
+    regularised view); the check every :math:`K` tokens and the estimators are **reconstructed**, so
+    ``experimental=True`` is required.
+
+    The value at a checkpoint comes from, in this order: the extra input ``values [N]`` when given (a value head
+    run by the engine); else the ``estimator`` (default :class:`SoftValue`: :func:`soft_value` over the extra
+    input ``continuation_rewards [N, J]``). An estimator is called with ``(inputs, due)`` and only its ``due``
+    rows are read; it is called only when the inputs it declares (its ``inputs`` attribute, or
+    ``estimator_inputs``) were passed, so the engine passes them at checkpoint steps only (see :meth:`due`). A
+    stopped row is never due again, so it is never evaluated again. At a step with due rows and no value source,
+    ``step`` raises (checks on) or does not stop them (checks off).
+
+    Args:
+        r_abs: :math:`r_{abs}`, the abstention reward; required (it sets the compute–information trade-off; the
+            paper gives no default).
+        every: :math:`K`, tokens between checkpoints (32: ours).
+        estimator: a :data:`ValueEstimator` (default ``SoftValue(beta=beta)``).
+        estimator_inputs: the extra step inputs a custom estimator reads, ``name -> (shape spec, kind)`` like
+            :attr:`StopRule.extra_inputs` (default: the estimator's ``inputs`` attribute, else none).
+        beta: the default estimator's temperature (1.0: ours).
+        experimental: must be True.
+
+    Edge cases: inactive rows are never checked; an all-inactive step is a no-op; ``init(0)`` works. The per-row
+    state keeps ``value`` (the last checkpoint's estimate, 0 before any) and ``checks`` (checkpoints evaluated).
+    """
+
+    reason_names: ClassVar[tuple[str, ...]] = ("running", "abstain")
+    #: the default estimator's inputs; a custom estimator's declared inputs are accepted as well
+    extra_inputs: ClassVar[dict[str, tuple[str, str]]] = {
+        "values": ("N", "float"),
+        "continuation_rewards": ("N J", "float"),
+    }
+
+    def __init__(
+        self,
+        *,
+        r_abs: float,
+        every: int = 32,
+        estimator: ValueEstimator | None = None,
+        estimator_inputs: dict[str, tuple[str, str]] | None = None,
+        beta: float = 1.0,
+        experimental: bool = False,
+    ) -> None:
+        require_experimental(
+            experimental, "the abstention schedule and value estimator", "specs/rollout_control.md B11"
+        )
+        self.r_abs = _real(r_abs, "r_abs")
+        self.every = _int(every, "every", 1)
+        if estimator is not None and not callable(estimator):
+            raise InputError("estimator", "a callable (inputs, due) -> [N]", describe(estimator), "pass a function")
+        self.estimator: ValueEstimator = SoftValue(beta=beta) if estimator is None else estimator
+        declared = getattr(self.estimator, "inputs", {}) if estimator_inputs is None else estimator_inputs
+        if not isinstance(declared, dict) or any(
+            not isinstance(k, str) or k == "values" or not isinstance(v, tuple) or len(v) != 2 or v[1] not in _KINDS
+            for k, v in declared.items()
+        ):
+            raise InputError(
+                "estimator_inputs",
+                "a dict name -> (shape spec, 'float' | 'int' | 'bool'), without 'values'",
+                describe(declared),
+                "e.g. {'hidden': ('N D', 'float')}",
+            )
+        self._estimator_keys = tuple(declared)
+        self._due_inputs = {"values": ("N", "float"), **declared}  # what step() accepts besides extra_inputs
+
+    def _due_mask(self, state: StopState, live: Tensor) -> Tensor:
+        return live & ((state.steps + 1) % self.every == 0)
+
+    def _init(self, n: int, device: torch.device, **inputs: Any) -> dict[str, Tensor]:
+        super()._init(n, device, **inputs)
+        return {"value": torch.zeros(n, device=device), "checks": torch.zeros(n, dtype=torch.long, device=device)}
+
+    def _step(self, state: StopState, x: StepInputs) -> tuple[dict[str, Tensor], Tensor, int]:
+        due = self._due_mask(state, x.live)
+        values = x.extra.get("values")
+        if values is not None:
+            v = values
+        elif all(k in x.extra for k in self._estimator_keys):
+            v = _output(self.estimator(x, due), state.batch_size, due, "estimator")
+        else:
+            if checks_enabled() and bool(due.any()):
+                missing = [k for k in self._estimator_keys if k not in x.extra]
+                raise InputError(
+                    "values",
+                    f"values [N] or the estimator's inputs ({', '.join(missing)}) at a checkpoint step",
+                    "none of them",
+                    "pass them at the steps where rule.due(state) has a True row",
+                )
+            due = torch.zeros_like(due)
+            v = state.extra["value"]
+        fire = due & (v < self.r_abs)
+        extra = {
+            "value": torch.where(due, v, state.extra["value"]),
+            "checks": state.extra["checks"] + due.long(),
+        }
+        return extra, fire, 1
+
+    def terminal_rewards(self, rewards: Any, result: StopResult) -> Tensor:
+        """Sequence rewards ``[N]`` with :math:`r_{abs}` for the abstained rows (others unchanged)."""
+        r = as_float(rewards, "rewards", Dims(), "N")
+        if checks_enabled():
+            if not isinstance(result, StopResult) or result.stopped.shape[0] != r.shape[0]:
+                raise InputError("result", f"a StopResult for {r.shape[0]} rows", describe(result), "same batch")
+            finite(r, "rewards")
+        abstained = result.stopped.to(r.device) & (result.reason.to(r.device) == 1)
+        return torch.where(abstained, torch.full_like(r, self.r_abs), r)
+
+
+_KINDS = ("float", "int", "bool")
+
+
+class QualityHeadPruner(_CheckpointRule):
+    r"""ARRoL's online rollout pruning [reconstructed]: a logistic quality head scores partial rollouts at
+    :math:`L_c` and each group keeps :math:`n` survivors whose predicted positive fraction is closest to
+    :math:`\rho`.
+
+    .. math::
+        q_i = \sigma(w^\top h_i + b), \qquad n_g = \lceil \text{keep\_frac} \cdot n'_g \rceil, \qquad
+        k_g = \min\big(|C_g|,\ \max(n_g - o_g, 0)\big), \\
+        k^+_g = \operatorname{clip}\big(\lfloor \rho k_g + \tfrac12 \rfloor,\ k_g - |C^-_g|,\ |C^+_g|\big),
+        \qquad k^-_g = k_g - k^+_g
+
+    where :math:`C_g` are the group's rows reaching token :math:`L_c` at this step (split by :math:`q \ge`
+    ``threshold`` into predicted positives :math:`C^+_g` and negatives :math:`C^-_g`), :math:`n'_g` the group's
+    size at :meth:`init` and :math:`o_g` its rows that are neither stopped nor candidates (finished early, or not
+    yet at :math:`L_c`: they count as survivors). The :math:`k^+_g` *least* confident positives (smallest
+    :math:`q`) and the :math:`k^-_g` least confident negatives (largest :math:`q`) survive; the others are pruned,
+    the most confident of the surplus class first (reason ``"pruned"``; kept length :math:`L_c`).
+
+    Reference: ARRoL, arXiv 2603.24840 (``specs/rollout_control.md`` B10). The head, the target ratio and BCE
+    training on final correctness come from the abstract and summaries; everything else — over-generation by
+    ``1 / keep_frac``, the keep count, the rounding, counting early-finished rows as survivors, the label buffer,
+    the optimiser — is **reconstructed** (the repository holds no code), so ``experimental=True`` is required.
+
+    Inputs, read at the checkpoint rows only: ``features [N, D]`` (e.g. the policy's last hidden state at
+    :math:`L_c`, preferably normalised), or ``scores [N]`` (success probabilities from elsewhere; they take
+    precedence over the head). :meth:`init` takes ``group=`` (int ids ``[N]`` or a :class:`~rolloutopt.groups.Groups`).
+    Until the head has been trained on ``min_labels`` labels, the scores are uniform draws from the rule's
+    generator (made at :meth:`init`): pruning is random, group sizes are already the target's.
+
+    Args:
+        dim: :math:`D`, the feature width (required).
+        keep_frac: :math:`n / n'` (0.5: ours; over-generate ``n' = n / keep_frac`` rollouts per prompt).
+        checkpoint: :math:`L_c`, the token count at which rows are scored (128: ours).
+        rho: the target positive fraction (0.5, summary: "about rho = 0.5").
+        threshold: the class boundary on :math:`q` (0.5, the spec's oracle).
+        lr: SGD step of :meth:`train_head` (0.1: ours); ``train_steps`` (20: ours) minibatches of ``train_batch``
+            (256: ours) drawn with the rule's generator from the label buffer.
+        buffer_size: labels kept, FIFO (4096: ours; "a small buffer", summary).
+        min_labels: labels needed before the head is used (64: ours).
+        seed: the generator's seed (0). ``device``: where the head and its buffer live (CPU).
+        experimental: must be True.
+
+    Edge cases: singleton groups keep their row (:math:`\lceil \text{keep\_frac}\rceil = 1`); ``keep_frac=1``
+    never prunes; ties in :math:`q` are broken by row order; inactive rows are never candidates; ``init(0)`` works.
+    """
+
+    reason_names: ClassVar[tuple[str, ...]] = ("running", "pruned")
+    extra_inputs: ClassVar[dict[str, tuple[str, str]]] = {"features": ("N D", "float"), "scores": ("N", "float")}
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        keep_frac: float = 0.5,
+        checkpoint: int = 128,
+        rho: float = 0.5,
+        threshold: float = 0.5,
+        lr: float = 0.1,
+        train_steps: int = 20,
+        train_batch: int = 256,
+        buffer_size: int = 4096,
+        min_labels: int = 64,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        experimental: bool = False,
+    ) -> None:
+        require_experimental(experimental, "ARRoL's pruning rule and head training", "specs/rollout_control.md B10")
+        self.dim = _int(dim, "dim", 1)
+        self.keep_frac = _real(keep_frac, "keep_frac", 0.0, 1.0, open_low=True)
+        self.checkpoint = _int(checkpoint, "checkpoint", 1)
+        self.rho = _real(rho, "rho", 0.0, 1.0)
+        self.threshold = _real(threshold, "threshold", 0.0, 1.0)
+        self.lr = _real(lr, "lr", 0.0, open_low=True)
+        self.train_steps = _int(train_steps, "train_steps", 0)
+        self.train_batch = _int(train_batch, "train_batch", 1)
+        self.buffer_size = _int(buffer_size, "buffer_size", 1)
+        self.min_labels = _int(min_labels, "min_labels", 0)
+        self.seed = _int(seed, "seed", 0)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._due_inputs = dict(self.extra_inputs)
+        self._gen = torch.Generator().manual_seed(self.seed)
+        self.weight = torch.zeros(self.dim, device=self.device)
+        self.bias = torch.zeros((), device=self.device)
+        self._buf_x = torch.zeros(self.buffer_size, self.dim, device=self.device)
+        self._buf_y = torch.zeros(self.buffer_size, device=self.device)
+        self._count = 0  # labels in the buffer
+        self._next = 0  # ring position of the next label
+        self.trained = 0  # train_head calls that ran SGD steps
+
+    # -- the head ------------------------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """Whether the head is used (trained at least once, on at least ``min_labels`` labels)."""
+        return self.trained > 0 and self._count >= self.min_labels
+
+    def predict(self, features: Any) -> Tensor:
+        """The head's success probability :math:`\\sigma(w^\\top h + b)` for features ``[M, D]``, float32 ``[M]``."""
+        dims = Dims()
+        dims.sizes["D"] = (self.dim, "dim")
+        f = as_float(features, "features", dims, "M D")
+        if checks_enabled():
+            finite(f, "features")
+        return self._predict(f)
+
+    def _predict(self, f: Tensor) -> Tensor:
+        w, b = self.weight.to(f.device), self.bias.to(f.device)
+        return torch.sigmoid(f.float() @ w + b)
+
+    def train_head(self, features: Any, labels: Any) -> dict[str, Tensor]:
+        """Add completed rollouts' (features at :math:`L_c`, final correctness) to the FIFO buffer and run
+        ``train_steps`` SGD steps of the mean binary cross-entropy on minibatches drawn from it.
+
+        .. math::
+            \\mathcal L = -\\frac1m \\sum_i y_i \\log q_i + (1-y_i)\\log(1-q_i), \\qquad
+            w \\leftarrow w - \\eta\\,\\frac1m \\sum_i (q_i - y_i)\\,h_i, \\quad b \\leftarrow b - \\eta\\,\\frac1m
+            \\sum_i (q_i - y_i)
+
+        Args:
+            features: float ``[M, D]``; labels: ``[M]`` bool or 0/1 (``M = 0`` adds nothing).
+
+        Returns detached 0-d metrics: ``loss`` (mean BCE over the buffer after training, 0 when empty),
+        ``labels`` (labels in the buffer).
+        """
+        dims = Dims()
+        dims.sizes["D"] = (self.dim, "dim")
+        f = as_float(features, "features", dims, "M D").to(self.device).float()
+        y = as_mask(labels, "labels", dims, "M").to(self.device).float()
+        if checks_enabled():
+            finite(f, "features")
+        m = f.shape[0]
+        if m > self.buffer_size:
+            f, y, m = f[-self.buffer_size :], y[-self.buffer_size :], self.buffer_size
+        if m > 0:
+            slots = (self._next + torch.arange(m, device=self.device)) % self.buffer_size
+            self._buf_x[slots] = f
+            self._buf_y[slots] = y
+            self._next = (self._next + m) % self.buffer_size
+            self._count = min(self._count + m, self.buffer_size)
+        if self._count > 0 and self.train_steps > 0:
+            size = min(self.train_batch, self._count)
+            for _ in range(self.train_steps):  # the optimiser's own loop, not a loop over rows
+                idx = torch.randint(self._count, (size,), generator=self._gen).to(self.device)
+                xb, yb = self._buf_x[idx], self._buf_y[idx]
+                err = torch.sigmoid(xb @ self.weight + self.bias) - yb
+                self.weight = self.weight - self.lr * (err @ xb) / size
+                self.bias = self.bias - self.lr * err.mean()
+            self.trained += 1
+        loss = torch.zeros((), device=self.device)
+        if self._count > 0:
+            logits = self._buf_x[: self._count] @ self.weight + self.bias
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, self._buf_y[: self._count])
+        return {"loss": loss.detach(), "labels": torch.tensor(float(self._count))}
+
+    # -- the protocol --------------------------------------------------------------------------------------------
+    def _due_mask(self, state: StopState, live: Tensor) -> Tensor:
+        return live & (state.steps + 1 == self.checkpoint)
+
+    def _bound_dims(self) -> dict[str, tuple[int, str]]:
+        return {"D": (self.dim, "dim")}
+
+    def _init(self, n: int, device: torch.device, **inputs: Any) -> dict[str, Tensor]:
+        group = inputs.pop("group", None)
+        super()._init(n, device, **inputs)
+        if group is None:
+            raise InputError("group", "group ids [N] (or a Groups)", "None", "pass rule.init(n, group=ids)")
+        if isinstance(group, Groups):
+            g = group
+            if g.num_rows != n:
+                raise InputError("group", f"a Groups of {n} rows", repr(g), "pass one group id per row")
+            inverse, sizes = g.inverse.to(device), g.sizes.to(device)
+        else:
+            dims = Dims()
+            dims.sizes["N"] = (n, "batch_size")
+            ids = as_index(group, "group", dims, "N")
+            if n == 0:
+                inverse = torch.zeros(0, dtype=torch.long, device=device)
+                sizes = torch.zeros(0, dtype=torch.long, device=device)
+            else:
+                g = Groups(ids)
+                inverse, sizes = g.inverse.to(device), g.sizes.to(device)
+        size = sizes.index_select(0, inverse)
+        quota = torch.ceil(self.keep_frac * size.double() - 1e-9).long().clamp_min(1)
+        noise = torch.rand(n, generator=self._gen).to(device)
+        return {"group": inverse, "quota": quota, "noise": noise, "score": torch.zeros(n, device=device)}
+
+    def _step(self, state: StopState, x: StepInputs) -> tuple[dict[str, Tensor], Tensor, int]:
+        e = state.extra
+        cand = self._due_mask(state, x.live)
+        scores = x.extra.get("scores")
+        features = x.extra.get("features")
+        if scores is not None:
+            q = scores
+        elif not self.ready:
+            q = e["noise"]
+        elif features is not None:
+            q = self._predict(features)
+        else:
+            if checks_enabled() and bool(cand.any()):
+                raise InputError(
+                    "features",
+                    "features [N, D] (or scores [N]) at the checkpoint step",
+                    "None",
+                    "pass them at the steps where rule.due(state) has a True row",
+                )
+            cand = torch.zeros_like(cand)
+            q = e["score"]
+        q = torch.where(cand, q, torch.zeros((), dtype=q.dtype, device=q.device)).float()
+        fire = cand & ~self._keep(e["group"], e["quota"], cand, q, state.stopped)
+        extra = {**e, "score": torch.where(cand, q, e["score"])}
+        return extra, fire, 1
+
+    def _keep(self, grp: Tensor, quota: Tensor, cand: Tensor, q: Tensor, stopped: Tensor) -> Tensor:
+        n = grp.shape[0]
+        dev = grp.device
+        pos = q >= self.threshold
+
+        def per_group(mask: Tensor) -> Tensor:  # [N] counts per dense group index (G <= N)
+            return torch.zeros(n, dtype=torch.long, device=dev).index_add_(0, grp, mask.long())
+
+        c_all, c_pos = per_group(cand), per_group(cand & pos)
+        c_oth = per_group(~stopped & ~cand)
+        quota_g = torch.zeros(n, dtype=torch.long, device=dev).scatter_(0, grp, quota)
+        k = torch.minimum((quota_g - c_oth).clamp_min(0), c_all)
+        kp = torch.floor(self.rho * k.double() + 0.5).long()
+        kp = torch.maximum(torch.minimum(kp, c_pos), k - (c_all - c_pos))
+        kn = k - kp
+        # rank of each candidate inside (group, class), least confident first; one key, two stable sorts
+        key = torch.where(pos, q, -q)
+        seg = torch.where(cand, grp * 2 + pos.long(), torch.full_like(grp, 2 * n))
+        o1 = torch.argsort(key, stable=True)
+        order = o1.index_select(0, torch.argsort(seg.index_select(0, o1), stable=True))
+        counts = torch.zeros(2 * n + 1, dtype=torch.long, device=dev).index_add_(0, seg, torch.ones_like(seg))
+        starts = torch.cumsum(counts, 0) - counts
+        ranked = torch.arange(n, device=dev) - starts.index_select(0, seg.index_select(0, order))
+        rank = torch.empty_like(ranked).scatter_(0, order, ranked)
+        limit = torch.where(pos, kp.index_select(0, grp), kn.index_select(0, grp))
+        return cand & (rank < limit)
+
+    # -- checkpoint ----------------------------------------------------------------------------------------------
+    _KEYS: ClassVar[set[str]] = {"weight", "bias", "buffer_x", "buffer_y", "count", "next", "trained", "generator"}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Head weights, the label buffer (with its fill and ring position), the training count and the
+        generator state (copies)."""
+        return {
+            "weight": self.weight.clone(),
+            "bias": self.bias.clone(),
+            "buffer_x": self._buf_x.clone(),
+            "buffer_y": self._buf_y.clone(),
+            "count": self._count,
+            "next": self._next,
+            "trained": self.trained,
+            "generator": self._gen.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` exactly (validated: keys, shapes, counts)."""
+        s = _check_keys(state, self._KEYS, "QualityHeadPruner")
+        shapes = {
+            "weight": (self.dim,),
+            "bias": (),
+            "buffer_x": (self.buffer_size, self.dim),
+            "buffer_y": (self.buffer_size,),
+        }
+        for key, shape in shapes.items():
+            if not isinstance(s[key], Tensor) or tuple(s[key].shape) != shape:
+                raise InputError(f"state[{key!r}]", f"a tensor of shape {shape}", describe(s[key]), "same dim/buffer")
+        for key, high in (("count", self.buffer_size), ("next", self.buffer_size - 1), ("trained", None)):
+            v = s[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (high is not None and v > high):
+                raise InputError(f"state[{key!r}]", "a valid count", describe(v), "pass QualityHeadPruner.state_dict()")
+        if not isinstance(s["generator"], Tensor):
+            raise InputError("state['generator']", "a generator state", describe(s["generator"]), "pass state_dict()")
+        self.weight = s["weight"].clone().float().to(self.device)
+        self.bias = s["bias"].clone().float().to(self.device)
+        self._buf_x = s["buffer_x"].clone().float().to(self.device)
+        self._buf_y = s["buffer_y"].clone().float().to(self.device)
+        self._count, self._next, self.trained = s["count"], s["next"], s["trained"]
+        self._gen.set_state(s["generator"])
