@@ -183,7 +183,7 @@ class PruneOPD(StopRule):
     def overlap(self, student_topk: Tensor, teacher_topk: Tensor) -> Tensor:
         """The top-k overlap :math:`o = |S \\cap T| / k` per row, float ``[N]`` (ids ``[N, K]``, ``K >= k``)."""
         s, t = student_topk[:, : self.k], teacher_topk[:, : self.k]
-        hits = (s[:, :, None] == t[:, None, :]).any(-1).sum(-1)
+        hits = (s[:, :, None] == t[:, None, :]).flatten(1).sum(-1).clamp(max=self.k)
         return hits.float() / self.k
 
     def _step(self, state: StopState, x: StepInputs) -> tuple[dict[str, Tensor], Tensor, Tensor]:
@@ -195,9 +195,9 @@ class PruneOPD(StopRule):
             )
         ex, live, pos = state.extra, x.live, state.steps
         o = self.overlap(s, t)
-        cols = torch.arange(self.window, device=pos.device)
-        write = live[:, None] & (cols[None, :] == (pos % self.window)[:, None])
-        overlaps = torch.where(write, o[:, None], ex["overlaps"])
+        col = (pos % self.window)[:, None]
+        value = torch.where(live[:, None], o[:, None], ex["overlaps"].gather(1, col))
+        overlaps = ex["overlaps"].scatter(1, col, value)
         filled = torch.clamp(pos + 1, max=self.window).float()
         smoothed = overlaps.sum(-1) / filled
         run = torch.where(smoothed < self.tau_drift, ex["run"] + 1, torch.zeros_like(ex["run"]))
