@@ -31,7 +31,7 @@ from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 
 X = {"experimental": True}
-PROPS = settings(max_examples=25, deadline=None)
+PROPS = settings(max_examples=20, deadline=None)
 
 
 def t(x: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -193,6 +193,24 @@ def test_dot_edge_cases() -> None:
     assert not none.truncated.any() and not none.mask.any() and none.rewards.tolist() == [1, 1, 1, 1]
     same = dot(t([1] * 4), ids([50] * 4), ids([0] * 4), **X)
     assert not same.truncated.any()
+
+
+def test_empty_batches() -> None:
+    e, el = torch.zeros(0), torch.zeros(0, dtype=torch.long)
+    outs = [
+        dler_truncation_penalty(e, el, max_len=3, **X),
+        dler_difficulty_penalty(e, el, el, max_len=3, **X),
+        soft_compression_penalty(e, el, el, **X),
+        jet_reward(e, e, el, el),
+        jet_reward(e, e, el, None, baseline="batch"),
+    ]
+    for out in outs:
+        assert out.rewards.numel() == 0 and out.mask.shape == (0, 0) and out.truncated.numel() == 0
+        assert all(float(v) == 0.0 for v in out.metrics.values())
+    assert dler_difficulty_budget(e, el, max_len=3, **X).numel() == 0
+    assert jet_truncation_points(el).shape == (0, 5)
+    res = egae(torch.zeros(0, 1), e, torch.zeros(0, 0, dtype=torch.bool), torch.zeros(0, dtype=torch.bool), **X)
+    assert res.advantages.shape == (0, 0) and res.value_mask.shape == (0, 0)
 
 
 # ----------------------------------------------------------------------------------------------------- JET
