@@ -463,6 +463,21 @@ def drive(kind: str, data: st.DataObject, *, checkpoint: bool) -> None:
     returned += res.batch.rollout_ids.tolist()
     removed += res.removed.rollout_ids.tolist()
     held = s.held_ids().tolist()
+    assert held == sorted(set(range(max(returned + removed + held, default=-1) + 1)) - set(returned + removed))
+    # nothing is stuck either: rounds without new prompts, every request finished, drain what is held
+    for _ in range(len(held) + 1):
+        if not held:
+            break
+        both(lambda x, version=version: x.begin_round(torch.arange(0), policy_version=version))
+        while len(reqs := both(lambda x: x.next_requests())):
+            for k, (q, room) in enumerate(zip(reqs.request_ids.tolist(), reqs.max_new_tokens.tolist(), strict=True)):
+                toks = seg(min(room, 1))
+                both(lambda x, q=q, toks=toks, k=k: x.finish(q, *toks, reward=float(k % 2)))
+        res = both(lambda x: x.end_round())
+        returned += res.batch.rollout_ids.tolist()
+        removed += res.removed.rollout_ids.tolist()
+        held = s.held_ids().tolist()
+    assert not held
     # no rollout lost, none duplicated: returned, removed and held partition every rollout ever created
     assert len(set(returned)) == len(returned) and len(set(removed)) == len(removed)
     every = returned + removed + held
