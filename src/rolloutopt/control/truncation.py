@@ -186,7 +186,7 @@ class _ProbeGate(_MarkerMixin, StopRule):
         """Bool ``[N]``: the rows the engine must probe at this step (live, at a marker, past the warm-up).
 
         Call it with the token ids just sampled, run the answer-forcing probe for those rows, then call
-        :meth:`step` with the same ``tokens`` and ``confidence=``. Rows not flagged need no probe (any finite
+        :meth:`~rolloutopt.control.StopRule.step` with the same ``tokens`` and ``confidence=``. Rows not flagged need no probe (any finite
         ``confidence`` value is ignored for them).
         """
         if not isinstance(state, StopState):
@@ -243,7 +243,7 @@ class StepConfidenceTruncation(_ProbeGate):
         \qquad \text{stop (reason "confident") if } c \ge \tau_{conf}.
 
     ``confidence`` is read only at the probe points — live rows whose token this step is a marker and whose step
-    count (this marker included) is at least ``min_steps`` (:meth:`probe_rows`); elsewhere it is ignored and
+    count (this marker included) is at least ``min_steps`` (``probe_rows``); elsewhere it is ignored and
     may be omitted (``None``) on steps with no probe point. The stopped row's kept prefix ends with the marker
     token; the engine then emits the forced answer and EOS (the *truncated variant*). To keep the full rollout
     too (spec: "the variant joins the group; the full rollout may also be kept"), fork the row before stopping
@@ -258,8 +258,10 @@ class StepConfidenceTruncation(_ProbeGate):
         min_steps: :math:`s_{min}`, the first step count at which a boundary is probed (>= 1). Default 2 — ours.
         experimental: must be True (see above).
 
-    Inputs of :meth:`step`: ``tokens`` int ``[N]`` (required), ``active`` bool ``[N]``, ``confidence`` float
+    Inputs of :meth:`~rolloutopt.control.StopRule.step`: ``tokens`` int ``[N]`` (required), ``active`` bool ``[N]``, ``confidence`` float
     ``[N]`` in [0, 1] at the probed rows. Per-row state: ``markers`` (steps so far) and ``probes`` (probes run).
+    Methods besides the protocol: ``probe_rows(state, *, tokens, active=None)`` returns the bool ``[N]`` rows to
+    probe at this step; ``finalize`` adds ``markers_mean`` and ``probes_mean`` to the metrics.
 
     Edge cases: an all-inactive batch changes nothing; an empty batch (N = 0) works; a row with no marker
     never stops; rows probed with ``confidence`` below the threshold continue.
@@ -312,8 +314,9 @@ class SelfTruncation(_ProbeGate):
         min_tokens: no probe before the row has generated this many tokens (the marker included). Default 0 — ours.
         experimental: must be True.
 
-    Inputs of :meth:`step`: ``tokens`` int ``[N]`` (required), ``active`` bool ``[N]``, ``confidence`` float
-    ``[N]`` in [0, 1] at the probed rows (:meth:`probe_rows`).
+    Inputs of :meth:`~rolloutopt.control.StopRule.step`: ``tokens`` int ``[N]`` (required), ``active`` bool ``[N]``, ``confidence`` float
+    ``[N]`` in [0, 1] at the probed rows. ``probe_rows(state, *, tokens, active=None)`` returns the bool ``[N]``
+    rows to probe at this step; ``finalize`` adds ``markers_mean`` and ``probes_mean`` to the metrics.
 
     Edge cases: an all-inactive batch changes nothing; N = 0 works; a row without markers never exits.
     """
@@ -491,7 +494,7 @@ class MarkerGatedAbort(_MarkerMixin, StopRule):
     :math:`\sum_{j \in g} w_j = 0`). Pass them as ``seq_weight`` to :func:`~rolloutopt.losses.policy_loss`.
 
     Randomness: :math:`u_i` is a counter-based hash of (``seed``, the rule's ``init`` count, the row's
-    ``row_id``), drawn at :meth:`init` and kept in the state: no global RNG, identical for a seed, and a row keeps
+    ``row_id``), drawn at :meth:`~rolloutopt.control.StopRule.init` and kept in the state: no global RNG, identical for a seed, and a row keeps
     its draw when rows are permuted together with their ``row_id`` (default: the row index).
 
     Reference: DUET, arXiv 2605.08441. Not in the project's spec: **reconstructed** from the abstract ("a
@@ -512,7 +515,7 @@ class MarkerGatedAbort(_MarkerMixin, StopRule):
         seed: int seed of the gate draws. Default 0.
         experimental: must be True.
 
-    Inputs of :meth:`step`: ``tokens`` int ``[N]`` (required), ``active`` bool ``[N]``. :meth:`init` takes an
+    Inputs of :meth:`~rolloutopt.control.StopRule.step`: ``tokens`` int ``[N]`` (required), ``active`` bool ``[N]``. :meth:`~rolloutopt.control.StopRule.init` takes an
     optional ``row_id`` int ``[N]`` (stable rollout ids). Cross-batch state (:meth:`state_dict`): the seed and
     the number of ``init`` calls.
 
@@ -616,7 +619,7 @@ class MarkerGatedAbort(_MarkerMixin, StopRule):
         return replace(res, metrics=metrics)
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"seed", "epoch"}``: the seed and how many generations :meth:`init` has started."""
+        """``{"seed", "epoch"}``: the seed and how many generations :meth:`~rolloutopt.control.StopRule.init` has started."""
         return {"seed": self.seed, "epoch": self.epoch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -632,7 +635,7 @@ class MarkerGatedAbort(_MarkerMixin, StopRule):
 class ConfidencePruning(StopRule):
     r"""ECHO's online confidence-based pruning: terminate persistently low-confidence branches of a rollout tree.
 
-    Rows are branches; ``group`` (given to :meth:`init`) says which tree each belongs to. Per token a confidence
+    Rows are branches; ``group`` (given to :meth:`~rolloutopt.control.StopRule.init`) says which tree each belongs to. Per token a confidence
     :math:`c_t` (``signal``) enters a moving window of the last :math:`W` tokens,
 
     .. math::
@@ -662,7 +665,7 @@ class ConfidencePruning(StopRule):
             ``topk_logprobs``).
         experimental: must be True.
 
-    :meth:`init` takes ``group`` int ``[N]`` (required: tree ids) and an optional ``row_id`` int ``[N]`` (unique
+    :meth:`~rolloutopt.control.StopRule.init` takes ``group`` int ``[N]`` (required: tree ids) and an optional ``row_id`` int ``[N]`` (unique
     tie-break keys, default the row index; permuting rows together with their ``group`` and ``row_id`` permutes
     the decisions). Per-row state: the window ``buf`` ``[N, W]``, the low streak ``low``.
 
