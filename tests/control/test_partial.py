@@ -175,8 +175,11 @@ def test_copris_pool_and_queue_order() -> None:
     s.finish(0, *seg(4), reward=1.0)
     more = s.next_requests()  # one finished -> one replacement, the queue's next
     assert more.rollout_ids.tolist() == [3] and s.in_flight == 3
+    running = s.running_requests()
+    assert running.request_ids.tolist() == [1, 2, 3] and running.rollout_ids.tolist() == [1, 2, 3]
     s.abort(3, *seg(2))
     s.abort(1, *seg(1))
+    assert s.running_requests().request_ids.tolist() == [2]
     res = s.end_round()  # request 2 (rollout 2) still running: cancelled with no new tokens
     # cancelled partials first (report order, then the unreported running one), then the never-started
     assert s.queued_ids().tolist() == [3, 1, 2, 4, 5]

@@ -9,10 +9,11 @@ both schedulers::
         reqs = sched.next_requests()                     # start these (buffered partials first, then fresh)
         ...                                              # engine: prompt + reqs.prefix[i], reqs.max_new_tokens[i]
         sched.finish(request_id, tokens, behav_logp, reward=r)   # new tokens of one finished request
-    for each request still running:                      # abort them in the engine, then report what they made
-        sched.abort(request_id, tokens, behav_logp)
+    for q in sched.running_requests().request_ids:       # abort_all: abort them in the engine,
+        sched.abort(int(q), tokens, behav_logp)          # then report what each generated
     result = sched.end_round()                           # finished groups as a padded batch + removed rollouts
-    sched.record_recompute(ids, logp, policy_version=v)  # optional (CoPRIS): trainer recompute of the partials
+    todo = sched.needs_recompute()                       # optional (CoPRIS): before the optimizer step,
+    sched.record_recompute(todo.rollout_ids, logp, policy_version=v)  # the trainer's recompute of the partials
 
 Units. A *rollout* is one sample of a prompt; a *group* holds the ``n`` samples of one prompt and is trained
 only when all ``n`` are finished. Every start of a rollout is a *request* with its own ``request_id`` (a
@@ -350,6 +351,13 @@ class _PartialScheduler:
         """Number of requests started and not yet finished or aborted."""
         return len(self._running)
 
+    def running_requests(self) -> Requests:
+        """The requests started and not yet reported, in start order (what ``abort_all`` must abort).
+
+        ``prefix`` and ``max_new_tokens`` are as they were when each request started.
+        """
+        return self._requests(list(self._running), list(self._running.values()))
+
     def held_ids(self) -> Tensor:
         """Rollout ids the scheduler holds now (pending, running, partial, or finished awaiting their group)."""
         return torch.tensor(sorted(self._rollouts), dtype=torch.long)
@@ -518,10 +526,14 @@ class _PartialScheduler:
         rids = self._select(limit)
         reqs = list(range(self._next_request, self._next_request + len(rids)))
         self._next_request += len(rids)
-        recs = [self._rollouts[r] for r in rids]
-        for q, r, rec in zip(reqs, rids, recs, strict=True):
+        out = self._requests(reqs, rids)
+        for q, r in zip(reqs, rids, strict=True):
             self._running[q] = r
-            rec.status = _RUNNING
+            self._rollouts[r].status = _RUNNING
+        return out
+
+    def _requests(self, reqs: list[int], rids: list[int]) -> Requests:
+        recs = [self._rollouts[r] for r in rids]
 
         def col(values: Iterable[int]) -> Tensor:
             return torch.tensor(list(values), dtype=torch.long)
