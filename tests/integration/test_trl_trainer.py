@@ -694,3 +694,103 @@ def test_selector_allocator_two_processes(tmp_path: Any) -> None:
         # process 0 trained the first half of the global batch, process 1 the second
         assert a["seen"][step] + b["seen"][step] == [ALLOC_PROMPTS[i] for i in ids]
         assert_close(a["rewards"][step], a["scored"][step] + b["scored"][step])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# accelerate launch, 2 CPU processes: each rank's loss is the single-process loss of its share
+
+EQUAL_PROMPTS = ["abc", "hey", "xyz", "cnt"]  # one prompt length: concatenating the ranks' rows needs no re-padding
+
+ACCELERATE_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {here!r})
+import torch
+import datasets
+import test_trl_trainer as t
+from rolloutopt.integrations.trl import GRPOTrainer
+
+class Capture(GRPOTrainer):
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        if not getattr(self, "captured", False):
+            self.captured = True
+            rank = self.accelerator.process_index
+            saved = {{k: v.detach().cpu() for k, v in inputs.items() if torch.is_tensor(v)}}
+            torch.save({{"inputs": saved, "loss": loss.detach().cpu()}}, os.path.join({out!r}, f"rank{{rank}}.pt"))
+        return loss
+
+ds = datasets.Dataset.from_dict({{"prompt": t.EQUAL_PROMPTS}})
+args = t.config(per_device_train_batch_size=2, num_generations=2, max_steps=2, num_iterations=2,
+                **{trl_kw!r})
+trainer = Capture(model=t.model(), reward_funcs=t.reward, args=args, train_dataset=ds,
+                  processing_class=t.tokenizer(), objective={preset!r})
+trainer.train()
+assert trainer.accelerator.num_processes == 2 and trainer.accelerator.distributed_type.value == "MULTI_CPU"
+logs = [h["loss"] for h in t.step_logs(trainer)]
+print("RESULT" + str(trainer.accelerator.process_index) + " " + json.dumps(logs))
+"""
+
+
+@pytest.mark.parametrize(
+    ("preset", "trl_kw"),
+    [("dapo", {"loss_type": "dapo", "epsilon_high": 0.28}), ("grpo", {"loss_type": "grpo"})],
+    ids=["dapo", "grpo"],
+)
+def test_accelerate_two_cpu_processes_match_one_process(tmp_path: Any, preset: str, trl_kw: dict[str, Any]) -> None:
+    """``accelerate launch --num_processes 2`` on the CPU: two steps complete, and the first micro-batch's loss and
+    gradient on each rank average (DDP's all-reduce mean) to the single-process loss and gradient on both ranks'
+    rows together — the global denominators make the data-parallel split invisible."""
+    here = str(pathlib.Path(__file__).parent)
+    script = tmp_path / "accel.py"
+    script.write_text(ACCELERATE_SCRIPT.format(here=here, out=str(tmp_path), preset=preset, trl_kw=trl_kw))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    accelerate = pathlib.Path(sys.executable).with_name("accelerate")
+    # --multi_gpu selects accelerate's torch.distributed launcher (its --cpu path needs mpirun); the script's
+    # GRPOConfig(use_cpu=True) then makes the Accelerator a MULTI_CPU (gloo) world
+    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logged = [json.loads(x.split(" ", 1)[1]) for x in proc.stdout.splitlines() if x.startswith("RESULT")]
+    assert len(logged) == 2 and all(len(x) == 2 and all(math.isfinite(v) for v in x) for x in logged)
+
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    ds = datasets.Dataset.from_dict({"prompt": EQUAL_PROMPTS})
+    args = config(per_device_train_batch_size=4, num_generations=2, **trl_kw)
+    trainer = GRPOTrainer(
+        model=model(), reward_funcs=reward, args=args, train_dataset=ds, processing_class=tokenizer(),
+        objective=preset,
+    )  # fmt: skip
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    real = trainer.accelerator
+    # each rank's share, recomputed here as a pretend 2-process world: the loss that rank computed
+    for r in ranks:
+        trainer.accelerator = PretendWorld(real, 2)
+        assert_close(loss_and_grads(trainer._compute_loss, trainer, r["inputs"])[0], r["loss"], rtol=1e-5, atol=1e-7)
+    # the identity, in float64 (in fp32 the attention's summation order differs between batch sizes 2 and 4 by
+    # ~1e-3 relative on gradients that cancel across a group): mean over ranks == one process on all rows
+    trainer.model.double()
+    shares = [{k: v.double() if v.is_floating_point() else v for k, v in r["inputs"].items()} for r in ranks]
+    per_rank = [loss_and_grads(trainer._compute_loss, trainer, share) for share in shares]
+    trainer.accelerator = real
+    width = max(sh["completion_ids"].size(1) for sh in shares)  # each process pads to its own longest completion
+
+    def rows(key: str) -> torch.Tensor:  # completions right-padded to one width (harmless: causal, masked out)
+        parts = [sh[key] for sh in shares]
+        if parts[0].dim() == 2 and not key.startswith("prompt"):
+            parts = [torch.nn.functional.pad(x, (0, width - x.size(1))) for x in parts]
+        return torch.cat(parts)
+
+    both = {k: rows(k) for k in shares[0] if shares[0][k].dim() >= 1}
+    both["num_items_in_batch"] = shares[0]["num_items_in_batch"]
+    assert torch.equal(both["num_items_in_batch"], shares[1]["num_items_in_batch"])  # global, all-reduced
+    loss, grads = loss_and_grads(trainer._compute_loss, trainer, both)
+    assert_close(loss, (per_rank[0][0] + per_rank[1][0]) / 2, rtol=1e-9, atol=1e-12)
+    compared = 0
+    for g, g0, g1 in zip(grads, per_rank[0][1], per_rank[1][1], strict=True):
+        if g is None:
+            continue
+        assert_close(g, (g0 + g1) / 2, rtol=1e-6, atol=1e-7)  # TRL computes the log-softmax in fp32
+        compared += int(g.abs().max() > 1e-4)  # the loss is ~0 on-policy (zero-mean advantages); its gradient is not
+    assert compared > 0
