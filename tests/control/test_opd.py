@@ -306,6 +306,28 @@ def test_prop_repeated_ngram_share_matches_reference(b: int, t: int, n: int, see
         assert torch.equal(repeated_ngram_share(tokens[perm], mask[perm], n=n), got[perm])
 
 
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 10), st.integers(0, 10_000))
+def test_prop_stable_opd_permutation_invariant(b: int, t: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, t + 1, (b,), generator=g)
+    truncated = lengths == t
+    tokens = torch.randint(0, 3, (b, t), generator=g)
+    perm = torch.randperm(b, generator=g)
+    a, c = _stable(tau_rep=0.5), _stable(tau_rep=0.5)
+    for _ in range(2):
+        d1 = a.observe(lengths, truncated, tokens=tokens)
+        d2 = c.observe(lengths[perm], truncated[perm], tokens=tokens[perm])
+        assert (d1.tripped, d1.reasons, d1.kl_multiplier, d1.mix_ratio) == (
+            d2.tripped,
+            d2.reasons,
+            d2.kl_multiplier,
+            d2.mix_ratio,
+        )
+        assert d1.truncated_frac == d2.truncated_frac and d1.repetition == pytest.approx(d2.repetition)
+        assert d1.tripped == (d1.truncated_frac > 0.2 or d1.repetition > 0.5 or "jump" in d1.reasons)
+
+
 def test_stable_opd_bad_input() -> None:
     with pytest.raises(InputError, match="experimental"):
         StableOPD()
