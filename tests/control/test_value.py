@@ -193,7 +193,8 @@ def _replay(rule: Any, d: dict[str, torch.Tensor], use_scores: bool = True) -> A
         return replay(rule, values=d["values"], mask=d["mask"])
     if use_scores:
         return replay(rule, scores=d["scores"], mask=d["mask"], init={"group": d["group"]})
-    return replay(rule, mask=d["mask"], init={"group": d["group"]})
+    feats = torch.zeros(*d["mask"].shape, 3)  # unused before the head is ready: the seeded draws decide
+    return replay(rule, features=feats, mask=d["mask"], init={"group": d["group"]})
 
 
 @settings(max_examples=15, deadline=None)
@@ -312,6 +313,8 @@ def test_quality_head_bad_input() -> None:
         with pytest.raises(InputError, match=name):
             QualityHeadPruner(**kwargs, **EXP)
     rule = QualityHeadPruner(dim=2, checkpoint=1, min_labels=0, **EXP)
+    with pytest.raises(InputError, match="features"):  # even before the head is ready: the checkpoint needs inputs
+        rule.step(rule.init(2, group=torch.zeros(2, dtype=torch.long)))
     with pytest.raises(InputError, match="group"):
         rule.init(3)
     with pytest.raises(InputError, match="group"):

@@ -319,9 +319,10 @@ class QualityHeadPruner(_CheckpointRule):
     ``1 / keep_frac``, the keep count, the rounding, counting early-finished rows as survivors, the label buffer,
     the optimiser — is **reconstructed** (the repository holds no code), so ``experimental=True`` is required.
 
-    Inputs, read at the checkpoint rows only: ``features [N, D]`` (e.g. the policy's last hidden state at
-    :math:`L_c`, preferably normalised), or ``scores [N]`` (success probabilities from elsewhere; they take
-    precedence over the head). :meth:`init` takes ``group=`` (int ids ``[N]`` or a :class:`~rolloutopt.groups.Groups`).
+    Inputs, read at the checkpoint rows only and needed only at steps where a row is due (:meth:`due`; steps
+    without them cost next to nothing): ``features [N, D]`` (e.g. the policy's last hidden state at :math:`L_c`,
+    preferably normalised; record them, they are what :meth:`train_head` learns from), or ``scores [N]``
+    (success probabilities from elsewhere; they take precedence over the head). :meth:`init` takes ``group=`` (int ids ``[N]`` or a :class:`~rolloutopt.groups.Groups`).
     Until the head has been trained on ``min_labels`` labels, the scores are uniform draws from the rule's
     generator (made at :meth:`init`): pruning is random, group sizes are already the target's.
 
@@ -486,13 +487,7 @@ class QualityHeadPruner(_CheckpointRule):
         cand = self._due_mask(state, x.live)
         scores = x.extra.get("scores")
         features = x.extra.get("features")
-        if scores is not None:
-            q = scores
-        elif not self.ready:
-            q = e["noise"]
-        elif features is not None:
-            q = self._predict(features)
-        else:
+        if scores is None and features is None:  # not a checkpoint step for any row: nothing to do
             if checks_enabled() and bool(cand.any()):
                 raise InputError(
                     "features",
@@ -500,8 +495,14 @@ class QualityHeadPruner(_CheckpointRule):
                     "None",
                     "pass them at the steps where rule.due(state) has a True row",
                 )
-            cand = torch.zeros_like(cand)
-            q = e["score"]
+            return e, torch.zeros_like(cand), 1
+        if scores is not None:
+            q = scores
+        elif not self.ready:
+            q = e["noise"]
+        else:
+            assert features is not None
+            q = self._predict(features)
         q = torch.where(cand, q, torch.zeros((), dtype=q.dtype, device=q.device)).float()
         fire = cand & ~self._keep(e["group"], e["quota"], cand, q, state.stopped)
         extra = {**e, "score": torch.where(cand, q, e["score"])}
@@ -522,11 +523,11 @@ class QualityHeadPruner(_CheckpointRule):
         kp = torch.floor(self.rho * k.double() + 0.5).long()
         kp = torch.maximum(torch.minimum(kp, c_pos), k - (c_all - c_pos))
         kn = k - kp
-        # rank of each candidate inside (group, class), least confident first; one key, two stable sorts
-        key = torch.where(pos, q, -q)
+        # rank of each candidate inside (group, class), least confident first: one stable sort of the composite
+        # key segment * 4 + confidence key (in [-1, 1]; float64 keeps float32 scores distinct)
+        key = torch.where(pos, q, -q).clamp(-1.0, 1.0)
         seg = torch.where(cand, grp * 2 + pos.long(), torch.full_like(grp, 2 * n))
-        o1 = torch.argsort(key, stable=True)
-        order = o1.index_select(0, torch.argsort(seg.index_select(0, o1), stable=True))
+        order = torch.argsort(seg.double() * 4.0 + key.double(), stable=True)
         counts = torch.zeros(2 * n + 1, dtype=torch.long, device=dev).index_add_(0, seg, torch.ones_like(seg))
         starts = torch.cumsum(counts, 0) - counts
         ranked = torch.arange(n, device=dev) - starts.index_select(0, seg.index_select(0, order))
