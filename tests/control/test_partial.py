@@ -361,7 +361,7 @@ def restore(s: Sched, kind: str) -> Sched:
     torch.save(s.state_dict(), f)
     f.seek(0)
     fresh: Sched = APRILBuffer(**_april_cfg(s)) if kind == "april" else CoPRISScheduler(**_copris_cfg(s))
-    fresh.load_state_dict(torch.load(f, weights_only=False))
+    fresh.load_state_dict(torch.load(f, weights_only=True))  # plain containers and tensors only
     return fresh
 
 
