@@ -540,3 +540,29 @@ def test_bad_reward_inputs() -> None:
         count_steps(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool), markers=[1])
     with pytest.raises(InputError, match="markers"):
         count_steps(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool), markers=[])
+
+
+def test_checks_off_and_extreme_inputs() -> None:
+    import rolloutopt
+
+    rule = StepConfidenceTruncation(markers=[1], min_steps=1, experimental=True)
+    with rolloutopt.checks(False):
+        # a probe point without confidence: validation off, the row simply does not stop
+        state, stop = rule.step(rule.init(2), tokens=torch.tensor([1, 1]))
+        assert stop.tolist() == [False, False] and state.extra["probes"].tolist() == [1, 1]
+    # huge negative log-probs and entropies give confidence 0, finite state
+    echo = ConfidencePruning(window=2, min_tokens=1, min_branches=0, experimental=True)
+    res = replay(echo, logprobs=torch.full((2, 3), -1e30), init={"group": torch.tensor([0, 1])})
+    assert res.position.tolist() == [0, 0]
+    echo = ConfidencePruning(signal="exp_neg_entropy", window=2, experimental=True)
+    state = echo.init(1, group=torch.tensor([0]))
+    state, _ = echo.step(state, entropy=torch.tensor([1e30]))
+    assert torch.isfinite(state.extra["buf"]).all() and echo.confidence(state).tolist() == [0.0]
+    out = step_aware_reward(
+        torch.tensor([1e30, 1e30, 0.0]),
+        torch.tensor([0.0, 1e30, 5.0]),
+        torch.zeros(3, dtype=torch.long),
+        lam=1.0,
+        experimental=True,
+    )
+    assert torch.isfinite(out.rewards).all()
