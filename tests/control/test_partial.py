@@ -266,6 +266,21 @@ def test_copris_batch_feeds_policy_loss_end_to_end() -> None:
     torch.testing.assert_close(g1, g2)
 
 
+def test_copris_uids_kept_beyond_the_target_head_the_next_batch() -> None:
+    s = CoPRISScheduler(train_batch_size=1, gen_batch_size=2, n_samples_per_prompt=1, pool_size=2, max_new_tokens=9)
+    s.begin_round(torch.tensor([1, 2]), policy_version=0)
+    q = by_prompt(s.next_requests())
+    s.finish(q[2][0], *seg(2), reward=0.0)  # uid 2 kept first: the stop event fires
+    s.finish(q[1][0], *seg(3), reward=1.0)  # uid 1 finished before the cancel reached it
+    res = s.end_round()
+    assert res.batch.prompt_ids.tolist() == [2] and len(s.held_ids()) == 1  # kept_prompt_uids[:1]
+    s.begin_round(torch.tensor([3, 4]), policy_version=1)
+    assert s.done and len(s.next_requests()) == 0  # the carried uid fills the batch at once
+    res = s.end_round()
+    assert res.batch.prompt_ids.tolist() == [1] and res.batch.versions[0].tolist() == [0, 0, 0]
+    assert s.queued_ids().tolist() == [2, 3]  # the new gen batch waits in the queue
+
+
 def test_copris_filter_clears_buffers() -> None:
     s = CoPRISScheduler(
         train_batch_size=1, gen_batch_size=2, n_samples_per_prompt=2, pool_size=4, max_new_tokens=9, filter_groups=True
@@ -454,8 +469,8 @@ def drive(kind: str, data: st.DataObject, *, checkpoint: bool) -> None:
             counts = torch.bincount(b.group) if len(b) else torch.zeros(0, dtype=torch.long)
             assert counts[counts > 0].eq(s.n_samples_per_prompt).all() and torch.isfinite(b.rewards).all()
             assert torch.equal(b.mask.sum(1), b.lengths)
-            if isinstance(s, APRILBuffer):
-                assert res.metrics["batch_groups"].item() <= s.rollout_batch_size
+            target = s.rollout_batch_size if isinstance(s, APRILBuffer) else s.train_batch_size
+            assert res.metrics["batch_groups"].item() <= target
             version += data.draw(st.sampled_from([1, 1, 0, 2]))
             size = s.gen_batch_size if isinstance(s, CoPRISScheduler) else data.draw(st.integers(0, 4))
             size = size if data.draw(st.integers(0, 3)) else 0

@@ -849,7 +849,8 @@ class APRILBuffer(_PartialScheduler):
       are all equal (zero variance) is removed (``filtered``) and the in-flight count drops by one, so another
       submission may follow;
     - at ``rollout_batch_size`` accepted groups the stop event fires (:attr:`done`): abort the rest and call
-      ``end_round``; the batch is exactly those groups, sorted by prompt id;
+      ``end_round``; the batch is exactly those groups, sorted by creation order (slime sorts by the sample
+      ``index`` it assigns when a group is created; for fresh prompts that is the order of ``prompt_ids``);
     - with ``partial_rollout`` every other submitted group (partial text, finished samples and all) goes to
       the back of the buffer, in the order its first sample was aborted; resumed groups regenerate only their
       unfinished samples, with ``max_new_tokens`` reduced by the tokens already generated (0 -> TRUNCATED).
@@ -977,7 +978,7 @@ class APRILBuffer(_PartialScheduler):
         self._remaining -= 1
 
     def _close(self) -> tuple[list[int], list[int]]:
-        batch = sorted(self._accepted, key=lambda g: (self._rollouts[self._groups[g][0]].prompt, g))
+        batch = sorted(self._accepted)  # creation order: slime sorts by the sample index it assigns on creation
         taken = set(self._accepted)
         first: dict[int, int] = {}
         for i, r in enumerate(self._aborted):
@@ -1039,8 +1040,10 @@ class CoPRISScheduler(_PartialScheduler):
       rewards are all equal (removed, ``filtered``: its buffers cleared); at ``train_batch_size`` kept groups
       the stop event fires (:attr:`done`);
     - ``end_round`` cancels what runs: the partial outputs go to the *front* of the queue (in abort-report
-      order), followed by the requests never started; the batch holds the kept groups (in the order they
-      were kept; groups kept after the stop event are included, so it may exceed ``train_batch_size``).
+      order), followed by the requests never started; the batch holds the first ``train_batch_size`` kept
+      groups, in the order they were kept. Groups kept beyond that (finished after the stop event) stay held
+      and head the next round's kept list, as CoPRIS's ``kept_prompt_uids[train_batch_size:]`` does, so the
+      next round may be done at once.
 
     Cross-stage importance sampling (loss side: ``specs/ratios_and_losses.md`` B9). After each round call
     :meth:`record_recompute` with the trainer's recompute for :meth:`needs_recompute`; each rollout's buffer
@@ -1055,7 +1058,9 @@ class CoPRISScheduler(_PartialScheduler):
     Defaults: ``pool_size=128`` (the code's default; the script uses 1024), ``train_batch_size=64``,
     ``gen_batch_size=128``, ``n_samples_per_prompt=8``, ``max_new_tokens=15360`` (``run_CoPRIS.sh``);
     ``filter_groups=False`` (verl's ``filter_groups.enable`` default). Library choices, not in the reference
-    code: ``max_buffered`` / ``max_staleness`` with ``eviction`` (None: unbounded, as in the reference).
+    code: ``max_buffered`` / ``max_staleness`` with ``eviction`` (None: unbounded, as in the reference), and
+    singleton groups (``n_samples_per_prompt=1``) are never filtered (verl's DAPO rule; CoPRIS's
+    ``len(set(rewards)) == 1`` would drop every one of them).
 
     Args:
         train_batch_size: kept groups that fire the stop event, >= 1.
@@ -1131,7 +1136,6 @@ class CoPRISScheduler(_PartialScheduler):
             )
 
     def _begin(self, prompts: list[int]) -> None:
-        self._kept = []
         for p in prompts:
             self._queue.extend(self._groups[self._new_group(p)])
 
@@ -1155,13 +1159,15 @@ class CoPRISScheduler(_PartialScheduler):
         pass
 
     def _close(self) -> tuple[list[int], list[int]]:
-        batch, self._kept = self._kept, []
+        # CoPRIS trains kept_prompt_uids[:train_batch_size] and carries the rest to the next step
+        batch, self._kept = self._kept[: self.train_batch_size], self._kept[self.train_batch_size :]
         cancelled = [r for r in self._aborted if r in self._rollouts]
         self._queue = deque(cancelled + list(self._queue))
         return batch, []
 
     def _purge(self) -> None:
         self._queue = deque(r for r in self._queue if r in self._rollouts)
+        self._kept = [g for g in self._kept if g in self._groups]
 
     def _extra_state(self) -> dict[str, Any]:
         return {"queue": list(self._queue), "kept": list(self._kept)}
