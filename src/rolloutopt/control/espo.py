@@ -161,7 +161,7 @@ class ESPO(StopRule):
     Reference: ESPO, arXiv 2605.29860; the rule, the warm-up gate and the defaults come from two digests of the
     paper (``specs/rollout_control.md`` B1, tagged [summary]). No code is public.
 
-    Inputs to :meth:`step`: ``logprobs [N]``, ``topk_logprobs [N, K]`` and the extra input ``values [N]``
+    Inputs to :meth:`StopRule.step`: ``logprobs [N]``, ``topk_logprobs [N, K]`` and the extra input ``values [N]``
     (the critic's :math:`V_\phi(s_t)` at the same step). Reason ``"regret"``. The per-row state holds ``z`` and
     the regret sums that :meth:`update` consumes (:meth:`batch_stats`).
 
@@ -169,8 +169,8 @@ class ESPO(StopRule):
     :meth:`observe_critic_loss` calls each with loss ``< warmup_loss`` *or* a change from the previous loss
     ``< warmup_delta`` (our reading of the digests' "3 consecutive steps < 0.5 or step-to-step change < 0.1") —
     and is forced on once :attr:`training_progress` reaches ``warmup_force`` (10% of training). It latches: once
-    on, it stays on. Whether it is on is fixed per rollout at :meth:`init` (a row generated while disabled never
-    stops).
+    on, it stays on. Whether it is on is fixed per rollout at :meth:`StopRule.init` (a row generated while
+    disabled never stops).
 
     Args:
         r_fail: terminal reward of a stopped rollout, for :func:`absorbing_failure` (default -1.0, digests).

@@ -117,9 +117,7 @@ class _CheckpointRule(StopRule):
     def _bound_dims(self) -> dict[str, tuple[int, str]]:
         return {}
 
-    def due(self, state: StopState, active: Any = None) -> Tensor:
-        """Bool ``[N]``: the rows evaluated at the next :meth:`step` (live and at a checkpoint), i.e. the rows for
-        which the engine must provide the checkpoint inputs."""
+    def _due_rows(self, state: StopState, active: Any) -> Tensor:
         if not isinstance(state, StopState):
             raise InputError("state", "a StopState from rule.init()", describe(state), "call rule.init(batch_size)")
         dims = Dims()
@@ -253,6 +251,11 @@ class Abstention(_CheckpointRule):
     def _due_mask(self, state: StopState, live: Tensor) -> Tensor:
         return live & ((state.steps + 1) % self.every == 0)
 
+    def due(self, state: StopState, active: Any = None) -> Tensor:
+        """Bool ``[N]``: the rows evaluated at the next ``step`` (live and at a checkpoint), i.e. the rows for which
+        the engine must provide the checkpoint inputs. ``active`` bool ``[N]`` as for ``step`` (default all)."""
+        return self._due_rows(state, active)
+
     def _init(self, n: int, device: torch.device, **inputs: Any) -> dict[str, Tensor]:
         super()._init(n, device, **inputs)
         return {"value": torch.zeros(n, device=device), "checks": torch.zeros(n, dtype=torch.long, device=device)}
@@ -309,8 +312,8 @@ class QualityHeadPruner(_CheckpointRule):
 
     where :math:`C_g` are the group's rows reaching token :math:`L_c` at this step (split by :math:`q \ge`
     ``threshold`` into predicted positives :math:`C^+_g` and negatives :math:`C^-_g`), :math:`n'_g` the group's
-    size at :meth:`init` and :math:`o_g` its rows that are neither stopped nor candidates (finished early, or not
-    yet at :math:`L_c`: they count as survivors). The :math:`k^+_g` *least* confident positives (smallest
+    size at :meth:`StopRule.init` and :math:`o_g` its rows that are neither stopped nor candidates (finished
+    early, or not yet at :math:`L_c`: they count as survivors). The :math:`k^+_g` *least* confident positives (smallest
     :math:`q`) and the :math:`k^-_g` least confident negatives (largest :math:`q`) survive; the others are pruned,
     the most confident of the surplus class first (reason ``"pruned"``; kept length :math:`L_c`).
 
@@ -322,9 +325,10 @@ class QualityHeadPruner(_CheckpointRule):
     Inputs, read at the checkpoint rows only and needed only at steps where a row is due (:meth:`due`; steps
     without them cost next to nothing): ``features [N, D]`` (e.g. the policy's last hidden state at :math:`L_c`,
     preferably normalised; record them, they are what :meth:`train_head` learns from), or ``scores [N]``
-    (success probabilities from elsewhere; they take precedence over the head). :meth:`init` takes ``group=`` (int ids ``[N]`` or a :class:`~rolloutopt.groups.Groups`).
+    (success probabilities from elsewhere; they take precedence over the head). :meth:`StopRule.init` takes
+    ``group=`` (int ids ``[N]`` or a :class:`~rolloutopt.groups.Groups`).
     Until the head has been trained on ``min_labels`` labels, the scores are uniform draws from the rule's
-    generator (made at :meth:`init`): pruning is random, group sizes are already the target's.
+    generator (made at :meth:`StopRule.init`): pruning is random, group sizes are already the target's.
 
     Args:
         dim: :math:`D`, the feature width (required).
@@ -453,6 +457,11 @@ class QualityHeadPruner(_CheckpointRule):
     # -- the protocol --------------------------------------------------------------------------------------------
     def _due_mask(self, state: StopState, live: Tensor) -> Tensor:
         return live & (state.steps + 1 == self.checkpoint)
+
+    def due(self, state: StopState, active: Any = None) -> Tensor:
+        """Bool ``[N]``: the rows evaluated at the next ``step`` (live and at a checkpoint), i.e. the rows for which
+        the engine must provide the checkpoint inputs. ``active`` bool ``[N]`` as for ``step`` (default all)."""
+        return self._due_rows(state, active)
 
     def _bound_dims(self) -> dict[str, tuple[int, str]]:
         return {"D": (self.dim, "dim")}
