@@ -524,7 +524,7 @@ ALLOC_PROMPTS = ["abc", "hello", "xyz 1", "count", "aaa", "b2", "tea a", "zz"]
 
 
 def selector_run(
-    allocator: Any, *, pool: int | None = None, per_device: int = 4
+    allocator: Any, *, pool: int | None = None, per_device: int = 4, advantage: Any = None
 ) -> tuple[Any, list[list[str]], list[list[float]]]:
     """Three steps, 2 prompts × 2 generations per generation batch, from 8 prompts; records what was scored."""
     seen: list[list[str]] = []
@@ -540,7 +540,7 @@ def selector_run(
     args = config(num_generations=2, per_device_train_batch_size=per_device, max_steps=3)
     trainer = GRPOTrainer(
         model=model(), reward_funcs=recording_reward, args=args, train_dataset=ds, processing_class=tokenizer(),
-        objective="dapo", allocator=allocator, allocator_pool=pool,
+        objective="dapo", allocator=allocator, allocator_pool=pool, advantage=advantage,
     )  # fmt: skip
     trainer.train()
     return trainer, seen, scored
@@ -628,7 +628,7 @@ def test_selector_allocator_chooses_the_trained_prompts(which: str) -> None:
 
 
 def test_allocators_trl_cannot_run_are_refused() -> None:
-    from rolloutopt.allocators import DPS, GRESO, VIGOR, DAPODynamicSampling
+    from rolloutopt.allocators import DOTS, DPS, GRESO, VIGOR, DAPODynamicSampling, Uniform
 
     ds = datasets.Dataset.from_dict({"prompt": ALLOC_PROMPTS})
 
@@ -639,8 +639,12 @@ def test_allocators_trl_cannot_run_are_refused() -> None:
             allocator=alloc, **kw,
         )  # fmt: skip
 
-    with pytest.raises(InputError, match=r"^allocator:.*VIGOR"):
+    with pytest.raises(InputError, match=r"^allocator:.*VIGOR.*several generation rounds"):
         build(VIGOR())
+    with pytest.raises(InputError, match=r"^advantage:.*Uniform"):  # unequal groups need the estimator's grouping
+        build(Uniform())
+    with pytest.raises(InputError, match=r"^allocator:.*replay=False"):
+        build(DOTS(), advantage="grpo")
     with pytest.raises(InputError, match=r"^allocator:.*DAPODynamicSampling"):
         build(DAPODynamicSampling())
     with pytest.raises(InputError, match=r"^allocator:.*filter_zero_variance"):
@@ -653,6 +657,37 @@ def test_allocators_trl_cannot_run_are_refused() -> None:
         build(DPS(n=2), allocator_pool=1)
     with pytest.raises(InputError, match=r"^allocator_pool:"):
         build(DPS(n=2), allocator_pool=9)
+
+
+@pytest.mark.parametrize("n", [None, 1], ids=["uneven", "padded"])
+def test_count_allocator_presents_allocated_counts_with_weights(n: int | None) -> None:
+    """A per-prompt-count allocator (Uniform over a pool of 3: counts [2, 1, 1]; with n=1: [1, 1, 1] plus one
+    padding row): TRL generates the request's rows, the advantages use the plan's groups (one per prompt, padding
+    rows alone), padding rows have weight 0 (out of the loss and of num_items_in_batch), the plan is fed TRL's
+    rewards."""
+    from rolloutopt.allocators import Uniform
+
+    alloc = spy(functools.partial(Uniform, n=n))
+    trainer, seen, scored = selector_run(alloc, pool=3, advantage=functools.partial(advantages.grpo, eps=1e-4))
+    logs = step_logs(trainer)
+    assert len(logs) == 3 and all(math.isfinite(h["loss"]) for h in logs)
+    gen = torch.Generator().manual_seed(0)  # args.seed: the pools the adapter drew
+    shown = list(trainer._logs["advantages"])[-4:]  # the last generation batch's advantages × weights
+    for res, prompts, rewards in zip(alloc.results, seen, scored, strict=True):
+        pool = torch.randperm(len(ALLOC_PROMPTS), generator=gen)[:3]
+        want_counts = [2, 1, 1] if n is None else [1, 1, 1]
+        assert res.counts.tolist() == want_counts and res.plan_prompt_ids.tolist() == pool.tolist()
+        rows = pool.repeat_interleave(torch.tensor(want_counts)).tolist()
+        assert prompts[: len(rows)] == [ALLOC_PROMPTS[i] for i in rows]
+        if n == 1:  # one padding row: a pool prompt again (no unselected candidate is left)
+            assert len(prompts) == 4 and prompts[3] in {ALLOC_PROMPTS[i] for i in pool}
+        assert_close(res.rewards, torch.tensor(rewards[: len(rows)], dtype=torch.float64))
+    group = torch.tensor([0, 0, 1, 2] if n is None else [0, 1, 2, 3])
+    weight = torch.tensor([1.0, 1.0, 1.0, 1.0] if n is None else [1.0, 1.0, 1.0, 0.0])
+    want = advantages.grpo(torch.tensor(scored[-1]), group, eps=1e-4).advantages * weight
+    assert_close(torch.tensor(shown), want, rtol=1e-5, atol=1e-6)
+    assert (want != 0).sum() == (2 if n is None else 0)  # only the pair forms a group with variance
+    assert [h["rolloutopt/alloc/padded_rows"] for h in logs] == [0.0 if n is None else 1.0] * 3
 
 
 TWO_PROCESS_ALLOC_SCRIPT = """

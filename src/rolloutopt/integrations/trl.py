@@ -184,30 +184,57 @@ def _fail(argument: str, expected: str, got: Any, fix: str) -> InputError:
 
 
 _REFUSED_ALLOCATORS: dict[str, str] = {
-    "VIGOR": "tops up prompts in several requests with unequal counts",
-    "PilotCommit": "samples a pilot round, then commits unequal counts",
-    "RolloutGDRO": "gives prompts unequal rollout counts",
+    "VIGOR": "tops up prompts in several generation rounds",
+    "PilotCommit": "samples a pilot round, then a commit round",
     "DAPODynamicSampling": "samples again until enough groups have variance (several generation rounds)",
-    "Uniform": "spreads the budget over every candidate (not a prompt selector)",
+    "DARS": "tops up hard prompts in several generation rounds",
+    "E3Budget": "tops up in several generation rounds",
+    "AR3PO": "samples in rounds and reuses stored responses TRL cannot present",
+    "AERO": "samples in rounds",
+    "XRPOAllocator": "tops up in several generation rounds",
+    "V05Budget": "tops up in several generation rounds",
 }
 
 
-def _check_allocator(allocator: Any, num_generations: Any, pool: Any) -> None:
-    """Accept a prompt selector whose plan is one request of ``num_generations`` rollouts per prompt."""
-    from rolloutopt.allocators import DPS, GRESO, PromptGDRO
+def _allocator_mode(allocator: Any) -> str:
+    """``"select"`` for a fixed-count prompt selector, ``"counts"`` for a one-request per-prompt-count allocator."""
+    from rolloutopt.allocators import (
+        DEPO,
+        DOTS,
+        DPS,
+        GRESO,
+        HIVE,
+        CoBAAllocator,
+        Knapsack,
+        PromptGDRO,
+        RolloutGDRO,
+        Uniform,
+    )
+
+    if isinstance(allocator, (DPS, GRESO, PromptGDRO)):
+        return "select"
+    if isinstance(allocator, (Uniform, RolloutGDRO, CoBAAllocator, Knapsack, HIVE, DEPO, DOTS)):
+        return "counts"
+    name = type(allocator).__name__
+    why = _REFUSED_ALLOCATORS.get(name, "is not a known one-request allocator")
+    raise _fail(
+        "allocator",
+        "an allocator whose plan is one request (TRL generates once per generation batch): a prompt selector "
+        "(DPS, PromptGDRO, GRESO(filter_zero_variance=False)) or a per-prompt-count allocator (Uniform, "
+        "RolloutGDRO, CoBAAllocator, Knapsack, HIVE, DEPO, DOTS(replay=False))",
+        f"{name}, which {why}",
+        "use one of those, or run this allocator in a loop that can generate several rounds (verl, your own)",
+    )
+
+
+def _check_allocator(allocator: Any, num_generations: Any, pool: Any, advantage: Any) -> str:
+    """Validate ``allocator`` for TRL and return its mode (see :func:`_allocator_mode`)."""
+    from rolloutopt.allocators import DOTS, GRESO
 
     if pool is not None and (not isinstance(pool, int) or isinstance(pool, bool) or pool < 1):
         raise _fail("allocator_pool", "None or an int >= 1 (candidates per generation batch)", pool, "pass e.g. 64")
+    mode = _allocator_mode(allocator)
     name = type(allocator).__name__
-    if not isinstance(allocator, (DPS, GRESO, PromptGDRO)):
-        why = next((v for k, v in _REFUSED_ALLOCATORS.items() if k == name), "is not a known fixed-count selector")
-        raise _fail(
-            "allocator",
-            "a prompt selector TRL can run (DPS, PromptGDRO, GRESO(filter_zero_variance=False)): TRL generates "
-            "num_generations completions per prompt, once per generation batch",
-            f"{name}, which {why}",
-            "use a selector, or run this allocator with a trainer that supports per-prompt counts (verl adapter)",
-        )
     if isinstance(allocator, GRESO) and allocator.filter_zero_variance:
         raise _fail(
             "allocator",
@@ -215,13 +242,29 @@ def _check_allocator(allocator: Any, num_generations: Any, pool: Any) -> None:
             "GRESO(filter_zero_variance=True)",
             "construct GRESO(..., filter_zero_variance=False) (the skip-before-rollout selection still runs)",
         )
-    if allocator.n != num_generations or allocator.n_max != allocator.n:
+    if isinstance(allocator, DOTS) and allocator.replay:
+        raise _fail(
+            "allocator",
+            "DOTS(replay=False): replayed groups are stored rollouts TRL cannot present",
+            "DOTS(replay=True)",
+            "construct DOTS(..., replay=False) (the difficulty-targeted selection still runs)",
+        )
+    if mode == "select" and (allocator.n != num_generations or allocator.n_max != allocator.n):
         raise _fail(
             "allocator",
             f"a group size n = n_max = num_generations = {num_generations}",
             f"{name}(n={allocator.n}, n_max={allocator.n_max})",
             f"construct the allocator with n={num_generations} and the default n_max",
         )
+    if mode == "counts" and advantage is None:
+        raise _fail(
+            "advantage",
+            f"an advantage estimator with allocator={name}: its groups have unequal sizes, and TRL's own "
+            "advantages assume blocks of num_generations rows",
+            None,
+            "pass advantage='grpo' (or functools.partial(rolloutopt.advantages.grpo, eps=1e-4) for TRL's numbers)",
+        )
+    return mode
 
 
 @functools.cache
@@ -335,11 +378,15 @@ def _trainer_class() -> type:
             if self._ro_advantage is not None:
                 self._check_advantage(config)
             self._ro_rewards: Tensor | None = None
+            self._ro_pending: Any = None  # (plan, request, padded, group ids, weights) until the rewards arrive
             self._ro_alloc_rewards: Tensor | None = None
             self._ro_allocator = allocator
             self._ro_pool = allocator_pool
+            self._ro_alloc_mode = "none"
             if allocator is not None:
-                _check_allocator(allocator, config.num_generations, allocator_pool)
+                self._ro_alloc_mode = _check_allocator(
+                    allocator, config.num_generations, allocator_pool, self._ro_advantage
+                )
             super().__init__(*args, **kwargs)
             if allocator is not None:
                 self._ro_init_allocator()
@@ -556,35 +603,60 @@ def _trainer_class() -> type:
             self._ro_gen = torch.Generator().manual_seed(int(targs.seed))
             self.last_allocation: Any = None  # the AllocationResult of the last generation batch
 
-        def _ro_select(self, inputs: list[Any]) -> tuple[list[Any], Any, Any, int]:
-            """Plan over a candidate pool and return this process's rows of the selected prompts.
+        def _ro_select(self, inputs: list[Any]) -> list[Any]:
+            """Plan over a candidate pool and return this process's rows of the planned generation batch.
 
-            Every process draws the same pool and the allocator plans identically, so the global generation batch
-            is the selected prompts (request order) each repeated ``num_generations`` times, then, if the
-            allocator selected fewer than the batch holds, the next unselected candidates (padding, trained but
-            not reported to the allocator); this process takes its contiguous slice, as TRL's sampler would give.
+            Every process draws the same pool and the allocator plans identically, so every process knows the
+            global generation batch (``generation_batch_size`` rows) and takes its contiguous slice, as TRL's
+            sampler would give it. A selector's batch is the selected prompts (request order) each repeated
+            ``num_generations`` times, then, if it selected fewer than the batch holds, the next unselected
+            candidates (padding, trained but not reported to the allocator). A per-prompt-count allocator's batch
+            is its request (prompt ``r`` repeated ``counts[r]`` times, one group per prompt), then, if it spent less
+            than the batch holds, one row each of unselected candidates (padding rows: generated, weight 0, each
+            its own group). The plan is fed the rewards after generation (:meth:`_ro_feed`).
             """
             g = int(self.num_generations)  # type: ignore[arg-type]
             b_prompts = self._ro_prompts_per_batch
+            total = b_prompts * g
             pool = torch.randperm(len(self.train_dataset), generator=self._ro_gen)[: self._ro_pool_size]  # type: ignore[arg-type]
-            plan = self._ro_allocator.plan(pool, b_prompts * g)
+            plan = self._ro_allocator.plan(pool, total)
             req = plan.next()
-            chosen = torch.zeros(0, dtype=torch.long) if req is None else req.prompt_ids
-            if req is not None and (bool((req.counts != g).any()) or chosen.numel() > b_prompts):
-                raise RuntimeError(
-                    f"the allocator requested counts {req.counts.tolist()} for {chosen.numel()} prompts; the TRL "
-                    f"adapter needs at most {b_prompts} prompts with num_generations={g} rollouts each"
+            empty = torch.zeros(0, dtype=torch.long)
+            chosen, counts = (empty, empty) if req is None else (req.prompt_ids, req.counts)
+            unselected = pool[~torch.isin(pool, chosen)]
+            if self._ro_alloc_mode == "select":
+                if bool((counts != g).any()) or chosen.numel() > b_prompts:
+                    raise RuntimeError(
+                        f"the allocator requested counts {counts.tolist()} for {chosen.numel()} prompts; the TRL "
+                        f"adapter needs at most {b_prompts} prompts with num_generations={g} rollouts each"
+                    )
+                pad = unselected[: b_prompts - chosen.numel()]
+                prompt_ids = torch.cat([chosen, pad]).repeat_interleave(g)
+                padded, group, weight = int(pad.numel()), None, None
+            else:
+                rows = chosen.repeat_interleave(counts)
+                padded = total - rows.numel()
+                if padded < 0:
+                    raise RuntimeError(f"the allocator requested {rows.numel()} rollouts over a budget of {total}")
+                source = unselected if unselected.numel() else pool
+                pad = source[torch.arange(padded) % max(source.numel(), 1)] if padded else empty
+                prompt_ids = torch.cat([rows, pad])
+                group = torch.cat(
+                    [torch.arange(chosen.numel()).repeat_interleave(counts), chosen.numel() + torch.arange(padded)]
                 )
-            pad = pool[~torch.isin(pool, chosen)][: b_prompts - chosen.numel()]
-            prompt_ids = torch.cat([chosen, pad]).repeat_interleave(g)
+                weight = torch.cat([torch.ones(rows.numel()), torch.zeros(padded)])
+            self._ro_pending = (plan, req, padded, group, weight)
             b = len(inputs)
             start = self.accelerator.process_index * b
             local = prompt_ids[start : start + b].tolist()
             ds: Any = self.train_dataset
-            return [ds[i] for i in local], plan, req, int(pad.numel())
+            return [ds[i] for i in local]
 
-        def _ro_feed(self, plan: Any, req: Any, padded: int) -> None:
-            """Observe the selected prompts' rewards (TRL's gathered, weighted sum), finish the plan, update."""
+        def _ro_feed(self) -> tuple[Tensor | None, Tensor | None]:
+            """Observe the planned rollouts' rewards (TRL's gathered, weighted sum), finish the plan, update;
+            return the global group ids and allocation weights of a per-prompt-count plan (None for a selector)."""
+            plan, req, padded, group, weight = self._ro_pending
+            self._ro_pending = None
             rpf, self._ro_alloc_rewards = self._ro_alloc_rewards, None
             if rpf is None:
                 raise RuntimeError("TRL did not call _calculate_rewards; the rolloutopt adapter needs TRL 1.16")
@@ -596,21 +668,24 @@ def _trainer_class() -> type:
             result = plan.finish()
             self._ro_allocator.update(result)
             self.last_allocation = result
-            metrics = {**result.metrics, "padded_prompts": torch.tensor(float(padded))}
+            unit = "padded_prompts" if group is None else "padded_rows"
+            metrics = {**result.metrics, unit: torch.tensor(float(padded))}
             for name, value in metrics.items():
                 self._metrics["train"][f"rolloutopt/alloc/{name}"].append(float(value))
+            if weight is not None and req is not None:  # rollouts the allocator keeps out of the loss
+                weight = weight.clone()
+                weight[: req.total] = result.weight[: req.total].float()
+            return group, weight
 
         def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
             training = bool(getattr(self.model, "training", False))
-            if self._ro_allocator is None or not training:
-                return self._ro_generate(inputs)
-            inputs, plan, req, padded = self._ro_select(list(inputs))
-            out = self._ro_generate(inputs)
-            self._ro_feed(plan, req, padded)
-            return out
+            if self._ro_allocator is not None and training:
+                inputs = self._ro_select(list(inputs))
+            return self._ro_generate(inputs)
 
         def _ro_generate(self, inputs: Any) -> dict[str, Any]:
             out: dict[str, Any] = super()._generate_and_score_completions(inputs)
+            plan_group, plan_weight = (None, None) if self._ro_pending is None else self._ro_feed()
             if self._ro_advantage is None:
                 return out
             rpf, self._ro_rewards = self._ro_rewards, None
@@ -619,7 +694,8 @@ def _trainer_class() -> type:
             mode = "train" if getattr(self.model, "training", False) else "eval"
             num_generations: Any = self.num_generations if mode == "train" else self.num_generations_eval
             n = rpf.size(0)
-            group = torch.arange(n, device=rpf.device) // num_generations
+            group = torch.arange(n, device=rpf.device) // num_generations if plan_group is None else plan_group
+            group = group.to(rpf.device)
             valid = ~torch.isnan(rpf).all(dim=1)
             weights = self.reward_weights.to(rpf.device)
             kw: dict[str, Any] = {}
@@ -644,6 +720,8 @@ def _trainer_class() -> type:
             b = out["prompt_ids"].size(0)
             local = slice(self.accelerator.process_index * b, (self.accelerator.process_index + 1) * b)
             weight = res.weight.to(adv.dtype)
+            if plan_weight is not None:
+                weight = weight * plan_weight.to(weight)
             if self._ro_objective is None:
                 out["advantages"] = (adv * weight)[local].to(out["advantages"].dtype)
             else:
