@@ -163,22 +163,51 @@ class Conversation:
         self.prompt_ids = prompt_ids
         self.budget = budget
         self.spent = 0
-        self._sorted, self._order = prompt_ids.sort()
+        self._by_id: tuple[Tensor, Tensor] | None = None  # prompt_ids.sort(), made on first use
         p = prompt_ids.numel()
         self._n = torch.zeros(p, dtype=torch.long)
         self._sum = torch.zeros(p, dtype=torch.float64)
         self._sumsq = torch.zeros(p, dtype=torch.float64)
+        self._unfolded: list[tuple[Tensor, Tensor]] = []  # observed, not yet added to _sum/_sumsq (totals())
         self._pending: Request | None = None
+        self._issued: tuple[Request, Tensor] | None = None  # the last request made by request(), with its rows
+        self._known: tuple[Request, Tensor] | None = None  # the pending request with its rows, when issued so
         self._log_pos: list[Tensor] = []
         self._log_rewards: list[Tensor] = []
         self._finished = False
 
+    @property
+    def _sorted(self) -> Tensor:
+        """``prompt_ids`` sorted (made on first use)."""
+        return self._sort()[0]
+
+    @property
+    def _order(self) -> Tensor:
+        """Positions of the planned prompts by increasing id (``prompt_ids.sort().indices``, made on first use)."""
+        return self._sort()[1]
+
+    def _sort(self) -> tuple[Tensor, Tensor]:
+        if self._by_id is None:
+            values, order = self.prompt_ids.sort()
+            self._by_id = (values, order)
+        return self._by_id
+
     def positions(self, ids: Tensor) -> Tensor:
         """Positions ``0..P-1`` of ``ids`` in ``self.prompt_ids`` (every id must be planned)."""
-        pos = torch.searchsorted(self._sorted, ids).clamp(max=max(self._sorted.numel() - 1, 0))
-        if checks_enabled() and ids.numel() and not bool((self._sorted[pos] == ids).all()):
+        ordered, order = self._sort()
+        pos = torch.searchsorted(ordered, ids).clamp(max=max(ordered.numel() - 1, 0))
+        if checks_enabled() and ids.numel() and not bool((ordered[pos] == ids).all()):
             raise InputError("prompt_ids", "ids of this plan's prompts", "unknown ids", "request planned prompts only")
-        return self._order[pos]
+        return order[pos]
+
+    def request(self, rows: Tensor, counts: Tensor) -> Request:
+        """A request for the planned prompts at ``rows`` (positions into ``prompt_ids``, int64 ``[R]``, or a bool
+        mask ``[P]``) with ``counts`` ``[R]``. Same as ``Request(self.prompt_ids[rows], counts)``, except that the
+        plan remembers the positions, so :meth:`observe` needs no id lookup when :meth:`decide` returns it."""
+        pos = rows.nonzero().squeeze(1) if rows.dtype == torch.bool else rows
+        req = Request(self.prompt_ids[pos], counts)
+        self._issued = (req, pos)
+        return req
 
     # -- to implement ---------------------------------------------------------------------------------------
     def decide(self) -> Request | None:
@@ -191,7 +220,9 @@ class Conversation:
 
     def select(self) -> tuple[Tensor, Tensor]:
         """Per observed rollout weight ``[N]`` and per planned prompt reason code ``[P]`` (default: keep all)."""
-        return torch.ones(self.spent_observed), torch.zeros(self.prompt_ids.numel(), dtype=torch.long)
+        return torch.ones(self.spent_observed, dtype=torch.float64), torch.zeros(
+            self.prompt_ids.numel(), dtype=torch.long
+        )
 
     # -- what a subclass reads ------------------------------------------------------------------------------
     @property
@@ -200,11 +231,22 @@ class Conversation:
         return int(self._n.sum())
 
     def totals(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Per planned prompt ``[P]``: rollouts observed (int64), sum and sum of squares of their rewards (fp64)."""
+        """Per planned prompt ``[P]``: rollouts observed (int64), sum and sum of squares of their rewards (fp64).
+
+        The sums are folded in on demand (a plan that never asks does not pay for them), request by request in
+        observation order, so they are the same floats as if every ``observe`` had added its rewards at once."""
+        for pos, r in self._unfolded:
+            self._sum.index_add_(0, pos, r)
+            self._sumsq.index_add_(0, pos, r * r)
+        self._unfolded = []
         return self._n, self._sum, self._sumsq
 
     def rollouts(self) -> tuple[Tensor, Tensor]:
-        """Every observed rollout so far: prompt position ``[N]`` (into ``prompt_ids``) and reward ``[N]``."""
+        """Every observed rollout so far: prompt position ``[N]`` (into ``prompt_ids``) and reward ``[N]``.
+
+        Read-only: the tensors are the plan's log (concatenated once, then reused)."""
+        if len(self._log_pos) > 1:
+            self._log_pos, self._log_rewards = [torch.cat(self._log_pos)], [torch.cat(self._log_rewards)]
         return (
             _cat(self._log_pos, torch.zeros(0, dtype=torch.long)),
             _cat(self._log_rewards, torch.zeros(0, dtype=torch.float64)),
@@ -227,6 +269,8 @@ class Conversation:
         assert self.spent + req.total <= self.budget, "allocator bug: request exceeds the budget"
         self.spent += req.total
         self._pending = req
+        issued, self._issued = self._issued, None
+        self._known = issued if issued is not None and issued[0] is req else None
         return req
 
     def observe(self, request: Request, rewards: Any) -> None:
@@ -248,15 +292,22 @@ class Conversation:
                 "pass one reward per requested rollout",
             )
         r = rewards.detach().cpu().to(torch.float64)
-        if not bool(torch.isfinite(r).all()):
+        # a NaN or inf makes the sum non-finite; a finite sum proves every reward finite (one cheap reduction)
+        if not math.isfinite(float(r.sum())) and not bool(torch.isfinite(r).all()):
             raise InputError("rewards", "finite rewards", f"{describe(rewards)} with NaN or inf", "fix the scorer")
-        pos = self.positions(request.prompt_ids).repeat_interleave(request.counts)
-        self._n.index_add_(0, pos, torch.ones_like(pos))
-        self._sum.index_add_(0, pos, r)
-        self._sumsq.index_add_(0, pos, r * r)
+        known = self._known
+        rows = known[1] if known is not None and known[0] is request else self.positions(request.prompt_ids)
+        counts = request.counts
+        if rows.numel() and int(counts.min()) == int(counts.max()):  # equal groups: a broadcast copy
+            pos = rows[:, None].expand(rows.numel(), int(counts[0])).reshape(-1)
+        else:
+            pos = rows.repeat_interleave(counts)
+        self._n.index_add_(0, rows, counts)
+        self._unfolded.append((pos, r))
         self._log_pos.append(pos)
         self._log_rewards.append(r)
         self._pending = None
+        self._known = None
         self.on_observe(pos, r)
 
     def finish(self) -> AllocationResult:
@@ -269,8 +320,9 @@ class Conversation:
         pos, rewards = self.rollouts()
         weight, reasons = self.select()
         n = pos.numel()
+        kept = int((weight != 0).sum()) if n else 0
         return AllocationResult(
-            prompt_ids=self.prompt_ids[pos],
+            prompt_ids=self.prompt_ids.index_select(0, pos),
             group=pos,
             rewards=rewards,
             weight=weight.to(rewards.dtype),
@@ -281,7 +333,7 @@ class Conversation:
             metrics={
                 "rollouts": torch.tensor(float(n), dtype=torch.float64),
                 "budget_used_frac": torch.tensor(n / max(self.budget, 1), dtype=torch.float64),
-                "kept_frac": (weight != 0).double().mean() if n else torch.tensor(0.0, dtype=torch.float64),
+                "kept_frac": torch.tensor(kept / n if n else 0.0, dtype=torch.float64),
             },
         )
 
@@ -308,11 +360,11 @@ class OneShotPlan(Conversation):
         keep = self._counts > 0
         if not bool(keep.any()):
             return None
-        return Request(self.prompt_ids[keep], self._counts[keep])
+        return self.request(keep, self._counts[keep])
 
     def select(self) -> tuple[Tensor, Tensor]:
         """Every rollout kept, the reasons decided up front."""
-        return torch.ones(self.spent_observed), self._reasons
+        return torch.ones(self.spent_observed, dtype=torch.float64), self._reasons
 
 
 # -- id stores and group sizes shared by the allocators ----------------------------------------------------------

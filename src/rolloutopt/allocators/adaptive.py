@@ -148,7 +148,7 @@ class _AR3POPlan(_Tracked):
         self.stage += 1
         if not bool(self.active.any()):
             return None
-        return Request(self.prompt_ids[self.active], give[self.active])
+        return self.request(self.active, give[self.active])
 
     def select(self) -> tuple[Tensor, Tensor]:
         o = self.o
@@ -406,7 +406,7 @@ class _AEROPlan(_Tracked):
             return None
         self._sent = True
         keep = self._counts > 0
-        return Request(self.prompt_ids[keep], self._counts[keep]) if bool(keep.any()) else None
+        return self.request(keep, self._counts[keep]) if bool(keep.any()) else None
 
     def select(self) -> tuple[Tensor, Tensor]:
         o = self.o
@@ -654,7 +654,7 @@ class _V05Plan(Conversation):
         if self.round == 0:
             self.round = 1
             give = _budget_prefix(torch.full_like(self._n, o.n), self._order, self.budget)
-            return Request(self.prompt_ids[give > 0], give[give > 0]) if bool((give > 0).any()) else None
+            return self.request(give > 0, give[give > 0]) if bool((give > 0).any()) else None
         if self.round > o.rounds:
             return None
         self.round += 1
@@ -665,7 +665,7 @@ class _V05Plan(Conversation):
         give = _budget_prefix(want, self._order, self.budget - self.spent)
         self._capped |= (give < extra) & (extra > 0)
         self._got_extra |= give > 0
-        return Request(self.prompt_ids[give > 0], give[give > 0]) if bool((give > 0).any()) else None
+        return self.request(give > 0, give[give > 0]) if bool((give > 0).any()) else None
 
     def select(self) -> tuple[Tensor, Tensor]:
         reasons = torch.where(self._n == 0, 3, torch.where(self._capped, 2, torch.where(self._got_extra, 1, 0)))

@@ -145,7 +145,7 @@ class _OneShot(Conversation):
         keep = self.counts > 0
         if not bool(keep.any()):
             return None
-        return Request(self.prompt_ids[keep], self.counts[keep])
+        return self.request(keep, self.counts[keep])
 
     def select(self) -> tuple[Tensor, Tensor]:
         return torch.ones(self.spent_observed), self._reasons

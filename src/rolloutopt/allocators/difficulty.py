@@ -121,7 +121,7 @@ class _DARSPlan(Conversation):
         self.stage += 1
         if self.stage == 1:
             keep = self._first > 0
-            return Request(self.prompt_ids[keep], self._first[keep]) if bool(keep.any()) else None
+            return self.request(keep, self._first[keep]) if bool(keep.any()) else None
         if self.stage > 2:
             return None
         o = self.o
@@ -151,7 +151,7 @@ class _DARSPlan(Conversation):
             extra[cand[:left]] += 1
         self._extra = extra
         give = extra > 0
-        return Request(self.prompt_ids[give], extra[give]) if bool(give.any()) else None
+        return self.request(give, extra[give]) if bool(give.any()) else None
 
     def select(self) -> tuple[Tensor, Tensor]:
         pos, _ = self.rollouts()
@@ -354,7 +354,7 @@ class _E3Plan(Conversation):
             return None
         self._sent = True
         keep = self._counts > 0
-        return Request(self.prompt_ids[keep], self._counts[keep]) if bool(keep.any()) else None
+        return self.request(keep, self._counts[keep]) if bool(keep.any()) else None
 
     def select(self) -> tuple[Tensor, Tensor]:
         return torch.ones(self.spent_observed), self._reasons

@@ -79,7 +79,7 @@ class _DAPOPlan(Conversation):
         pos = self._queue[self._cursor : self._cursor + k]
         self._cursor += k
         self.rounds += 1
-        return Request(self.prompt_ids[pos], torch.full((k,), self._group_n, dtype=torch.long))
+        return self.request(pos, torch.full((k,), self._group_n, dtype=torch.long))
 
     def _keep(self) -> Tensor:
         # the first batch_size varied groups in sampling order (verl truncates the concatenated batch)

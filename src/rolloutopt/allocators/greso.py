@@ -127,7 +127,7 @@ class _GRESOPlan(Conversation):
         self._round_pos = take
         self.rounds += 1
         self.batch_sizes.append(int(take.numel()))
-        return Request(self.prompt_ids[take], counts)
+        return self.request(take, counts)
 
     def _kept(self) -> tuple[Tensor, Tensor]:
         rolled = self._n > 0

@@ -523,7 +523,7 @@ class _XRPOPlan(Conversation):
         self._round += 1
         if self._round == 1:
             keep = self._base_counts > 0
-            return Request(self.prompt_ids[keep], self._base_counts[keep]) if bool(keep.any()) else None
+            return self.request(keep, self._base_counts[keep]) if bool(keep.any()) else None
         remaining = self.budget - self.spent
         n = self._n
         eligible = (n > 0) & (n < cfg.n_max)
@@ -533,7 +533,7 @@ class _XRPOPlan(Conversation):
         size = cfg.round_size if cfg.round_size is not None else max(1, -(-int((n > 0).sum()) // 4))
         m = min(size, remaining, e)
         ranked = _rank(torch.where(eligible, self.priority(), -math.inf), self._order)[:m]
-        return Request(self.prompt_ids[ranked], torch.ones(m, dtype=torch.long))
+        return self.request(ranked, torch.ones(m, dtype=torch.long))
 
     def select(self) -> tuple[Tensor, Tensor]:
         n = self._n

@@ -201,7 +201,7 @@ class _VIGORPlan(_Tracked):
         self._round += 1
         if self._round == 1:
             keep = self._warm_counts > 0
-            return Request(self.prompt_ids[keep], self._warm_counts[keep]) if bool(keep.any()) else None
+            return self.request(keep, self._warm_counts[keep]) if bool(keep.any()) else None
         remaining = self.budget - self.spent
         if remaining <= 0:
             return None
@@ -230,7 +230,7 @@ class _VIGORPlan(_Tracked):
             amount = torch.zeros_like(n)
             amount[ranked[:m]] = torch.minimum(share, head[ranked[:m]])
         give = amount > 0
-        return Request(self.prompt_ids[give], amount[give])
+        return self.request(give, amount[give])
 
     def select(self) -> tuple[Tensor, Tensor]:
         n, _, var = self.group_stats()
@@ -441,9 +441,8 @@ class _PilotCommitPlan(_Tracked):
         self.state[commit] = torch.where(self.state[commit] == _CARRIED, _COMMITTED_CARRIED, _COMMITTED)
         self.state[pilot] = _PILOT
         self.committed += c
-        ids = torch.cat([self.prompt_ids[pilot], self.prompt_ids[commit]])
         counts = torch.cat([torch.full((g,), o.n_pilot), torch.full((c,), o.n_commit)]).long()
-        return Request(ids, counts)
+        return self.request(torch.cat([pilot, commit]), counts)
 
     def select(self) -> tuple[Tensor, Tensor]:
         self._classify()
