@@ -347,3 +347,15 @@ def test_quality_head_bad_input() -> None:
     state, _ = rule.step(rule.init(2, group=torch.zeros(2, dtype=torch.long)), scores=torch.tensor([0.2, 0.9]))
     state, stop = rule.step(state, scores=torch.tensor([NAN, NAN]), features=torch.full((2, 2), NAN))
     assert stop.tolist() == [True, False]
+
+
+def test_checks_off_missing_checkpoint_inputs_do_not_stop() -> None:
+    import rolloutopt
+
+    abst = Abstention(r_abs=0.3, every=1, **EXP)
+    qhp = QualityHeadPruner(dim=2, checkpoint=1, **EXP)
+    with rolloutopt.checks(False):
+        state, stop = abst.step(abst.init(2))
+        assert not stop.any() and state.extra["checks"].tolist() == [0, 0]
+        state, stop = qhp.step(qhp.init(4, group=torch.zeros(4, dtype=torch.long)))
+        assert not stop.any() and state.steps.tolist() == [1, 1, 1, 1]
