@@ -62,6 +62,7 @@ __all__ = [
     "APRILBuffer",
     "CoPRISScheduler",
     "PartialBatch",
+    "PartialScheduler",
     "Removed",
     "Requests",
     "RoundResult",
@@ -248,9 +249,13 @@ def _pad(parts: list[Tensor], width: int, value: float) -> Tensor:
     return out
 
 
-class _PartialScheduler:
-    """Shared bookkeeping of :class:`APRILBuffer` and :class:`CoPRISScheduler` (the event API, storage, batch
-    assembly, eviction, checkpointing). Subclasses decide which requests start and what a round returns."""
+class PartialScheduler:
+    """The event API shared by :class:`APRILBuffer` and :class:`CoPRISScheduler`; not used on its own.
+
+    It holds the storage, the request bookkeeping, batch assembly, eviction and checkpointing. A subclass
+    decides which requests start (:meth:`next_requests`), when the round is :attr:`done`, and what
+    :meth:`end_round` returns and keeps. Keyword arguments as documented on the subclasses.
+    """
 
     _extra_keys: ClassVar[tuple[str, ...]] = ()
 
@@ -519,7 +524,9 @@ class _PartialScheduler:
 
         Resumed rollouts come first, then fresh ones (see the subclass for the exact policy). Every returned
         request must later be reported once, with :meth:`finish` or :meth:`abort` (or left running until
-        :meth:`end_round`, which treats it as aborted with no new tokens).
+        :meth:`end_round`, which treats it as aborted with no new tokens). After the stop event (:attr:`done`)
+        the answer is empty. When it is empty while nothing is in flight and the round is not done, the
+        prompts ran out: call :meth:`end_round` (the batch then holds fewer groups than the target).
         """
         self._require_open("next_requests")
         _check_int(limit, "limit", 0, none=True)
@@ -837,7 +844,7 @@ class _PartialScheduler:
 # ------------------------------------------------------------------------------------------------- APRIL
 
 
-class APRILBuffer(_PartialScheduler):
+class APRILBuffer(PartialScheduler):
     r"""APRIL's active partial rollouts: over-provision groups, stop at the target, abort, recycle the rest.
 
     A round (``specs/rollout_control.md`` C1, from ``RLsys-Foundation/APRIL`` on slime: ``sglang_example.py``
@@ -858,7 +865,8 @@ class APRILBuffer(_PartialScheduler):
 
     .. math::  \text{off-policy fraction} = \frac{\#\{(i,t) \in \text{batch} : v_{i,t} < v\}}{\#\text{batch tokens}}
 
-    APRIL applies no importance correction; the batch still carries ``versions`` and ``behav_logp`` so that one
+    There is no paper id: the reference is the code (and its README). APRIL applies no importance correction;
+    the batch still carries ``versions`` and ``behav_logp`` so that one
     can be applied downstream (Part D).
 
     Defaults (the APRIL launch script ``run-qwen3-4B-dapo-partial.sh``): ``rollout_batch_size=32``,
@@ -1027,7 +1035,7 @@ class APRILBuffer(_PartialScheduler):
 # ------------------------------------------------------------------------------------------------ CoPRIS
 
 
-class CoPRISScheduler(_PartialScheduler):
+class CoPRISScheduler(PartialScheduler):
     r"""CoPRIS's concurrency-controlled partial rollout: a fixed pool of requests, stop at the target, requeue.
 
     A round (``specs/rollout_control.md`` C2, ``777pomingzi/CoPRIS@43ee8c7``
