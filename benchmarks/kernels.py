@@ -1,0 +1,184 @@
+"""token_logprobs + policy_loss against the naive path: peak extra memory and time of forward + backward, on CPU.
+
+The naive path is what trainers do today: full logits ``hidden @ weight.T`` ``[N, V]``, divided by the temperature
+in place, ``log_softmax``, ``gather`` of the sampled token, then ``policy_loss`` on the ``[B, T]`` log-probs and
+``backward``. The fused path is ``token_logprobs(hidden, weight, targets)`` (the chunked torch backend, the CPU
+default) followed by the same ``policy_loss`` and ``backward``. Rows marked ``+H`` also compute the entropy
+(naive: ``-Σ p log p`` over the full log-softmax) and put it in the loss (``entropy_coef=1e-3``), so its exact
+gradient runs too.
+
+Memory: every variant runs in its own fresh Python process (``subprocess``, one after the other, never in
+parallel). The child builds the inputs, runs the variant once on a tiny shape (so libraries, thread pools and
+allocator arenas exist), then records its resident set size, resets the kernel's peak-RSS counter (writing ``5``
+to ``/proc/self/clear_refs`` resets ``VmHWM``), runs forward + backward and reads ``VmHWM``. Peak extra memory =
+``VmHWM`` − the RSS before the call: every byte the call touched beyond the inputs, at its worst moment,
+including the gradients ``dh`` ``[N, d]`` and ``dW`` ``[V, d]`` that both paths must produce. RSS rather than a
+count of torch allocations, because it is what the machine runs out of; torch's CPU allocator returns large
+blocks to the OS on free (glibc ``mmap``), so RSS follows live tensors, and any allocator slack can only make a
+path look worse. The "workspace" column subtracts the fp32 ``dh`` and ``dW`` (what no implementation avoids).
+
+Time: wall time of the same forward + backward (median over ``--repeats`` calls; the first call is the memory
+one), torch's default thread count. The ratios are against the naive path measured in the same run.
+Targets (issue 8): peak extra memory independent of N and at least 8x below naive at V = 151,936; time no worse
+than 1.5x naive on CPU.
+
+Run: ``python benchmarks/kernels.py`` (about 10 minutes on an idle 2-core machine; the naive path at N = 4,096,
+V = 151,936 needs about 10 GiB); ``--quick`` divides N and V by 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from rolloutopt import losses
+from rolloutopt.kernels.token_logprobs import token_logprobs
+
+D = 1024
+T = 512  # positions per sequence: logp [N] is viewed as [N / T, T] for policy_loss
+TEMPERATURE = 0.7
+ENTROPY_COEF = 1e-3
+# (V, N, entropy): two N at each V show the peak does not grow with N
+CASES = [
+    (32_768, 8_192, False),
+    (32_768, 2_048, False),
+    (32_768, 2_048, True),
+    (151_936, 4_096, False),
+    (151_936, 1_024, False),
+]
+WIDTHS = (7, 5, 8, 9, 10, 9, 10, 11, 9)
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def _hwm_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _inputs(n: int, v: int, seed: int = 0) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    b = max(n // T, 1)
+    t = n // b
+    return {
+        "hidden": torch.randn(n, D, generator=gen).requires_grad_(),
+        "weight": (torch.randn(v, D, generator=gen) / D**0.5).requires_grad_(),
+        "targets": torch.randint(0, v, (n,), generator=gen),
+        "old_logp": -3.0 * torch.rand(b, t, generator=gen) - 0.5,
+        "advantages": torch.randn(b, generator=gen),
+        "mask": torch.arange(t)[None, :] < torch.randint(t // 4, t + 1, (b, 1), generator=gen),
+    }
+
+
+def _step(path: str, entropy: bool, x: dict[str, Any]) -> float:
+    """One forward + backward; returns the loss value. Gradients land in hidden.grad and weight.grad."""
+    x["hidden"].grad = None
+    x["weight"].grad = None
+    b, t = x["old_logp"].shape
+    if path == "naive":
+        logits = x["hidden"] @ x["weight"].t()
+        logits.div_(TEMPERATURE)
+        lp_all = torch.log_softmax(logits, -1)
+        del logits
+        logp = lp_all.gather(1, x["targets"][:, None]).squeeze(1)
+        ent = -(lp_all.exp() * lp_all).sum(-1) if entropy else None
+        del lp_all
+    else:
+        logp, ent = token_logprobs(
+            x["hidden"], x["weight"], x["targets"], temperature=TEMPERATURE, with_entropy=entropy
+        )
+    out = losses.policy_loss(
+        logp.view(b, t),
+        x["old_logp"],
+        x["advantages"],
+        x["mask"],
+        entropy=None if ent is None else ent.view(b, t),
+        entropy_coef=ENTROPY_COEF if entropy else 0.0,
+    )
+    out.loss.backward()
+    return float(out.loss)
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    """Runs in a fresh process: warm-up on a tiny shape, then the measured calls."""
+    _step(spec["path"], spec["entropy"], _inputs(64, 1024))  # load kernels, thread pools
+    x = _inputs(spec["n"], spec["v"])
+    gc.collect()
+    before = _rss_kib()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    times = []
+    t0 = time.perf_counter()
+    loss = _step(spec["path"], spec["entropy"], x)
+    times.append(time.perf_counter() - t0)
+    peak = _hwm_kib() - before
+    for _ in range(spec["repeats"] - 1):
+        t0 = time.perf_counter()
+        _step(spec["path"], spec["entropy"], x)
+        times.append(time.perf_counter() - t0)
+    grads = 4 * (x["hidden"].numel() + x["weight"].numel())  # fp32 dh + dW
+    return {"peak_mib": peak / 1024, "grads_mib": grads / 2**20, "ms": statistics.median(times) * 1e3, "loss": loss}
+
+
+def run_child(spec: dict[str, Any]) -> dict[str, Any]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def row(cells: list[str]) -> str:
+    return "| " + " | ".join(f"{c:>{w}}" for c, w in zip(cells, WIDTHS, strict=True)) + " |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="N and V divided by 8")
+    parser.add_argument("--repeats", type=int, default=1, help="timed calls per variant (median); default 1")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))), flush=True)
+        return
+    scale = 8 if args.quick else 1
+    print(
+        f"d={D}, T={TEMPERATURE}, fp32, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, repeats {args.repeats}"
+    )
+    head = ["V", "N", "path", "peak MiB", "workspace", "ms", "naive/ours", "ours/naive", "loss Δ"]
+    print(row(head))
+    print("|" + "|".join("-" * (w + 2) for w in WIDTHS) + "|")
+    for v, n, entropy in CASES:
+        v, n = v // scale, n // scale
+        res = {}
+        for path in ("naive", "fused"):
+            spec = {"path": path, "n": n, "v": v, "entropy": entropy, "repeats": args.repeats}
+            res[path] = run_child(spec)
+        base = res["naive"]
+        for path, r in res.items():
+            name = path + (" +H" if entropy else "")
+            ratios = ["—", "—", "—"]
+            if path == "fused":
+                delta = abs(r["loss"] - base["loss"]) / max(abs(base["loss"]), 1e-12)
+                ratios = [f"{base['peak_mib'] / r['peak_mib']:.1f}x", f"{r['ms'] / base['ms']:.2f}x", f"{delta:.0e}"]
+            cells = [str(v), str(n), name, f"{r['peak_mib']:.0f}", f"{r['peak_mib'] - r['grads_mib']:.0f}"]
+            print(row([*cells, f"{r['ms']:.0f}", *ratios]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
