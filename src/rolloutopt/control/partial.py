@@ -20,21 +20,21 @@ only when all ``n`` are finished. Every start of a rollout is a *request* with i
 resumed rollout gets a new one, so a late answer to an aborted request can never be mistaken for the resumed
 one). A request resumes a rollout: the engine continues ``prompt + prefix`` and may generate at most
 ``max_new_tokens`` = (max response length − tokens already generated) tokens; a request with
-``max_new_tokens = 0`` must not be sent to the engine — score the prefix and call :meth:`finish` with no
+``max_new_tokens = 0`` must not be sent to the engine — score the prefix and call ``finish`` with no
 tokens: the rollout is then TRUNCATED (APRIL's rule).
 
 Storage. Each rollout keeps its generated token ids, the engine's per-token behaviour log-probs, the policy
 version of every token (Part D: "always store per-token behaviour log-probs and a policy version") and a
-segment-wise recompute buffer (CoPRIS, :meth:`record_recompute`: only positions beyond the stored length are
-appended, the prefix is never overwritten). The batch of :meth:`end_round` carries ``versions`` ``[B, T]`` and
+segment-wise recompute buffer (CoPRIS, ``record_recompute``: only positions beyond the stored length are
+appended, the prefix is never overwritten). The batch of ``end_round`` carries ``versions`` ``[B, T]`` and
 ``behav_logp`` ``[B, T]`` (the stored recompute on its prefix, the engine's log-probs beyond it), ready for
 ``policy_loss(..., proximal=CoPRISProximal(), behav_logp=batch.behav_logp, versions=batch.versions,
 policy_version=v)`` (``specs/ratios_and_losses.md`` B9).
 
 Nothing is lost. A rollout, once created, is at every moment in exactly one place: held by the scheduler
-(:meth:`held_ids`), returned finished in one batch, or reported removed in a :class:`Removed` record
+(``held_ids``), returned finished in one batch, or reported removed in a ``Removed`` record
 (zero-variance group filtered, unfinished group discarded without partial rollouts, or evicted by the bound
-on buffered rollouts or on staleness), reasons in :data:`REMOVAL_REASONS`. Removal is always of whole groups.
+on buffered rollouts or on staleness), reasons in ``REMOVAL_REASONS``. Removal is always of whole groups.
 
 Storage is per rollout (rollouts are ragged: one tensor of token ids, log-probs, versions per rollout, on the
 CPU); there is no Python loop over tokens. Nothing is random, so there is no seed: the order of events
@@ -73,7 +73,7 @@ __all__ = [
 STATUS_NAMES: tuple[str, ...] = ("pending", "running", "partial", "completed", "truncated")
 _PENDING, _RUNNING, _PARTIAL, _COMPLETED, _TRUNCATED = range(5)
 
-#: Why a rollout was removed without being returned in a batch (index = :attr:`Removed.reason`).
+#: Why a rollout was removed without being returned in a batch (index = ``Removed.reason``).
 REMOVAL_REASONS: tuple[str, ...] = ("filtered", "discarded", "evicted_capacity", "evicted_stale")
 _FILTERED, _DISCARDED, _EVICT_CAP, _EVICT_STALE = range(4)
 
@@ -85,7 +85,7 @@ _EVICTION = ("oldest", "newest")
 
 @dataclass(frozen=True, kw_only=True)
 class Requests:
-    """Requests to start now, from :meth:`APRILBuffer.next_requests` / :meth:`CoPRISScheduler.next_requests`.
+    """Requests to start now, from ``APRILBuffer.next_requests`` / ``CoPRISScheduler.next_requests``.
 
     All ``[K]`` int64 tensors, K requests (K = 0 is an empty, valid answer).
 
@@ -129,7 +129,7 @@ class PartialBatch:
         mask: bool ``[B, T]``, True on generated tokens.
         versions: int64 ``[B, T]`` policy version that generated each token; -1 on padding.
         engine_logp: float32 ``[B, T]`` the engine's behaviour log-probs as reported; 0 on padding.
-        stored_logp: float32 ``[B, T]`` the segment-wise recompute buffer (:meth:`record_recompute`), valid on
+        stored_logp: float32 ``[B, T]`` the segment-wise recompute buffer (``record_recompute``), valid on
             the first ``stored_len`` positions, 0 elsewhere (CoPRIS pads with 0).
         stored_len: int64 ``[B]``.
         behav_logp: float32 ``[B, T]`` = ``stored_logp`` on the first ``stored_len`` positions and
@@ -159,7 +159,7 @@ class PartialBatch:
 
 @dataclass(frozen=True, kw_only=True)
 class Removed:
-    """Rollouts removed without being trained, all ``[R]`` int64; ``reason`` indexes :data:`REMOVAL_REASONS`."""
+    """Rollouts removed without being trained, all ``[R]`` int64; ``reason`` indexes ``REMOVAL_REASONS``."""
 
     rollout_ids: Tensor
     prompt_ids: Tensor
@@ -172,10 +172,10 @@ class Removed:
 
 @dataclass(frozen=True, kw_only=True)
 class RoundResult:
-    """What :meth:`end_round` returns.
+    """What ``end_round`` returns.
 
     Attributes:
-        batch: the finished groups to train on (:class:`PartialBatch`).
+        batch: the finished groups to train on (``PartialBatch``).
         removed: every rollout removed since the previous ``end_round`` (filter, discard, eviction).
         unused_prompts: int64 fresh prompt ids given to ``begin_round`` and never started (APRIL; give them
             back to the data source). Empty for CoPRIS, which queues every prompt it is given.
@@ -855,7 +855,7 @@ class APRILBuffer(PartialScheduler):
     - a group is accepted when all its ``n`` samples are finished; with ``filter_groups`` a group whose rewards
       are all equal (zero variance) is removed (``filtered``) and the in-flight count drops by one, so another
       submission may follow;
-    - at ``rollout_batch_size`` accepted groups the stop event fires (:attr:`done`): abort the rest and call
+    - at ``rollout_batch_size`` accepted groups the stop event fires (``done``): abort the rest and call
       ``end_round``; the batch is exactly those groups, sorted by creation order (slime sorts by the sample
       ``index`` it assigns when a group is created; for fresh prompts that is the order of ``prompt_ids``);
     - with ``partial_rollout`` every other submitted group (partial text, finished samples and all) goes to
@@ -1042,11 +1042,11 @@ class CoPRISScheduler(PartialScheduler):
     ``verl/experimental/agent_loop/agent_loop.py``, ``verl/trainer/ppo/ray_trainer.py``, arXiv 2511.05589):
 
     - ``begin_round`` appends the gen batch (``gen_batch_size`` prompts × ``n`` samples) to the request queue;
-    - :meth:`next_requests` returns as many requests from the queue front as keep ``pool_size`` in flight, so
+    - ``next_requests`` returns as many requests from the queue front as keep ``pool_size`` in flight, so
       each finished request is replaced by the next one (constant concurrency);
     - when all ``n`` samples of a uid (group) are finished it is *kept*, unless ``filter_groups`` is on and its
       rewards are all equal (removed, ``filtered``: its buffers cleared); at ``train_batch_size`` kept groups
-      the stop event fires (:attr:`done`);
+      the stop event fires (``done``);
     - ``end_round`` cancels what runs: the partial outputs go to the *front* of the queue (in abort-report
       order), followed by the requests never started; the batch holds the first ``train_batch_size`` kept
       groups, in the order they were kept. Groups kept beyond that (finished after the stop event) stay held
@@ -1054,7 +1054,7 @@ class CoPRISScheduler(PartialScheduler):
       next round may be done at once.
 
     Cross-stage importance sampling (loss side: ``specs/ratios_and_losses.md`` B9). After each round call
-    :meth:`record_recompute` with the trainer's recompute for :meth:`needs_recompute`; each rollout's buffer
+    ``record_recompute`` with the trainer's recompute for ``needs_recompute``; each rollout's buffer
     grows by the new suffix only,
 
     .. math::  \ell^{beh}_{i,t} = \text{recompute}^{(v_{i,t})}_{i,t},
