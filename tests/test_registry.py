@@ -115,3 +115,26 @@ def test_builtin_loss_names() -> None:
     assert rolloutopt.losses.get("dapo") is not rolloutopt.losses.get("grpo")
     with pytest.raises(InputError, match=r"cispo.*dapo"):
         rolloutopt.losses.get("nope")
+
+
+def test_builtin_allocator_names() -> None:
+    import inspect
+
+    import torch
+
+    import rolloutopt.allocators as alloc
+
+    names = alloc.names()
+    assert names == sorted(names) and len(names) == 19
+    assert alloc.get("dps") is alloc.DPS and alloc.get("uniform") is alloc.Uniform
+    for name in names:  # every registered class constructs from keywords alone (experimental ones acknowledged)
+        cls = alloc.get(name)
+        kw = {"experimental": True} if "experimental" in inspect.signature(cls).parameters else {}
+        obj = cls(**kw)
+        assert callable(obj.plan) and isinstance(obj.state_dict(), dict)
+    res = alloc.get("uniform")().plan(torch.tensor([1, 2]), 4).next()
+    assert res is not None and res.counts.tolist() == [2, 2]
+    with pytest.raises(InputError, match=r"dps.*greso"):
+        alloc.get("nope")
+    with pytest.raises(InputError, match="name"):
+        alloc.register("dps", alloc.Uniform)

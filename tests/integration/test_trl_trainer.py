@@ -657,6 +657,13 @@ def test_allocators_trl_cannot_run_are_refused() -> None:
         build(DPS(n=2), allocator_pool=1)
     with pytest.raises(InputError, match=r"^allocator_pool:"):
         build(DPS(n=2), allocator_pool=9)
+    with pytest.raises(InputError, match=r"^name:.*nope"):  # the allocator registry lists the names
+        build("nope")
+    with pytest.raises(InputError, match=r"^allocator_kwargs:"):
+        build(DPS(n=2), allocator_kwargs={"seed": 1})
+    built = build("greso", allocator_kwargs={"seed": 1})  # a selector by name: n = num_generations, no DAPO rounds
+    assert type(built._ro_allocator).__name__ == "GRESO" and built._ro_allocator.n == 2
+    assert built._ro_allocator.filter_zero_variance is False
 
 
 @pytest.mark.parametrize("n", [None, 1], ids=["uneven", "padded"])

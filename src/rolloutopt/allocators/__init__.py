@@ -7,6 +7,8 @@ checkpoint it. :class:`PromptHistory` is the shared, bounded per-prompt store.
 
 from __future__ import annotations
 
+from typing import Any
+
 from rolloutopt.allocators import (
     adaptive,
     baselines,
@@ -56,3 +58,49 @@ __all__ += difficulty.__all__
 __all__ += adaptive.__all__
 __all__ += replay.__all__
 __all__ += filters.__all__
+
+from rolloutopt.registry import Registry  # noqa: E402
+
+REGISTRY: Registry[type] = Registry("allocator")
+"""Allocator classes by name, for trainers whose configs hold strings (``get("dps")(n=8)``)."""
+
+for _name, _cls in {
+    "uniform": Uniform,  # noqa: F405
+    "dapo_dynamic_sampling": DAPODynamicSampling,  # noqa: F405
+    "vigor": VIGOR,  # noqa: F405
+    "pilot_commit": PilotCommit,  # noqa: F405
+    "prompt_gdro": PromptGDRO,  # noqa: F405
+    "rollout_gdro": RolloutGDRO,  # noqa: F405
+    "dps": DPS,  # noqa: F405
+    "greso": GRESO,  # noqa: F405
+    "coba": CoBAAllocator,  # noqa: F405
+    "knapsack": Knapsack,  # noqa: F405
+    "dars": DARS,  # noqa: F405
+    "e3": E3Budget,  # noqa: F405
+    "ar3po": AR3PO,  # noqa: F405
+    "aero": AERO,  # noqa: F405
+    "dots": DOTS,  # noqa: F405
+    "xrpo": XRPOAllocator,  # noqa: F405
+    "hive": HIVE,  # noqa: F405
+    "depo": DEPO,  # noqa: F405
+    "v05_budget": V05Budget,  # noqa: F405
+}.items():
+    REGISTRY.register(_name, _cls)
+
+
+def get(name: str) -> Any:
+    """The allocator class registered as ``name`` (an :class:`~rolloutopt.errors.InputError` lists the names)."""
+    return REGISTRY.get(name)
+
+
+def names() -> list[str]:
+    """Names of every registered allocator."""
+    return REGISTRY.names()
+
+
+def register(name: str, cls: type, *, overwrite: bool = False) -> type:
+    """Register an allocator class under ``name``; a different class under a taken name raises unless ``overwrite``."""
+    return REGISTRY.register(name, cls, overwrite=overwrite)
+
+
+__all__ += ["REGISTRY", "get", "names", "register"]

@@ -3,16 +3,17 @@
 ``rolloutopt.integrations.trl.GRPOTrainer(..., objective=rolloutopt.losses.get("m2po"),
 advantage=rolloutopt.advantages.get("mc_grpo"))`` trains with TRL's generation, rewards, reference model,
 optimizer and logging, and with rolloutopt's policy loss and advantage estimator in place of TRL's
-``loss_type`` and group normalisation; with ``allocator=`` a prompt selector (DPS, PromptGDRO, GRESO without
-dynamic sampling) chooses each generation batch's prompts. It overrides three methods of TRL's trainer
+``loss_type`` and group normalisation; with ``allocator=`` a one-round allocator chooses each generation
+batch's prompts (a selector: DPS, PromptGDRO, GRESO without dynamic sampling) and, for Uniform, Rollout-GDRO,
+CoBA, Knapsack, HIVE, DEPO and DOTS, their rollout counts. It overrides three methods of TRL's trainer
 (specs/integrations.md §2.4):
 
 - ``_calculate_rewards``: stores the rewards TRL gathered over every process, ``[N, n_funcs]``;
-- ``_generate_and_score_completions``: with an allocator, first replaces the generation batch by the prompts it
-  selects from a candidate pool of dataset indices, and afterwards feeds it TRL's gathered rewards
+- ``_generate_and_score_completions``: with an allocator, first replaces the generation batch by the rows it
+  plans over a candidate pool of dataset indices, and afterwards feeds it TRL's gathered rewards
   (``observe``/``finish``/``update``); after TRL's own, recomputes the advantages from those rewards with the
   rolloutopt estimator and TRL's prompt grouping (consecutive blocks of ``num_generations`` rows of the
-  gathered batch), and slices this process's rows;
+  gathered batch; a per-prompt-count allocator's own groups and weights), and slices this process's rows;
 - ``_compute_loss``: the per-token log-probs from TRL's ``_get_per_token_logps_and_entropies``, then the
   objective on TRL's tensors, with TRL's denominators (:func:`trl_denominators`).
 
@@ -227,6 +228,22 @@ def _allocator_mode(allocator: Any) -> str:
     )
 
 
+def _build_allocator(name: str, kwargs: dict[str, Any] | None, num_generations: Any) -> Any:
+    """``rolloutopt.allocators.get(name)(**kwargs)``; a prompt selector defaults to ``n=num_generations`` (and
+    GRESO to ``filter_zero_variance=False``), the settings TRL can run."""
+    import rolloutopt.allocators as _alloc
+
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise _fail("allocator_kwargs", "a dict of keyword arguments", kwargs, "pass e.g. {'seed': 0}")
+    cls = _alloc.get(name)
+    kw = dict(kwargs or {})
+    if cls in (_alloc.DPS, _alloc.GRESO, _alloc.PromptGDRO):
+        kw.setdefault("n", num_generations)
+    if cls is _alloc.GRESO:
+        kw.setdefault("filter_zero_variance", False)
+    return cls(**kw)
+
+
 def _check_allocator(allocator: Any, num_generations: Any, pool: Any, advantage: Any) -> str:
     """Validate ``allocator`` for TRL and return its mode (see :func:`_allocator_mode`)."""
     from rolloutopt.allocators import DOTS, GRESO
@@ -309,11 +326,22 @@ def _trainer_class() -> type:
                 plain callable is assumed to aggregate with ``token-mean``). None keeps TRL's ``loss_type`` loss.
             advantage: an estimator from :mod:`rolloutopt.advantages` (or its name) taking ``(rewards, group)``
                 plus keywords (bind others with ``functools.partial``), or None for TRL's group normalisation.
-            allocator: None, or a prompt *selector* (:class:`~rolloutopt.allocators.DPS`,
-                :class:`~rolloutopt.allocators.PromptGDRO`, :class:`~rolloutopt.allocators.GRESO` with
-                ``filter_zero_variance=False``) with ``n = num_generations``: each generation batch it chooses the
-                prompts from a candidate pool and learns from their rewards (see :meth:`_ro_select`). Allocators
-                that give prompts unequal counts or sample in several rounds are refused.
+            allocator: None, an allocator, or its registered name. Each generation batch it plans over a
+                candidate pool of dataset indices, TRL generates what it requested (one generation round), and it
+                learns from TRL's rewards (see :meth:`_ro_select`). A prompt *selector*
+                (:class:`~rolloutopt.allocators.DPS`, :class:`~rolloutopt.allocators.PromptGDRO`,
+                :class:`~rolloutopt.allocators.GRESO` with ``filter_zero_variance=False``; ``n = num_generations``)
+                chooses the prompts; a *per-prompt-count* allocator (:class:`~rolloutopt.allocators.Uniform`,
+                :class:`~rolloutopt.allocators.RolloutGDRO`, :class:`~rolloutopt.allocators.CoBAAllocator`,
+                :class:`~rolloutopt.allocators.Knapsack`, :class:`~rolloutopt.allocators.HIVE`,
+                :class:`~rolloutopt.allocators.DEPO`, :class:`~rolloutopt.allocators.DOTS` with ``replay=False``)
+                also chooses how many rollouts each prompt gets, within the fixed generation batch (fixed-size
+                presentation: its rows, then weight-0 padding rows; advantages over its groups, so ``advantage``
+                is required). Allocators that sample in several rounds are refused.
+            allocator_kwargs: keyword arguments when ``allocator`` is a registered name
+                (:func:`rolloutopt.allocators.names`), e.g. ``allocator="dps", allocator_kwargs={"seed": 0}``; a
+                prompt selector named this way defaults to ``n=num_generations`` (GRESO also to
+                ``filter_zero_variance=False``).
             allocator_pool: candidates offered to the allocator per generation batch: None (default) the whole
                 training dataset, else that many dataset indices (>= prompts per generation batch), drawn without
                 replacement with a generator seeded by ``args.seed`` (identical on every process).
@@ -343,6 +371,7 @@ def _trainer_class() -> type:
             advantage: Any = None,
             allocator: Any = None,
             allocator_pool: int | None = None,
+            allocator_kwargs: dict[str, Any] | None = None,
             use_fused: bool = False,
             experimental: bool = False,
             **kwargs: Any,
@@ -380,6 +409,12 @@ def _trainer_class() -> type:
             self._ro_rewards: Tensor | None = None
             self._ro_pending: Any = None  # (plan, request, padded, group ids, weights) until the rewards arrive
             self._ro_alloc_rewards: Tensor | None = None
+            if isinstance(allocator, str):
+                allocator = _build_allocator(allocator, allocator_kwargs, config.num_generations)
+            elif allocator_kwargs is not None:
+                raise _fail(
+                    "allocator_kwargs", "None unless allocator is a name", allocator_kwargs, "pass one or the other"
+                )
             self._ro_allocator = allocator
             self._ro_pool = allocator_pool
             self._ro_alloc_mode = "none"
