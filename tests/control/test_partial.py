@@ -536,7 +536,7 @@ def test_bad_request_ids(kind: str) -> None:
     with pytest.raises(InputError, match="request_id"):
         s.finish(99, *seg(1), reward=0.0)  # unknown
     with pytest.raises(InputError, match="request_id"):
-        s.finish(True, *seg(1), reward=0.0)  # type: ignore[arg-type]
+        s.finish(True, *seg(1), reward=0.0)
     s.finish(int(r.request_ids[0]), *seg(1), reward=0.0)
     with pytest.raises(InputError, match="request_id"):
         s.finish(int(r.request_ids[0]), *seg(1), reward=0.0)  # double finish

@@ -98,7 +98,7 @@ class Requests:
         max_new_tokens: the most tokens the engine may generate: max response length − ``prefix`` length; 0
             means "do not generate: score the prefix and ``finish`` with no tokens" (TRUNCATED).
         prefix: the tokens already generated, one int64 tensor per request (empty for a fresh rollout); the
-            engine continues ``prompt + prefix``.
+            engine continues ``prompt + prefix``. Read-only: these are the stored tensors, not copies.
     """
 
     request_ids: Tensor
