@@ -295,6 +295,36 @@ def test_other_presets_run() -> None:
     assert {"tis", "icepop", "m2po", "copris", "echo_clip", "dppo_predictive"} <= set(refused)
 
 
+@pytest.mark.parametrize("preset", ["dapo", "gspo"])
+def test_use_fused_equals_trl_log_probs(preset: str) -> None:
+    """``use_fused=True`` (rolloutopt.kernels.token_logprobs from the last hidden state and lm_head, temperature
+    0.7) trains like TRL's own fused LM head: same logged losses, gradient norms and entropies, off-policy, with
+    the entropy bonus (so the entropy's gradient counts). ``bf16=False``: GRPOConfig's default bf16 autocast runs
+    TRL's head in bf16, while the kernel runs outside autocast in the weight's dtype (fp32 here), a bf16-sized
+    difference (~1e-3) that would hide real errors."""
+    args = {**OFF_POLICY, "temperature": 0.7, "entropy_coef": 0.01, "bf16": False}
+    if preset == "dapo":
+        args["epsilon_high"] = 0.28
+    plain = step_logs(train(GRPOTrainer, args=config(**args), objective=preset))
+    fused = step_logs(train(GRPOTrainer, args=config(**args), objective=preset, use_fused=True))
+    assert len(plain) == len(fused) == 3
+    for p, f in zip(plain, fused, strict=True):
+        assert_close(f["loss"], p["loss"], rtol=1e-4, atol=1e-6)
+        assert_close(f["grad_norm"], p["grad_norm"], rtol=1e-4, atol=1e-6)
+        assert_close(f["rolloutopt/entropy"], p["rolloutopt/entropy"], rtol=1e-5, atol=1e-6)
+    assert any(abs(p["loss"]) > 1e-4 for p in plain)
+
+
+def test_use_fused_refuses_rescaled_heads() -> None:
+    net = model()
+    net.config.final_logit_softcapping = 30.0
+    with pytest.raises(InputError, match=r"^use_fused:.*final_logit_softcapping"):
+        GRPOTrainer(
+            model=net, reward_funcs=reward, args=config(), processing_class=tokenizer(), objective="dapo",
+            train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}), use_fused=True,
+        )  # fmt: skip
+
+
 def test_experimental_preset_needs_acknowledgement() -> None:
     with pytest.raises(InputError, match="experimental"):
         GRPOTrainer(model=model(), reward_funcs=reward, args=config(), objective="pnpo")
@@ -417,7 +447,8 @@ def test_two_processes_equal_stock_trl(tmp_path: Any) -> None:
     ("kwargs", "overrides", "argument"),
     [
         ({"allocator": object()}, {}, "allocator"),
-        ({"use_fused": True}, {}, "use_fused"),
+        ({"use_fused": "yes"}, {}, "use_fused"),
+        ({"use_fused": True, "objective": None}, {}, "use_fused"),
         ({}, {"loss_type": "cispo"}, "loss_type"),
         ({}, {"loss_type": "grpo"}, "loss_type"),  # dapo's token-mean is not grpo's normalisation
         ({}, {"importance_sampling_level": "sequence"}, "importance_sampling_level"),

@@ -345,7 +345,11 @@ def _trainer_class() -> type:
             allocator_pool: candidates offered to the allocator per generation batch: None (default) the whole
                 training dataset, else that many dataset indices (>= prompts per generation batch), drawn without
                 replacement with a generator seeded by ``args.seed`` (identical on every process).
-            use_fused: must be False (fused log-prob kernels are not available yet).
+            use_fused: compute the per-token log-probs and entropies with
+                :func:`rolloutopt.kernels.token_logprobs` (Triton on CUDA, chunked torch elsewhere) from the
+                model's last hidden states and LM-head weight instead of TRL's fused LM head (:meth:`_ro_fused_logps`);
+                for causal LMs whose logits are ``lm_head(h)`` (no bias, rescaling or softcapping), text only, no
+                PEFT. Needs ``objective`` (TRL's own loss keeps TRL's head).
             experimental: acknowledge an experimental preset or estimator (passed as ``experimental=True``).
 
         Raises:
@@ -376,12 +380,12 @@ def _trainer_class() -> type:
             experimental: bool = False,
             **kwargs: Any,
         ) -> None:
-            if use_fused is not False:
+            if not isinstance(use_fused, bool):
+                raise _fail("use_fused", "a bool", use_fused, "pass use_fused=True or False")
+            self._ro_fused = use_fused
+            if use_fused and objective is None:
                 raise _fail(
-                    "use_fused",
-                    "False: fused log-prob kernels are not available in the TRL adapter yet",
-                    use_fused,
-                    "pass use_fused=False (TRL's own chunked log-probs are used)",
+                    "use_fused", "an objective= (TRL's own loss keeps TRL's LM head)", use_fused, "pass objective="
                 )
             if not isinstance(experimental, bool):
                 raise _fail("experimental", "a bool", experimental, "pass experimental=True or False")
@@ -423,6 +427,8 @@ def _trainer_class() -> type:
                     allocator, config.num_generations, allocator_pool, self._ro_advantage
                 )
             super().__init__(*args, **kwargs)
+            if self._ro_fused:
+                self._ro_check_fused()
             if allocator is not None:
                 self._ro_init_allocator()
 
@@ -788,7 +794,10 @@ def _trainer_class() -> type:
             logits_to_keep = completion_ids.size(1)
             mask_int = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
             mask = mask_int.bool()
-            logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+            per_token = self._ro_fused_logps if self._ro_fused else self._get_per_token_logps_and_entropies
+            entropies: Tensor
+            aux_loss: Any
+            logps, entropies, aux_loss = per_token(
                 model,
                 input_ids,
                 attention_mask,
@@ -854,6 +863,82 @@ def _trainer_class() -> type:
                 metrics["aux_loss"] = aux_loss.detach()
             self._log_rolloutopt(mode, metrics)
             return loss
+
+        def _ro_check_fused(self) -> None:
+            """``use_fused=True`` needs a plain causal LM head: ``lm_head(h) / temperature``, nothing else."""
+            net: Any = self.accelerator.unwrap_model(self.model)
+            if getattr(net, "peft_config", None) is not None:
+                raise _fail("use_fused", "a model without PEFT wrappers", "a PEFT model", "pass use_fused=False")
+            cfg = net.config.get_text_config()
+            head = net.get_output_embeddings()
+            rescaling = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier")
+            scaled = [a for a in (*rescaling, "logits_scaling") if getattr(cfg, a, None) not in (None, 1.0)]
+            problem = None
+            if head is None or not isinstance(head, torch.nn.Linear):
+                problem = f"an output embedding of type {type(head).__name__}"
+            elif head.bias is not None:
+                problem = "an LM head with a bias"
+            elif scaled:
+                problem = f"a model that rescales its logits ({', '.join(scaled)})"
+            elif cfg is not net.config:
+                problem = "a vision-language model"
+            elif getattr(self.args, "cast_lm_head_to_fp32", False):
+                problem = "cast_lm_head_to_fp32=True"
+            if problem is not None:
+                raise _fail(
+                    "use_fused",
+                    "a causal LM whose logits are lm_head(h) (a bias-free nn.Linear, no rescaling or softcapping)",
+                    problem,
+                    "pass use_fused=False (TRL's own fused LM head handles it)",
+                )
+
+        def _ro_fused_logps(
+            self,
+            model: Any,
+            input_ids: Tensor,
+            attention_mask: Tensor,
+            logits_to_keep: int,
+            compute_entropy: bool = True,
+            compute_aux_loss: bool = False,
+            **mm: Any,
+        ) -> tuple[Tensor, Tensor, Tensor | None]:
+            """Per-token log-probs and entropies through :func:`rolloutopt.kernels.token_logprobs`.
+
+            The model runs its plain forward (through the DDP wrapper, so gradients synchronise) with
+            ``output_hidden_states=True`` and ``logits_to_keep=1`` (one position's logits, unused); the last
+            hidden states of the positions that predict the completion tokens and the LM-head weight go to the
+            kernel, which never materialises the ``[B, T, V]`` logits, divides by ``temperature`` as TRL does, and
+            returns the entropy with an exact gradient. The backbone runs under the trainer's autocast; the head
+            runs outside it, in the LM-head weight's dtype with fp32 accumulation (under bf16 autocast TRL's own
+            head multiplies in bf16, so the two differ by bf16 rounding, ~1e-3).
+            """
+            from rolloutopt.kernels.token_logprobs import token_logprobs
+
+            if any(v is not None for v in mm.values()):
+                raise _fail("use_fused", "text-only inputs", "multimodal inputs", "pass use_fused=False")
+            kwargs: dict[str, Any] = {"output_router_logits": True} if compute_aux_loss else {}
+            with self.accelerator.autocast():
+                out = model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    output_hidden_states=True,
+                    logits_to_keep=1,
+                    **kwargs,
+                )
+            hidden = out.hidden_states[-1][:, -logits_to_keep - 1 : -1, :]
+            weight = self.accelerator.unwrap_model(model).get_output_embeddings().weight
+            targets = input_ids[:, -logits_to_keep:]
+            b, t = targets.shape
+            logp, ent = token_logprobs(
+                hidden.reshape(b * t, -1).to(weight.dtype),
+                weight,
+                targets.reshape(-1),
+                temperature=float(self.temperature),
+                with_entropy=True,  # the entropy metric and bonus need it (compute_entropy is always True here)
+            )
+            if ent is None:
+                raise RuntimeError("token_logprobs returned no entropy")
+            return logp.view(b, t), ent.view(b, t), (out.aux_loss if compute_aux_loss else None)
 
         def _log_rolloutopt(self, mode: str, metrics: dict[str, Tensor]) -> None:
             """Append the metrics to TRL's ``_metrics[mode]`` (one gather for all of them: mean, or max for ``*_max``)."""
