@@ -282,18 +282,28 @@ def test_layouts_strided_flat_and_3d_agree(backend: str) -> None:
     )  # fmt: skip
     torch.testing.assert_close(flat1d.loss, ref.loss)
     assert flat1d.per_token.shape == (12,)
-    # In place into the strided view: the gradient lands in the view, the extra position keeps its values.
-    leaf = base.clone().requires_grad_()
-    extra = leaf.detach()[:, 4].clone()
-    out = fused_policy_loss(leaf[:, :4], d["targets"], *args, inplace=True, **kw)
-    out.loss.backward()
-    assert leaf.grad is not None
     x = d["logits"].clone().requires_grad_()
     fused_policy_loss(x, d["targets"], *args, inplace=False, **kw).loss.backward()
     assert x.grad is not None
-    torch.testing.assert_close(leaf.grad[:, :4], x.grad)
-    assert (leaf.grad[:, 4] == 0).all()
-    torch.testing.assert_close(leaf.detach()[:, 4], extra)
+    # A strided view, gradient allocated (its layout differs from the view's) and written in place.
+    for inplace in (False, True):
+        leaf = base.clone().requires_grad_()
+        extra = leaf.detach()[:, 4].clone()
+        fused_policy_loss(leaf[:, :4], d["targets"], *args, inplace=inplace, **kw).loss.backward()
+        assert leaf.grad is not None
+        torch.testing.assert_close(leaf.grad[:, :4], x.grad)
+        assert (leaf.grad[:, 4] == 0).all()
+        if not inplace:
+            torch.testing.assert_close(leaf.detach()[:, 4], extra)
+    # [B, T+1, V] with [B, T] targets: the last position is skipped, its gradient is 0, and in place the leaf's
+    # gradient is the buffer itself (no full-size zero buffer from a slice backward).
+    full = base.clone().requires_grad_()
+    out = fused_policy_loss(full, d["targets"], *args, inplace=True, **kw)
+    torch.testing.assert_close(out.loss, ref.loss)
+    out.loss.backward()
+    assert full.grad is not None and full.grad.data_ptr() == full.data_ptr()
+    torch.testing.assert_close(full.grad[:, :4], x.grad)
+    assert (full.grad[:, 4] == 0).all()
 
 
 @pytest.mark.skipif(__import__("importlib.util").util.find_spec("triton") is None, reason="triton not installed")
@@ -441,7 +451,8 @@ def test_bad_configuration(kw: dict[str, Any], arg: str) -> None:
         (lambda d: d.update(logits=d["logits"].long()), "logits"),
         (lambda d: d.update(logits=d["logits"][0, 0]), "logits"),
         (lambda d: d.update(targets=d["targets"].float()), "targets"),
-        (lambda d: d.update(targets=d["targets"][:, :1]), "targets"),
+        (lambda d: d.update(targets=d["targets"][:1]), "targets"),
+        (lambda d: d.update(targets=d["targets"].reshape(4)), "targets"),
         (lambda d: d["targets"].__setitem__((0, 0), 10), "targets"),
         (lambda d: d["targets"].__setitem__((0, 0), -1), "targets"),
         (lambda d: d.update(old_logp=d["old_logp"][:, :1]), "old_logp"),

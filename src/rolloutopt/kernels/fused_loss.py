@@ -238,21 +238,22 @@ def _resolve(preset: str | Preset | None, overrides: dict[str, Any], given: dict
 # ------------------------------------------------------------------------------------------------ torch backend
 
 
-def _row_chunks(x: Tensor) -> Iterator[tuple[int, int, Tensor]]:
-    """``(start, stop, rows [stop - start, V])`` over the rows of ``x [B, T, V]`` in chunks of bounded size."""
+def _row_chunks(x: Tensor, *others: Tensor) -> Iterator[tuple[int, int, tuple[Tensor, ...]]]:
+    """``(start, stop, (rows of x, rows of each other))`` over the token rows of ``x [B, T, V]``, in chunks of
+    bounded size; ``others`` have x's shape (any layout) and are cut at the same rows."""
     b_, t_, v_ = x.shape
     step = max(1, _TORCH_CHUNK_ELEMS // max(v_, 1))
     try:
-        flat = x.view(b_ * t_, v_)
+        flat = [t.view(b_ * t_, v_) for t in (x, *others)]
     except RuntimeError:  # a strided view that cannot be flattened: chunk inside each sequence
         for b in range(b_):
             for s in range(0, t_, step):
                 e = min(s + step, t_)
-                yield b * t_ + s, b * t_ + e, x[b, s:e]
+                yield b * t_ + s, b * t_ + e, tuple(t[b, s:e] for t in (x, *others))
         return
     for s in range(0, b_ * t_, step):
         e = min(s + step, b_ * t_)
-        yield s, e, flat[s:e]
+        yield s, e, tuple(f[s:e] for f in flat)
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
@@ -264,7 +265,7 @@ def _torch_stats(x: Tensor, tgt: Tensor, m: Tensor, inv_t: float) -> tuple[Tenso
     n = tgt.numel()
     dt = _acc_dtype(x)
     logp, ent, mx, logl = (torch.zeros(n, dtype=dt, device=x.device) for _ in range(4))
-    for s, e, rows in _row_chunks(x):
+    for s, e, (rows,) in _row_chunks(x):
         xr = rows.to(dt)
         rmx = xr.amax(-1, keepdim=True)
         safe = torch.where(torch.isfinite(rmx), rmx, torch.zeros_like(rmx))
@@ -297,7 +298,7 @@ def _torch_backward(
     """Write ``d loss / d logits`` into ``out`` (``x`` itself when in place), chunk by chunk."""
     dt = _acc_dtype(x)
     eu_all = logl - ent  # E_p[u] per row, u = (x - max) / T
-    for (s, e, rows), (_, _, orows) in zip(_row_chunks(x), _row_chunks(out), strict=True):
+    for s, e, (rows, orows) in _row_chunks(x, out):
         mk = m[s:e, None]
         u = (rows.to(dt) - mx[s:e, None]) * inv_t
         p = torch.exp(u - logl[s:e, None])
@@ -458,11 +459,13 @@ class _FusedPolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, inp: _Inputs, plan: _Plan, inv_t: float, backend: str, inplace: bool
+        ctx: Any, full: Tensor, t_len: int, inp: _Inputs, plan: _Plan, inv_t: float, backend: str, inplace: bool
     ) -> tuple[Tensor, ...]:
+        # full: [B, T, V], or [B, T + 1, V] whose last position is not a token (no copy, zero gradient there)
+        x = full[:, :t_len]
         total, logp, ent, coef, pg, klv, weight, flags, mx, logl = _forward(x, inp, plan, inv_t, backend)
-        ctx.save_for_backward(x, coef, ent, mx, logl)
-        ctx.inp, ctx.plan, ctx.inv_t, ctx.backend, ctx.inplace = inp, plan, inv_t, backend, inplace
+        ctx.save_for_backward(full, coef, ent, mx, logl)
+        ctx.t_len, ctx.inp, ctx.plan, ctx.inv_t, ctx.backend, ctx.inplace = t_len, inp, plan, inv_t, backend, inplace
         ctx.mark_non_differentiable(pg, klv, weight, flags)
         return total, logp, ent, pg, klv, weight, flags
 
@@ -474,11 +477,14 @@ class _FusedPolicyLoss(torch.autograd.Function):
         g_total = g_total.to(coef.dtype)
         gl = (g_total * coef + g_logp.to(coef.dtype)).contiguous()
         gh = (g_ent.to(coef.dtype) - ctx.plan.entropy_coef * g_total).contiguous()
-        x = x.detach()  # shares storage and version counter with the logits
-        out = x if ctx.inplace else torch.empty_like(x)
+        full = x.detach()  # shares storage and version counter with the logits
+        out_full = full if ctx.inplace else torch.empty_like(full)
         if ctx.inplace:
             # The storage now holds dlogits: any other autograd node that saved these logits must fail loudly.
-            torch.autograd.graph.increment_version(x)
+            torch.autograd.graph.increment_version(full)
+        x, out = full[:, : ctx.t_len], out_full[:, : ctx.t_len]
+        if full.shape[1] > ctx.t_len:
+            out_full[:, ctx.t_len :].zero_()
         if ctx.backend == "triton":
             from rolloutopt.kernels import _fused_loss_triton
 
@@ -486,14 +492,14 @@ class _FusedPolicyLoss(torch.autograd.Function):
         else:
             with torch.no_grad():
                 _torch_backward(x, out, inp.tgt, inp.mask, gl, gh, mx, logl, ent, ctx.inv_t)
-        return out, None, None, None, None, None
+        return out_full, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------ public API
 
 
-def _logits3(logits: Any, targets: Any) -> tuple[Tensor, Tensor, bool]:
-    """``(logits [B, T, V], targets [B, T] int64, flat)``; ``flat`` when the per-token inputs are 1-D ``[N]``."""
+def _logits3(logits: Any, targets: Any) -> tuple[Tensor, Tensor, bool, int]:
+    """``(logits [B, T(+1), V], targets [B, T] int64, flat, T)``; ``flat`` when the per-token inputs are ``[N]``."""
     if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.ndim not in (2, 3):
         raise InputError(
             "logits",
@@ -517,16 +523,20 @@ def _logits3(logits: Any, targets: Any) -> tuple[Tensor, Tensor, bool]:
     if x.stride(-1) != 1:
         x = x.contiguous()  # the kernels need unit stride along V (then the backward writes into this copy)
     if x.ndim == 3:
-        if tuple(targets.shape) != tuple(x.shape[:2]):
+        b_, tx = x.shape[:2]
+        if targets.ndim != 2 or targets.shape[0] != b_ or targets.shape[1] not in (tx, tx - 1):
             raise InputError(
-                "targets", f"shape [B, T] = {list(x.shape[:2])} (from logits)", describe(targets), "fix the shapes"
+                "targets",
+                f"shape [B, T] = {[b_, tx]} (from logits [B, T, V]) or [B, T - 1] (logits with one extra position)",
+                describe(targets),
+                "fix the shapes",
             )
-        return x, targets.long(), False
+        return x, targets.long(), False, int(targets.shape[1])
     n = x.shape[0]
     if targets.ndim == 1 and targets.shape[0] == n:
-        return x.view(1, n, v), targets.long().view(1, n), True
+        return x.view(1, n, v), targets.long().view(1, n), True, n
     if targets.ndim == 2 and targets.shape[0] * targets.shape[1] == n:
-        return x.view(targets.shape[0], targets.shape[1], v), targets.long(), False
+        return x.view(targets.shape[0], targets.shape[1], v), targets.long(), False, int(targets.shape[1])
     raise InputError(
         "targets", f"shape [N] or [B, T] with B·T = N = {n} (from logits [N, V])", describe(targets), "fix the shapes"
     )
@@ -596,7 +606,10 @@ def fused_policy_loss(
 
     Args:
         logits: ``[B, T, V]`` or ``[B·T, V]`` (bf16, fp16, fp32, fp64; any strides with unit stride along V, e.g.
-            ``x[:, :-1]``). Arithmetic is fp32 (fp64 for fp64 logits on the torch backend).
+            ``x[:, :-1]``), or ``[B, T + 1, V]`` — the model's output with the position after the last response
+            token still attached: that position is skipped (no copy) and gets a zero gradient, which also spares
+            autograd the full-size zero buffer a ``[:, :-1]`` slice costs in the backward. Arithmetic is fp32
+            (fp64 for fp64 logits on the torch backend).
         targets: sampled token ids ``[B, T]`` (or ``[N]`` with ``[N, V]`` logits: one sequence of N tokens), in
             ``[0, V)`` at masked-in positions; masked-out positions may hold anything (e.g. -100).
         old_logp: proximal log-probs ``[B, T]``, or None for on-policy (ratio 1).
@@ -656,9 +669,9 @@ def fused_policy_loss(
         raise InputError("temperature", "a finite number > 0", describe(temperature), "pass e.g. temperature=1.0")
     if not isinstance(inplace, bool):
         raise InputError("inplace", "a bool", describe(inplace), "pass True or False")
-    x, tgt, flat = _logits3(logits, targets)
+    x, tgt, flat, t_ = _logits3(logits, targets)
     be = resolve_backend(backend, x.device)
-    b_, t_, v_ = x.shape
+    b_, v_ = x.shape[0], x.shape[2]
 
     def tok(value: Any, name: str) -> Any:
         if flat and isinstance(value, Tensor) and value.ndim == 1:
@@ -719,7 +732,7 @@ def fused_policy_loss(
         isw=isw,
     )
     inv_t = 1.0 / float(temperature)
-    total, logp, ent, pg, klv, weight, flags = _FusedPolicyLoss.apply(x, inp, plan, inv_t, be, inplace)  # type: ignore[no-untyped-call]
+    total, logp, ent, pg, klv, weight, flags = _FusedPolicyLoss.apply(x, t_, inp, plan, inv_t, be, inplace)  # type: ignore[no-untyped-call]
     if checks_enabled():
         finite(logp.detach(), "logits", inp.mask)  # a masked-in row of NaN or all -inf logits
         finite(ent.detach(), "logits", inp.mask)
