@@ -338,7 +338,7 @@ def bench_logits_shape(run: Run, end: float, b: int, t: int, v: int) -> None:
                 ms, _ = run.measure(
                     lambda: fused_policy_loss(x, tgt, inp["old"], inp["adv"], inp["mask"], preset="dapo",
                                               temperature=TEMP, backend=run.backend),
-                    lambda: None, end,
+                    reset, end,
                 )  # fmt: skip
             cols = {"ms": f"{ms:.2f}"}
             if run.hbm is not None:

@@ -33,11 +33,18 @@ from rolloutopt.kernels._backend import interpreting
 F_CLIP, F_CLIP_LOW, F_CLIP_HIGH, F_DUAL, F_REMOVED = 1, 2, 4, 8, 16
 
 
-def block_v(v: int) -> int:
-    """Vocabulary block: 4096 on GPU; under the interpreter as large as the row (cost scales with iterations)."""
+def block_v(v: int, gpu_block: int) -> int:
+    """Vocabulary block: ``gpu_block`` on GPU; under the interpreter as large as the row (up to 32,768), since its
+    cost scales with loop iterations, not elements."""
     if interpreting():
         return min(triton.next_power_of_2(v), 32768)
-    return min(triton.next_power_of_2(v), 4096)
+    return min(triton.next_power_of_2(v), gpu_block)
+
+
+# GPU launch configuration, not tuned on hardware yet (no GPU run so far); close to Liger's grpo_loss, which
+# measured ~75% of H200 bandwidth with 2,048-wide forward blocks and 4,096-wide backward blocks (PR #672).
+FWD_BLOCK, FWD_WARPS = 2048, 4
+BWD_BLOCK, BWD_WARPS = 4096, 8
 
 
 @triton.jit
@@ -47,6 +54,13 @@ def row_offset(row, T_len, stride_b, stride_t):
     b = r // T_len
     t = r - b * T_len
     return b * stride_b + t * stride_t
+
+
+@triton.jit
+def row_offset_probe(OUT, first_row, T_len, stride_b, stride_t):
+    """Test helper: ``OUT[i] = row_offset(first_row + i, ...)`` (checks the int64 arithmetic without 2^31 elements)."""
+    i = tl.program_id(0)
+    tl.store(OUT + i, row_offset(first_row + i, T_len, stride_b, stride_t))
 
 
 @triton.jit
@@ -108,10 +122,10 @@ def _fused_fwd(
         safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)  # a block of -inf only: keep the arithmetic finite
         shift = tl.where(l_sum > 0.0, (mx - safe_m) * inv_t, 0.0)  # nothing accumulated yet: no rescaling
         alpha = tl.exp(shift)
-        u = (x - safe_m) * inv_t
-        e = tl.exp(u)
-        eu = tl.where(e > 0.0, e * u, 0.0)  # e = 0 for -inf logits and the masked tail: 0, not 0 * -inf
-        s_sum = tl.where(l_sum > 0.0, alpha * (s_sum + l_sum * shift), 0.0) + tl.sum(eu, 0)
+        valid = x > float("-inf")  # -inf logits and the masked tail have e = 0: no 0 * -inf
+        u = tl.where(valid, (x - safe_m) * inv_t, 0.0)
+        e = tl.where(valid, tl.exp(u), 0.0)
+        s_sum = tl.where(l_sum > 0.0, alpha * (s_sum + l_sum * shift), 0.0) + tl.sum(e * u, 0)
         l_sum = l_sum * alpha + tl.sum(e, 0)
         mx = new_m
     logl = tl.log(l_sum)
@@ -304,7 +318,7 @@ def forward(x: torch.Tensor, inp: Any, plan: Any, inv_t: float) -> tuple[torch.T
         MIS_ONE=mis is not None and mis.in_band == "one",
         HAS_ISW=isw is not None, KL_KIND=plan.kl_kind, KL_ST=plan.kl_straight_through,
         KL_CLAMP=kl is not None and kl.clamp,
-        BLOCK_V=block_v(v_), num_warps=8,
+        BLOCK_V=block_v(v_, FWD_BLOCK), num_warps=FWD_WARPS,
     )  # fmt: skip
     return total, logp, ent, coef, pg, klv, wgt, flags, mx, logl
 
@@ -330,5 +344,5 @@ def backward(
         x, x.stride(0), x.stride(1), out, out.stride(0), out.stride(1), t_, v_,
         inp.tgt, inp.mask.to(torch.int8), gl.to(torch.float32).contiguous(), gh.to(torch.float32).contiguous(),
         mx, logl, ent, inv_t,
-        BLOCK_V=block_v(v_), num_warps=8,
+        BLOCK_V=block_v(v_, BWD_BLOCK), num_warps=BWD_WARPS,
     )  # fmt: skip
