@@ -842,3 +842,62 @@ def test_gradcheck_through_the_adapter(preset: str) -> None:
         return loss  # type: ignore[no-any-return]
 
     assert torch.autograd.gradcheck(loss_of, (logp.clone().requires_grad_(True),), eps=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# verl's fused-kernel path (use_fused_kernels=True, impl_backend=torch) through rolloutopt.kernels.token_logprobs
+
+
+def test_use_token_logprobs_routes_verls_fused_path() -> None:
+    """verl's patched LlamaForCausalLM forward (``patch_forward_with_backends``, the function verl's FSDP engine
+    applies for ``use_fused_kernels``) builds ``FusedLinearForPPO`` per call: after :func:`use_token_logprobs`
+    that is rolloutopt's kernel, with the same log-probs, entropies and gradients as verl's own; undone by
+    ``use_token_logprobs(False)``."""
+    transformers = pytest.importorskip("transformers")
+    tf = pytest.importorskip("verl.utils.experimental.torch_functional")
+    from verl.models.transformers.monkey_patch import patch_forward_with_backends
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
+    ids = torch.randint(0, 64, (3, 7))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), temperature=0.7, return_dict=True)
+        loss = (out.log_probs * torch.linspace(-1, 1, 7)).sum() + 0.3 * out.entropy.sum()
+        grads = torch.autograd.grad(loss, [p for p in model.parameters()])
+        return out.log_probs.detach(), out.entropy.detach(), list(grads)
+
+    original = tf.FusedLinearForPPO
+    want = run()
+    try:
+        verl_plugin.use_token_logprobs()
+        assert tf.FusedLinearForPPO is not original and issubclass(tf.FusedLinearForPPO, original)
+        got = run()
+    finally:
+        verl_plugin.use_token_logprobs(False)
+    assert tf.FusedLinearForPPO is original
+    assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    for g, w in zip(got[2], want[2], strict=True):
+        assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_fused_env_applies_the_route_in_a_fresh_process() -> None:
+    code = textwrap.dedent(
+        """
+        import verl  # the verl.plugins entry point registers rolloutopt, reading ROLLOUTOPT_VERL_FUSED
+        from verl.utils.experimental import torch_functional as tf
+        print("ROUTED", tf.FusedLinearForPPO.__name__)
+        """
+    )
+    env = {**os.environ, "ROLLOUTOPT_VERL_FUSED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ROUTED RolloutOptFusedLinearForPPO" in proc.stdout

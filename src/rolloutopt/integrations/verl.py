@@ -24,11 +24,13 @@ extra estimator hyper-parameters under ``+algorithm.rolloutopt.<estimator>.<keyw
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import inspect
 import logging
 import math
+import os
 import sys
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -48,12 +50,14 @@ from rolloutopt.losses import Denominators, Preset, policy_loss
 from rolloutopt.ratios import CISPO, DPPO, OPSM, SAPO, GSPORatio, M2POClip, M2POMask, PPOClip
 
 __all__ = [
+    "FUSED_ENV",
     "PREFIX",
     "RolloutOptPolicyLossConfig",  # noqa: F822 - defined on first access (module __getattr__), it subclasses verl
     "make_advantage_fn",
     "make_policy_loss_fn",
     "policy_loss_kwargs",
     "register",
+    "use_token_logprobs",
     "verl_metrics",
 ]
 
@@ -613,7 +617,63 @@ def register() -> list[str]:
     return done
 
 
+FUSED_ENV = "ROLLOUTOPT_VERL_FUSED"
+"""Set to ``1`` (in every process, e.g. through Ray's ``runtime_env``) to route verl's fused kernels through
+:func:`rolloutopt.kernels.token_logprobs` when the plug-in registers (see :func:`use_token_logprobs`)."""
+
+
+@functools.cache
+def _fused_class(original: Any) -> type:
+    """A subclass of verl's ``FusedLinearForPPO`` whose ``"torch"`` backend is :func:`token_logprobs`."""
+
+    class RolloutOptFusedLinearForPPO(original):  # type: ignore[misc]
+        """verl's ``FusedLinearForPPO`` with the ``"torch"`` backend computed by rolloutopt's ``token_logprobs``
+        (Triton on CUDA, chunked torch elsewhere; recomputing backward; exact entropy gradient). ``"liger"`` is
+        verl's own."""
+
+        def forward(
+            self, hidden_states: Tensor, vocab_weights: Tensor, input_ids: Tensor, temperature: float = 1.0
+        ) -> tuple[Tensor, Tensor]:
+            if self.impl_backend != "torch":
+                return original.forward(self, hidden_states, vocab_weights, input_ids, temperature)  # type: ignore[no-any-return]
+            from rolloutopt.kernels.token_logprobs import token_logprobs
+
+            shape = input_ids.shape
+            logp, entropy = token_logprobs(
+                hidden_states.reshape(-1, hidden_states.shape[-1]).to(vocab_weights.dtype),
+                vocab_weights,
+                input_ids.reshape(-1).long(),
+                temperature=float(temperature),
+            )
+            if entropy is None:
+                raise RuntimeError("token_logprobs returned no entropy")
+            return logp.reshape(shape), entropy.reshape(shape)
+
+    return RolloutOptFusedLinearForPPO
+
+
+def use_token_logprobs(enable: bool = True) -> None:
+    """Route verl's fused log-prob path through :func:`rolloutopt.kernels.token_logprobs` (or back).
+
+    verl computes log-probs and entropies from hidden states when ``actor_rollout_ref.model.use_fused_kernels=True``
+    with ``fused_kernel_options.impl_backend=torch``: its patched model forwards build
+    ``verl.utils.experimental.torch_functional.FusedLinearForPPO`` at every call. This replaces that class by a
+    subclass whose ``"torch"`` backend is rolloutopt's kernel (same signature, same outputs), so verl's actor,
+    losses and configs are unchanged. Per process: set :data:`FUSED_ENV` ``=1`` so that the plug-in does it in
+    verl's Ray workers too. Imports verl.
+    """
+    tf: Any = importlib.import_module("verl.utils.experimental.torch_functional")
+    original = getattr(tf, "_rolloutopt_original_fused", tf.FusedLinearForPPO)
+    tf._rolloutopt_original_fused = original
+    tf.FusedLinearForPPO = _fused_class(original) if enable else original
+
+
 def _register_logged() -> None:
+    if os.environ.get(FUSED_ENV, "0") not in ("", "0"):
+        try:
+            use_token_logprobs()
+        except Exception:
+            logger.exception("rolloutopt: routing verl's fused kernels through token_logprobs failed")
     try:
         register()
     except Exception:
