@@ -161,7 +161,14 @@ def _resolve(obj: griffe.Object, target: str) -> str:
     for scope in scopes:
         try:
             base = scope.resolve(head)
-        except (NameError, AttributeError, ValueError, KeyError, griffe.AliasResolutionError):
+        except (
+            NameError,
+            AttributeError,
+            ValueError,
+            KeyError,
+            griffe.AliasResolutionError,
+            griffe.NameResolutionError,
+        ):
             continue
         return base + target[len(head) :]
     return target

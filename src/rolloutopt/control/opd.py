@@ -409,7 +409,7 @@ class StableOPD:
         kl_decay: multiplier decay on a quiet step, in (0, 1] [reconstructed; default 1: the raised coefficient
             stays].
         kl_max: cap on the cumulative multiplier [reconstructed; default 16].
-        mix_ratio: fraction of the batch mixed in on a trip, in [0, 1] [reconstructed; default 0.25].
+        mix_ratio: fraction of the batch mixed in on a trip, in [0, 1] (reconstructed; default 0.25).
         tau_rep: repetition threshold, or None (default) to only report the score.
         ngram: n of the repetition score (default 4, the spec's example).
         experimental: must be True.
