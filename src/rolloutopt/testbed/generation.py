@@ -213,14 +213,15 @@ class GenerationSimulator:
             ``min_length``: :math:`\ell_{min} \ge 2` (default 16).
         fail_frac: the range of :math:`u` (default (0.05, 0.4)); ``answer_frac``: the range of :math:`v`
             (default (0.4, 0.9)).
-        gap_ok, gap_failed: :math:`\gamma` before and after the failure point (defaults 1.5 and 0.6);
-            ``gap_row_std``: :math:`\sigma_\gamma`, per-row spread (default 0.2).
+        gap_ok, gap_failed: :math:`\gamma` before and after the failure point (defaults 2.0 and 1.0);
+            ``gap_row_std``: :math:`\sigma_\gamma`, per-row spread (default 0.4: some healthy
+            rows are as flat as degraded ones).
         eos_id: the EOS id (default 0); ``marker_ids``: transition-marker ids (default (1,));
             ``answer_ids``: answer-marker ids (default (2,)). The three must be disjoint.
         marker_rate, marker_rate_failed, marker_rate_checking: per-token marker probabilities (defaults 0.005,
             0.02, 0.02).
-        overlap_ok, overlap_failed: teacher top-k overlap probabilities (defaults 0.8 and 0.3).
-        value_noise: :math:`\sigma_v` (default 0.15).
+        overlap_ok, overlap_failed: teacher top-k overlap probabilities (defaults 0.8 and 0.5).
+        value_noise: :math:`\sigma_v` (default 0.25).
         confidence_solved, confidence_unsolved, confidence_std: :math:`c` and :math:`\sigma_c` of the probe
             confidence logit (defaults 3.0, -1.0, 1.0).
 
@@ -243,9 +244,9 @@ class GenerationSimulator:
         min_length: int = 16,
         fail_frac: tuple[float, float] = (0.05, 0.4),
         answer_frac: tuple[float, float] = (0.4, 0.9),
-        gap_ok: float = 1.5,
-        gap_failed: float = 0.6,
-        gap_row_std: float = 0.2,
+        gap_ok: float = 2.0,
+        gap_failed: float = 1.0,
+        gap_row_std: float = 0.4,
         eos_id: int = 0,
         marker_ids: Sequence[int] = (1,),
         answer_ids: Sequence[int] = (2,),
@@ -253,8 +254,8 @@ class GenerationSimulator:
         marker_rate_failed: float = 0.02,
         marker_rate_checking: float = 0.02,
         overlap_ok: float = 0.8,
-        overlap_failed: float = 0.3,
-        value_noise: float = 0.15,
+        overlap_failed: float = 0.5,
+        value_noise: float = 0.25,
         confidence_solved: float = 3.0,
         confidence_unsolved: float = -1.0,
         confidence_std: float = 1.0,
