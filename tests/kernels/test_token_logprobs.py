@@ -258,9 +258,31 @@ def test_triton_large_logits_strided_inputs_and_no_entropy() -> None:
             assert tri[1] is None
 
 
+@pytest.mark.parametrize("v", [151_936, 256_000])
+def test_real_vocabulary_sizes(v: int) -> None:
+    """Qwen's 151,936 and Gemma's 256,000 entries (Megatron #2206 saw fp32 trouble past 250k): both backends
+    against the float64 reference, targets at both ends of the vocabulary."""
+    if v == 256_000:
+        pytest.importorskip("triton")
+    hidden, weight, targets = make(4, 16, v, seed=v)
+    targets[:2] = torch.tensor([0, v - 1])
+    want = ref_value_and_grads(hidden, weight, targets, 0.9)
+    kw = {"chunk_vocab": v}  # one split / one backward chunk: the interpreter pays per program and per tile
+    backends = ("torch", "triton") if v == 256_000 else ("torch",)  # keep the interpreter to the larger one
+    for backend in backends:
+        got = value_and_grads(token_logprobs, hidden, weight, targets, 0.9, backend=backend, **kw)
+        for g, w in zip(got, want, strict=True):
+            close(g, w, rtol=2e-5, atol=2e-5 * max(float(w.abs().max()), 1.0))
+
+
 def test_triton_int64_offsets() -> None:
-    """Row offsets are formed in int64: rows near 20,000 times a 151,936 stride pass 2**31 without wrapping."""
+    """Offsets are formed in int64: the kernels' pattern ``idx.to(tl.int64) * stride`` does not wrap for rows near
+    20,000 times a 151,936 stride (> 2**31), and every ``* stride_*`` / ``* N`` in the kernels' source multiplies
+    such an int64 value."""
     pytest.importorskip("triton")
+    import inspect
+    import re
+
     from rolloutopt.kernels import _token_logprobs_triton as tk
 
     out = torch.zeros(16, dtype=torch.int64)
@@ -269,6 +291,11 @@ def test_triton_int64_offsets() -> None:
     want = (torch.arange(16, dtype=torch.int64) + start) * stride
     assert int(want.max()) > 2**31
     assert torch.equal(out, want)
+
+    source = inspect.getsource(tk)
+    products = re.findall(r"(\w+)(?:\[[^\]]*\])?\)?\s*\*\s*(stride_\w+|N)\b", source)
+    assert len(products) >= 10
+    assert all(name.endswith("64") for name, _ in products), products
 
 
 def test_triton_rejects_float64_and_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,8 +12,10 @@ Two kernels, both computing logits tiles with ``tl.dot`` over ``d`` and never st
 Interpreter rules (spec §5.3): every load is cast to fp32 before elementwise math; under ``TRITON_INTERPRET=1``
 the ``tl.dot`` operands are upcast to fp32 (the interpreter multiplies raw bf16 bits); no libdevice; no autotune
 (one fixed config per mode); launches are wrapped in ``torch.compiler.disable``. Row and column offsets are
-int64 (:func:`_offsets`), so ``N * V`` and ``V * d`` beyond 2**31 index correctly. ``-inf`` is the max
-identity, and the first block and masked tail columns are guarded so no ``0 * inf`` NaN appears.
+int64 (every ``x * stride`` multiplies an int64 ``x64``; a test checks the source), so ``N * V`` and ``V * d``
+beyond 2**31 index correctly. ``-inf`` is the max identity, and the first block and masked tail columns are
+guarded so no ``0 * inf`` NaN appears. The kernels call no ``triton.jit`` device functions: under the
+interpreter each such call re-patches ``triton.language`` (~30 ms), once per tile.
 """
 
 from __future__ import annotations
@@ -31,56 +33,11 @@ __all__ = ["forward", "grad_tile"]
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _offsets(idx: Any, stride: Any) -> Any:
-    """``idx * stride`` in int64 (row offsets beyond 2**31 elements must not wrap)."""
-    return idx.to(tl.int64) * stride
-
-
-@triton.jit  # type: ignore[untyped-decorator]
 def _offsets_probe(out_ptr: Any, start: Any, stride: Any, BLOCK: tl.constexpr) -> None:
-    """Test helper: writes ``_offsets(start + arange(BLOCK), stride)`` (checks the int64 arithmetic)."""
+    """Test helper: the kernels' offset pattern ``idx.to(tl.int64) * stride`` on ``start + arange(BLOCK)``."""
     idx = start + tl.arange(0, BLOCK)
-    tl.store(out_ptr + tl.arange(0, BLOCK), _offsets(idx, stride))
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def _logits_tile(
-    h_ptr: Any,
-    w_ptr: Any,
-    rows: Any,
-    cols: Any,
-    row_ok: Any,
-    col_ok: Any,
-    D: Any,
-    stride_hn: Any,
-    stride_hd: Any,
-    stride_wv: Any,
-    stride_wd: Any,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    UPCAST: tl.constexpr,
-    IEEE: tl.constexpr,
-) -> Any:
-    """fp32 ``[BM, BN]`` tile of ``h[rows] @ W[cols]ᵀ``."""
-    h_off = _offsets(rows, stride_hn)
-    w_off = _offsets(cols, stride_wv)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, D, BK):
-        ks = k0 + tl.arange(0, BK)
-        k_ok = ks < D
-        ks64 = ks.to(tl.int64)
-        hb = tl.load(
-            h_ptr + h_off[:, None] + ks64[None, :] * stride_hd, mask=row_ok[:, None] & k_ok[None, :], other=0.0
-        )
-        wb = tl.load(
-            w_ptr + w_off[None, :] + ks64[:, None] * stride_wd, mask=k_ok[:, None] & col_ok[None, :], other=0.0
-        )
-        if UPCAST:
-            hb = hb.to(tl.float32)
-            wb = wb.to(tl.float32)
-        acc = tl.dot(hb, wb, acc, input_precision="ieee") if IEEE else tl.dot(hb, wb, acc)
-    return acc
+    idx64 = idx.to(tl.int64)
+    tl.store(out_ptr + tl.arange(0, BLOCK), idx64 * stride)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -113,20 +70,35 @@ def _fwd_kernel(
     rows = pid_m * BM + tl.arange(0, BM)
     row_ok = rows < N
     tgt = tl.load(t_ptr + rows, mask=row_ok, other=-1)
+    rows64 = rows.to(tl.int64)
+    h_off = rows64 * stride_hn
     m = tl.full((BM,), float("-inf"), dtype=tl.float32)
-    s = tl.zeros((BM,), dtype=tl.float32)
-    a = tl.zeros((BM,), dtype=tl.float32)
-    zy = tl.zeros((BM,), dtype=tl.float32)
+    s = tl.full((BM,), 0.0, dtype=tl.float32)
+    a = tl.full((BM,), 0.0, dtype=tl.float32)
+    zy = tl.full((BM,), 0.0, dtype=tl.float32)
     v_start = pid_s * SPLIT
     v_end = tl.minimum(v_start + SPLIT, V)
     for v0 in range(v_start, v_end, BN):
         cols = v0 + tl.arange(0, BN)
         col_ok = cols < v_end
-        z = _logits_tile(
-            h_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_hn, stride_hd, stride_wv, stride_wd,
-            BM, BN, BK, UPCAST, IEEE,
-        )  # fmt: skip
-        z = tl.where(col_ok[None, :], z * inv_t, float("-inf"))
+        cols64 = cols.to(tl.int64)
+        w_off = cols64 * stride_wv
+        acc = tl.full((BM, BN), 0.0, dtype=tl.float32)
+        for k0 in range(0, D, BK):
+            ks = k0 + tl.arange(0, BK)
+            k_ok = ks < D
+            ks64 = ks.to(tl.int64)
+            hb = tl.load(
+                h_ptr + h_off[:, None] + ks64[None, :] * stride_hd, mask=row_ok[:, None] & k_ok[None, :], other=0.0
+            )
+            wb = tl.load(
+                w_ptr + w_off[None, :] + ks64[:, None] * stride_wd, mask=k_ok[:, None] & col_ok[None, :], other=0.0
+            )
+            if UPCAST:  # the interpreter multiplies bf16 dot operands as raw bits (spec §5.2)
+                hb = hb.to(tl.float32)
+                wb = wb.to(tl.float32)
+            acc = tl.dot(hb, wb, acc, input_precision="ieee") if IEEE else tl.dot(hb, wb, acc)
+        z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
         zy += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
         m_new = tl.maximum(m, tl.max(z, axis=1))
         alpha = tl.exp(m - m_new)  # 0 on the first block (m = -inf, m_new finite)
@@ -137,7 +109,8 @@ def _fwd_kernel(
             a = alpha * (a + shift) + tl.sum(e * tl.where(col_ok[None, :], zc, 0.0), axis=1)
         s = alpha * s + tl.sum(e, axis=1)
         m = m_new
-    out = _offsets(pid_s, N) + rows
+    split64 = pid_s.to(tl.int64)
+    out = split64 * N + rows
     tl.store(m_ptr + out, m, mask=row_ok)
     tl.store(s_ptr + out, s, mask=row_ok)
     tl.store(a_ptr + out, a, mask=row_ok)
@@ -176,14 +149,30 @@ def _grad_tile_kernel(
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     row_ok = rows < N
     col_ok = cols < V
-    z = _logits_tile(
-        h_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_hn, stride_hd, stride_wv, stride_wd,
-        BM, BN, BK, UPCAST, IEEE,
-    )  # fmt: skip
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
+    h_off = rows64 * stride_hn
+    w_off = cols64 * stride_wv
+    acc = tl.full((BM, BN), 0.0, dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_ok = ks < D
+        ks64 = ks.to(tl.int64)
+        hb = tl.load(
+            h_ptr + h_off[:, None] + ks64[None, :] * stride_hd, mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        wb = tl.load(
+            w_ptr + w_off[None, :] + ks64[:, None] * stride_wd, mask=k_ok[:, None] & col_ok[None, :], other=0.0
+        )
+        if UPCAST:  # the interpreter multiplies bf16 dot operands as raw bits (spec §5.2)
+            hb = hb.to(tl.float32)
+            wb = wb.to(tl.float32)
+        acc = tl.dot(hb, wb, acc, input_precision="ieee") if IEEE else tl.dot(hb, wb, acc)
+    z = acc
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     logp = z * inv_t - lse[:, None]
     p = tl.exp(logp)
-    g = tl.zeros((BM, BN), dtype=tl.float32)
+    g = tl.full((BM, BN), 0.0, dtype=tl.float32)
     if HAS_GH:
         ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
         gh = tl.load(gh_ptr + rows, mask=row_ok, other=0.0)
@@ -194,14 +183,20 @@ def _grad_tile_kernel(
         onehot = tl.where(cols[None, :] == tgt[:, None], 1.0, 0.0)
         g += gl[:, None] * (onehot - p)
     g = g * inv_t
-    out = _offsets(rows, stride_gn)[:, None] + cols[None, :]
+    out = (rows64 * stride_gn)[:, None] + cols64[None, :]
     tl.store(g_ptr + out, g, mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _config(dtype: torch.dtype) -> dict[str, Any]:
+def _config(dtype: torch.dtype, n: int, vocab: int) -> dict[str, Any]:
     """One fixed config per mode (no autotune: the interpreter cannot run multi-config autotune, §5.2)."""
-    if interpreting():  # big blocks: the interpreter's cost is programs × loop iterations (§5.2)
-        return {"BM": 32, "BN": 256, "BK": 64, "UPCAST": True, "IEEE": False}
+    if interpreting():  # the interpreter's cost is programs × loop iterations × elements (§5.2): fit the blocks
+        return {
+            "BM": 16 if n <= 16 else 32,
+            "BN": 256 if vocab <= 8192 else 16384,
+            "BK": 64,
+            "UPCAST": True,
+            "IEEE": False,
+        }
     half = dtype in (torch.float16, torch.bfloat16)
     return {"BM": 128, "BN": 128, "BK": 64 if half else 32, "UPCAST": False, "IEEE": not half, "num_warps": 8}
 
@@ -213,7 +208,7 @@ def forward(
     """``(lse, logp, entropy)`` fp32 ``[N]``; ``entropy`` is empty when ``with_entropy`` is False."""
     n, d = hidden.shape
     vocab = weight.shape[0]
-    cfg = _config(hidden.dtype)
+    cfg = _config(hidden.dtype, n, vocab)
     targets = targets.contiguous()  # 1-D vectors are indexed as contiguous in the kernels
     split = triton.cdiv(min(cv, vocab), cfg["BN"]) * cfg["BN"]
     n_split = triton.cdiv(vocab, split)
@@ -253,7 +248,7 @@ def grad_tile(
     """fp32 ``[rows, cols]`` logit-gradient tile for ``hidden_c`` × ``weight_v`` (the fp32 copies are unused)."""
     n, d = hidden_c.shape
     vocab = weight_v.shape[0]
-    cfg = _config(hidden_c.dtype)
+    cfg = _config(hidden_c.dtype, n, vocab)
     g = torch.empty((n, vocab), dtype=torch.float32, device=hidden_c.device)
     if n == 0:
         return g

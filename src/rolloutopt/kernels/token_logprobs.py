@@ -293,12 +293,12 @@ def _forward_torch(
                 s[c0:c1] *= alpha
             z.sub_(m_new[:, None])
             e = torch.exp(z)
-            if with_entropy:
-                a[c0:c1] += torch.einsum("ij,ij->i", e, z)
             if v0 == 0:
                 s[c0:c1] = e.sum(1)
             else:
                 s[c0:c1] += e.sum(1)
+            if with_entropy:  # in place, no third tile; a BLAS dot (einsum) loses ~1e-4 over 150k terms
+                a[c0:c1] += z.mul_(e).sum(1)
             m[c0:c1] = m_new
             del z, e
     return _finish(m, s, a, zy, with_entropy)
