@@ -16,6 +16,7 @@ accounting, assembling the result); an allocator's plan subclasses it and decide
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -102,9 +103,30 @@ def as_prompt_ids(prompt_ids: Any, name: str = "prompt_ids") -> Tensor:
     if prompt_ids.ndim != 1:
         raise InputError(name, "a 1-d tensor [P]", describe(prompt_ids), f"flatten {name}")
     ids = prompt_ids.long().cpu()
-    if checks_enabled() and torch.unique(ids).numel() != ids.numel():
-        raise InputError(name, "distinct prompt ids", f"{describe(prompt_ids)} with repeats", "deduplicate the prompts")
+    if checks_enabled() and ids.numel() > 1:
+        ordered = _sort_ids(ids)[0]
+        if bool((ordered[1:] == ordered[:-1]).any()):
+            raise InputError(
+                name, "distinct prompt ids", f"{describe(prompt_ids)} with repeats", "deduplicate the prompts"
+            )
     return ids
+
+
+_last_sort: tuple[weakref.ref[Tensor], int, Tensor, Tensor] | None = None
+
+
+def _sort_ids(ids: Tensor) -> tuple[Tensor, Tensor]:
+    """``ids.sort()`` (values, indices), remembered for the last tensor sorted: validating a plan's prompt ids,
+    looking them up in a sorted table and the conversation's id order all need the same sort. The memo is keyed
+    by the tensor's identity and its in-place version counter, so a modified or new tensor is sorted afresh.
+    The returned tensors are shared: read them, never modify them in place."""
+    global _last_sort
+    memo = _last_sort
+    if memo is not None and memo[0]() is ids and memo[1] == ids._version:
+        return memo[2], memo[3]
+    values, order = ids.sort()
+    _last_sort = (weakref.ref(ids), ids._version, values, order)
+    return values, order
 
 
 # -- hyper-parameter checks shared by the allocators --------------------------------------------------------------
@@ -188,8 +210,7 @@ class Conversation:
 
     def _sort(self) -> tuple[Tensor, Tensor]:
         if self._by_id is None:
-            values, order = self.prompt_ids.sort()
-            self._by_id = (values, order)
+            self._by_id = _sort_ids(self.prompt_ids)
         return self._by_id
 
     def positions(self, ids: Tensor) -> Tensor:
@@ -320,7 +341,7 @@ class Conversation:
         pos, rewards = self.rollouts()
         weight, reasons = self.select()
         n = pos.numel()
-        kept = int((weight != 0).sum()) if n else 0
+        kept = int(torch.count_nonzero(weight)) if n else 0
         return AllocationResult(
             prompt_ids=self.prompt_ids.index_select(0, pos),
             group=pos,
@@ -425,7 +446,7 @@ def _locate(sorted_ids: Tensor, query: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     position of ``query[order[i]]`` (junk where ``found[i]`` is False). Sorted queries walk the table in order,
     about twice as fast as random ones, and the positions come out increasing, so that the gathers and scatters
     that follow are sequential too."""
-    q, order = query.sort()
+    q, order = _sort_ids(query)
     k = sorted_ids.numel()
     if k == 0:
         return torch.zeros_like(q), torch.zeros(q.shape, dtype=torch.bool), order
@@ -436,11 +457,7 @@ def _locate(sorted_ids: Tensor, query: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def _lookup(sorted_ids: Tensor, query: Tensor) -> tuple[Tensor, Tensor]:
     """Positions of ``query`` in ``sorted_ids`` and whether each is there (positions of absent ids are junk)."""
     pos_s, found_s, order = _locate(sorted_ids, query)
-    pos = torch.empty_like(pos_s)
-    pos[order] = pos_s
-    found = torch.empty_like(found_s)
-    found[order] = found_s
-    return pos, found
+    return torch.empty_like(pos_s).scatter_(0, order, pos_s), torch.empty_like(found_s).scatter_(0, order, found_s)
 
 
 def _insert(

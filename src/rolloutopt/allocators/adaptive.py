@@ -31,6 +31,7 @@ from rolloutopt.allocators._base import (
     _int,
     _lookup,
     _real,
+    _sort_ids,
     as_prompt_ids,
     check_budget,
 )
@@ -63,17 +64,44 @@ def _budget_prefix(want: Tensor, by_id: Tensor, remaining: int) -> Tensor:
     return give
 
 
+def _stable_argsort(x: Tensor) -> Tensor:
+    """``torch.sort(x, stable=True).indices`` of a float64 ``x``; when every value is ``>= 0`` (no NaN) by the
+    int64 bit patterns, which order non-negative doubles as the values do (``+ 0.0`` turns ``-0.0`` into
+    ``0.0``) and sort several times faster."""
+    if x.dtype == torch.float64 and x.numel() and bool((x >= 0).all()):
+        return torch.sort((x + 0.0).view(torch.int64), stable=True).indices
+    return torch.sort(x, stable=True).indices
+
+
 def _within_rank(seg: Tensor, key: Tensor) -> Tensor:
-    """Rank ``0, 1, ...`` of each element within its segment ``seg`` when ordered by ``key`` (vectorised)."""
-    order = torch.sort(key, stable=True).indices
-    order = order[torch.sort(seg[order], stable=True).indices]
-    s = seg[order]
+    """Rank ``0, 1, ...`` of each element within its segment ``seg`` when ordered by ``key``, ties by position:
+    the lexicographic order by ``(seg, key, position)``.
+
+    For non-negative segments and keys in ``[0, 1)`` (seeded uniforms) one stable int64 sort of
+    ``seg * 2**b + floor(key * 2**b)`` (``b`` bits of key below the segment's bits; exact: a power-of-two scale)
+    gives that order unless two keys of one segment agree in their first ``b`` bits without being equal, which
+    is checked (then, as otherwise, two stable sorts: by key, then by segment)."""
+    n = seg.numel()
+    order: Tensor | None = None
+    if n and key.dtype == torch.float64 and seg.dtype == torch.long and int(seg.min()) >= 0:
+        bits = 62 - max(int(seg.max()), 1).bit_length()
+        if bits >= 32 and bool(((key >= 0) & (key < 1)).all()):
+            comp = (seg << bits) | (key * float(2**bits)).long()
+            ordered, order = torch.sort(comp, stable=True)
+            same = ordered[1:] == ordered[:-1]
+            if bool(same.any()):
+                ks = key[order]
+                if bool((ks[1:] != ks[:-1])[same].any()):
+                    order = None
+    if order is None:
+        order = torch.sort(key, stable=True).indices
+        order = order[torch.sort(seg[order], stable=True).indices]
+    s = seg.index_select(0, order)
     first = torch.ones_like(s, dtype=torch.bool)
     first[1:] = s[1:] != s[:-1]
-    ar = torch.arange(s.numel())
-    rank = torch.empty_like(ar)
-    rank[order] = ar - torch.cummax(torch.where(first, ar, 0), 0).values
-    return rank
+    starts = first.nonzero().squeeze(1)
+    within = torch.arange(n) - starts.index_select(0, torch.cumsum(first, 0) - 1)
+    return torch.empty_like(within).scatter_(0, order, within)
 
 
 def _check_state(state: Any, keys: set[str], owner: str) -> dict[str, Any]:
@@ -121,6 +149,7 @@ _AR_NAMES = ("solved", "all_correct", "unsolved_reused", "unsolved_dropped", "cu
 
 class _AR3POPlan(_Tracked):
     reason_names = _AR_NAMES
+    track_extremes = False  # only successes are read
 
     def __init__(self, prompt_ids: Tensor, budget: int, owner: AR3PO) -> None:
         super().__init__(prompt_ids, budget)
@@ -393,6 +422,7 @@ _AE_NAMES = ("allocated", "rejected_surplus", "flat_dropped", "partial", "skippe
 
 class _AEROPlan(_Tracked):
     reason_names = _AE_NAMES
+    track_extremes = False  # only successes are read
 
     def __init__(self, prompt_ids: Tensor, budget: int, owner: AERO, counts: Tensor, reasons: Tensor) -> None:
         super().__init__(prompt_ids, budget)
@@ -414,23 +444,27 @@ class _AEROPlan(_Tracked):
         n, c = self._n, self._succ.long()
         m = torch.minimum(c, n - c)  # minority size per prompt
         flat = (n > 0) & (m == 0)
-        weight = torch.ones(pos.numel(), dtype=torch.float64)
+        if o.drop_flat:  # weight 0 for a flat group's rollouts (and, below, for the rejected ones)
+            weight = (~flat).to(torch.float64).index_select(0, pos)
+        else:
+            weight = torch.ones(pos.numel(), dtype=torch.float64)
         rejected = torch.zeros_like(flat)
         if o.reject_ratio is not None and pos.numel():
-            ok = r >= o.success
-            major_is_ok = 2 * c > n
-            tie = 2 * c == n
-            major = torch.where(major_is_ok[pos], ok, ~ok) & ~tie[pos] & ~flat[pos]
+            # per prompt, the majority outcome: 1 success, 0 failure, 2 none (a tie or a flat group); a rollout is
+            # of the majority iff its outcome equals its prompt's code
+            code = torch.where((2 * c == n) | flat, 2, (2 * c > n).long()).to(torch.int8)
+            major = code.index_select(0, pos) == (r >= o.success).to(torch.int8)
             limit = torch.maximum(torch.ceil(o.reject_ratio * m.double()).long(), o.n_min - m)
             idx = major.nonzero().squeeze(1)
             if idx.numel():
                 key = torch.rand(idx.numel(), generator=o._gen, dtype=torch.float64)
-                rank = _within_rank(pos[idx], key)
-                out = idx[rank >= limit[pos[idx]]]
-                weight[out] = 0.0
-                rejected[pos[out]] = True
-        if o.drop_flat:
-            weight[flat[pos]] = 0.0
+                seg = pos.index_select(0, idx)
+                # only a prompt with more majority rollouts than its limit loses some: rank within those alone
+                sel = (torch.maximum(c, n - c) > limit).index_select(0, seg).nonzero().squeeze(1)
+                idx, key, seg = idx.index_select(0, sel), key.index_select(0, sel), seg.index_select(0, sel)
+                cut = (_within_rank(seg, key) >= limit.index_select(0, seg)).nonzero().squeeze(1)
+                weight.index_fill_(0, idx.index_select(0, cut), 0.0)
+                rejected.index_fill_(0, seg.index_select(0, cut), True)
         reasons = torch.where(
             self._plan_reasons >= 4,
             self._plan_reasons,
@@ -535,14 +569,12 @@ class AERO:
                 torch.full((ids.numel(),), self.prior[1], dtype=torch.float64),
             )
         pos, found = _lookup(self._ids, ids)
-        return torch.where(found, self._a[pos], self.prior[0]), torch.where(found, self._b[pos], self.prior[1])
+        a, b = self._a.index_select(0, pos), self._b.index_select(0, pos)
+        return torch.where(found, a, self.prior[0]), torch.where(found, b, self.prior[1])
 
-    def plan(self, prompt_ids: Tensor, budget: int) -> _AEROPlan:
-        """Size each prompt's group from its posterior (class docstring), one request."""
-        ids = as_prompt_ids(prompt_ids)
-        budget = check_budget(budget)
-        p = ids.numel()
-        a, b = self.posterior(ids)
+    def _group_sizes(self, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Per posterior ``(a, b)``: the group size wanted, its dead-zone probability (``inf`` when skipped), and
+        whether it is skipped."""
         ns = torch.arange(self.n_min, self.n_max + 1)
         # P0(n) = prod_{j<n} (a+j)/(a+b+j) + prod_{j<n} (b+j)/(a+b+j): a cumulative product, no lgamma (the
         # factors lie in (0, 1), so nothing overflows); equal to dead_zone_probability.
@@ -554,9 +586,30 @@ class AERO:
         first = torch.where(below.any(1), below.to(torch.int8).argmax(1), ns.numel() - 1)
         want = torch.where(skip, 0, ns[first])
         pri = torch.where(skip, math.inf, p0.gather(1, first[:, None]).squeeze(1))
-        by_id = torch.sort(ids).indices
-        order = by_id[torch.sort(pri[by_id], stable=True).indices]
-        w = want[order]
+        return want, pri, skip
+
+    def plan(self, prompt_ids: Tensor, budget: int) -> _AEROPlan:
+        """Size each prompt's group from its posterior (class docstring), one request."""
+        ids = as_prompt_ids(prompt_ids)
+        budget = check_budget(budget)
+        p = ids.numel()
+        a, b = self.posterior(ids)
+        # The rule is a function of (a, b) alone, and posteriors take few distinct values (counts): evaluate it on
+        # the grid of distinct a x distinct b (the same elementwise floats) and gather, unless the grid is large.
+        # (a, b > 0: equal bit patterns are equal values, and an int64 unique is the faster one)
+        ua, ia = torch.unique(a.view(torch.int64), return_inverse=True)
+        ub, ib = torch.unique(b.view(torch.int64), return_inverse=True)
+        if ua.numel() * ub.numel() <= max(p // 4, 1):
+            ua, ub = ua.view(torch.float64), ub.view(torch.float64)
+            ga, gb = ua.repeat_interleave(ub.numel()), ub.repeat(ua.numel())
+            g_want, g_pri, g_skip = self._group_sizes(ga, gb)
+            row = ia * ub.numel() + ib
+            want, pri, skip = g_want.index_select(0, row), g_pri.index_select(0, row), g_skip.index_select(0, row)
+        else:
+            want, pri, skip = self._group_sizes(a, b)
+        by_id = _sort_ids(ids)[1]
+        order = by_id.index_select(0, _stable_argsort(pri.index_select(0, by_id)))
+        w = want.index_select(0, order)
         csum = torch.cumsum(w, 0)
         fits = csum <= budget
         give_o = torch.where(fits, w, 0)
@@ -567,10 +620,8 @@ class AERO:
             rest = rest if self.n_min <= rest else 0
             give_o[nfit] = rest
             partial[nfit] = rest > 0
-        counts = torch.zeros(p, dtype=torch.long)
-        counts[order] = give_o
-        part = torch.zeros(p, dtype=torch.bool)
-        part[order] = partial
+        counts = torch.empty(p, dtype=torch.long).scatter_(0, order, give_o)
+        part = torch.empty(p, dtype=torch.bool).scatter_(0, order, partial)
         reasons = torch.where(skip, 4, torch.where(counts == 0, 5, torch.where(part, 3, 0)))
         return _AEROPlan(ids, budget, self, counts, reasons)
 

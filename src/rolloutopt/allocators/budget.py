@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from rolloutopt._validation import describe
-from rolloutopt.allocators._base import AllocationResult, Conversation, Request, as_prompt_ids, check_budget
+from rolloutopt.allocators._base import AllocationResult, Conversation, Request, _sort_ids, as_prompt_ids, check_budget
 from rolloutopt.allocators.history import PromptHistory
 from rolloutopt.errors import InputError
 
@@ -89,6 +89,51 @@ def _top_units_lazy(gain_fn: Callable[[int], Tensor], length: int, r: int, first
     cols = min(length, first)
     while True:
         counts = _top_units(gain_fn(cols), r)
+        if cols >= length or not bool((counts >= cols).any()):
+            return counts
+        cols = min(length, 2 * cols)
+
+
+def _top_units_grouped(g: Tensor, inv: Tensor, mult: Tensor, r: int) -> Tensor:
+    """:func:`_top_units` on the ``[E, L]`` table whose row ``i`` is ``g[inv[i]]`` (``g`` ``[U, L]``, ``mult[u]``
+    rows equal to ``g[u]``), without building it: the cut value from a weighted sort of the ``U * L`` entries,
+    then per row the entries above it and, in row order, as many entries equal to it as ``r`` still allows
+    (the row-major tie rule of :func:`_top_units`: only how many ties each row takes matters). Same result as
+    :func:`_top_units` on the expanded table, whatever the rows (no monotonicity needed)."""
+    e, length = inv.numel(), g.shape[1]
+    total = e * length
+    if r <= 0 or total == 0:
+        return torch.zeros(e, dtype=torch.long)
+    if r >= total:
+        return torch.full((e,), length, dtype=torch.long)
+    vals, order = g.reshape(-1).sort(descending=True)
+    weight = mult.repeat_interleave(length)[order]
+    t = vals[torch.searchsorted(torch.cumsum(weight, 0), r)]  # the r-th largest entry of the expanded table
+    above = (g > t).sum(1)
+    tie = (g == t).sum(1)
+    need = r - int((above * mult).sum())
+    tie_rows = tie[inv]
+    before = torch.cumsum(tie_rows, 0) - tie_rows
+    return above[inv] + torch.minimum((need - before).clamp(min=0), tie_rows)
+
+
+def _top_units_by_key(key: Tensor, gain_fn: Callable[[Tensor, int], Tensor], length: int, r: int) -> Tensor:
+    """:func:`_top_units_lazy` on the table whose row ``i`` is ``gain_fn(key, L')[i]``, a function of ``key[i]``
+    alone (elementwise torch ops), evaluated once per distinct key: success rates take few distinct values, so
+    the table has a few hundred rows instead of one per prompt. Identical counts (the rows of equal keys are the
+    same floats); with many distinct keys (over a quarter of the rows) the expanded table is cheaper and used."""
+    e = key.numel()
+    if e == 0 or r <= 0:
+        return torch.zeros(e, dtype=torch.long)
+    uniq, inv, mult = torch.unique(key, return_inverse=True, return_counts=True)
+    if 4 * uniq.numel() > e or bool(uniq.isnan().any()):
+        return _top_units_lazy(lambda cols: gain_fn(key, cols), length, r)
+    cols = min(length, 16)
+    while True:
+        g = gain_fn(uniq, cols)
+        if bool(g.isnan().any()):
+            return _top_units_lazy(lambda cols: gain_fn(key, cols), length, r)
+        counts = _top_units_grouped(g, inv, mult, r)
         if cols >= length or not bool((counts >= cols).any()):
             return counts
         cols = min(length, 2 * cols)
@@ -307,15 +352,15 @@ class CoBAAllocator:
     def _greedy(self, p: Tensor, units: int) -> Tensor:
         """Extra rollouts (above ``n_min``) of the exploration prompts ``p`` ``[E]`` from the heap greedy."""
         tau = self._tau(p)
-        pc = p.clamp(self.smoothing, 1.0 - self.smoothing)
-        c = pc * (1.0 - pc) / tau
-        log_pdf, scale = self._log_pdf(pc)[:, None], (-torch.expm1(-c))[:, None]
 
-        def gains(cols: int) -> Tensor:
+        def gains(q: Tensor, cols: int) -> Tensor:
+            pc = q.clamp(self.smoothing, 1.0 - self.smoothing)
+            c = pc * (1.0 - pc) / tau
+            log_pdf, scale = self._log_pdf(pc)[:, None], (-torch.expm1(-c))[:, None]
             levels = torch.arange(self.n_min, self.n_min + cols, dtype=_F64)
             return torch.exp(log_pdf - levels[None, :] * c[:, None]) * scale
 
-        return _top_units_lazy(gains, self.n_max - self.n_min, units)
+        return _top_units_by_key(p, gains, self.n_max - self.n_min, units)
 
     def _weighted(self, rem: int, tier: Tensor, counts: Tensor, p: Tensor) -> tuple[Tensor, int]:
         avail = tier & (counts < self.n_max)
@@ -371,7 +416,7 @@ class CoBAAllocator:
         """One request: the CoBA-RL counts of ``prompt_ids`` under ``budget`` rollouts (class docstring)."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
-        sorted_ids, order = ids.sort()
+        sorted_ids, order = _sort_ids(ids)
         counts, reasons = self._allocate(sorted_ids, budget)
         return _OneShot(ids, budget, _unsort(counts, order), _unsort(reasons, order), self.reason_names)
 
@@ -579,7 +624,7 @@ class Knapsack:
                     surplus_to = give > 0
                     rem -= int(give.sum())
         pe = p[eff]
-        extra = _top_units_lazy(lambda cols: self.gains(pe, cols), self.n_max - self.n_min, rem)
+        extra = _top_units_by_key(pe, self.gains, self.n_max - self.n_min, rem)
         counts[eff] += extra
         return counts, torch.where(surplus_to, 4, reasons)
 
@@ -587,7 +632,7 @@ class Knapsack:
         """One request: the Knapsack-RL counts of ``prompt_ids`` under ``budget`` rollouts (class docstring)."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
-        sorted_ids, order = ids.sort()
+        sorted_ids, order = _sort_ids(ids)
         counts, reasons = self._allocate(sorted_ids, budget)
         reasons = torch.where(counts > 0, reasons, 6)
         return _OneShot(ids, budget, _unsort(counts, order), _unsort(reasons, order), self.reason_names)

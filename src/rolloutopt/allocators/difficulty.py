@@ -25,6 +25,7 @@ from rolloutopt.allocators._base import (
     _choice,
     _int,
     _real,
+    _sort_ids,
     as_prompt_ids,
     check_budget,
 )
@@ -467,7 +468,7 @@ class E3Budget:
         rank = self._ranks(ids)
         k = min(p, budget // self.n_min)
         counts = torch.zeros(p, dtype=torch.long)
-        by_id = torch.sort(ids).indices  # rows by id: e3_counts breaks ties toward the earlier row
+        by_id = _sort_ids(ids)[1]  # rows by id: e3_counts breaks ties toward the earlier row
         sel = by_id
         if k < p:  # short budget: the k hardest (descending rank, ties the lower id)
             sel = by_id[torch.sort(rank[by_id], descending=True, stable=True).indices][:k]

@@ -40,6 +40,7 @@ from rolloutopt.allocators._base import (
     _group_sizes,
     _insert,
     _lookup,
+    _sort_ids,
     as_prompt_ids,
     check_budget,
 )
@@ -65,7 +66,7 @@ def _keyed(ids: Tensor, gen: torch.Generator, store: Tensor) -> tuple[Tensor, Te
 
     The tie order ``seq`` lists candidate indices by a random rank drawn per prompt *id* (a permutation from
     ``gen`` applied in sorted-id order), so a permutation of the candidates permutes it with them."""
-    q, order = ids.sort()
+    q, order = _sort_ids(ids)
     seq = torch.empty_like(order)
     seq[torch.randperm(ids.numel(), generator=gen)] = order
     pos = torch.zeros_like(ids)

@@ -32,6 +32,7 @@ from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
     OneShotPlan,
+    _sort_ids,
     as_prompt_ids,
     check_budget,
 )
@@ -334,7 +335,7 @@ class DifficultyClassifier:
 
     def _find(self, ids: Tensor, sort: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         s = self._ids.numel()
-        sorted_ids, order = ids.sort() if sort is None else sort  # sorted queries search faster (cache)
+        sorted_ids, order = _sort_ids(ids) if sort is None else sort  # sorted queries search faster (cache)
         pos = torch.empty_like(order).scatter_(0, order, torch.searchsorted(self._ids, sorted_ids))
         pos = pos.clamp(max=max(s - 1, 0))
         found = self._ids[pos] == ids if s else torch.zeros(ids.shape, dtype=torch.bool)
@@ -660,7 +661,7 @@ class PromptGDRO:
             m, size = 1, budget
         else:
             return _PromptPlan(ids, budget, counts, torch.full((p,), 2, dtype=torch.long))
-        sort = ids.sort()
+        sort = _sort_ids(ids)
         bins = self.classifier._bins_at(*self.classifier._find(ids, sort))
         k = self.classifier.num_bins
         mass = torch.bincount(bins, minlength=k).to(_F64)
@@ -899,7 +900,7 @@ class RolloutGDRO:
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
         p = ids.numel()
-        sort = ids.sort()
+        sort = _sort_ids(ids)
         bins = self.classifier._bins_at(*self.classifier._find(ids, sort))
         a, pi, arms = self._values(bins)
         n_bar = self.n_bar if self.n_bar is not None else min(max(budget / max(p, 1), self.n_min), self.n_max)

@@ -481,8 +481,13 @@ class PromptHistory:
             g["window"] = torch.zeros(p, w, dtype=torch.float64)
             g["window_rollouts"] = torch.zeros(p, w, dtype=torch.long)
             g["window_successes"] = torch.zeros(p, w, dtype=torch.long)
+        elif bool(seen.all()):
+            g = {name: t.index_select(0, pos) for name, t in f.items()}
         else:
-            g = {name: torch.where(seen.view(-1, *[1] * (t.ndim - 1)), t[pos], 0) for name, t in f.items()}
+            g = {
+                name: torch.where(seen.view(-1, *[1] * (t.ndim - 1)), t.index_select(0, pos), 0)
+                for name, t in f.items()
+            }
         fill = torch.tensor(torch.nan if self.unseen == "nan" else self.prior_pass_rate, dtype=torch.float64)
         roll = g["rollouts"]
         denom = roll.clamp(min=1).double()

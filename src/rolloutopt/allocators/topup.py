@@ -47,10 +47,12 @@ def _caps(n_min: Any, n_max: Any) -> None:
 
 
 class _Tracked(Conversation):
-    """A conversation that also tracks, per planned prompt, the min and max reward and the successes so far
-    (updated from each observed request only, so a round never re-reads every rollout)."""
+    """A conversation that also tracks, per planned prompt, the min and max reward (when ``track_extremes``, for
+    :meth:`group_stats`) and the successes so far (updated from each observed request only, so a round never
+    re-reads every rollout)."""
 
     success_threshold = 1.0
+    track_extremes = True
 
     def __init__(self, prompt_ids: Tensor, budget: int) -> None:
         super().__init__(prompt_ids, budget)
@@ -61,8 +63,9 @@ class _Tracked(Conversation):
 
     def on_observe(self, pos: Tensor, r: Tensor) -> None:
         """Update the per-prompt extremes and successes from the request just observed."""
-        self._hi.scatter_reduce_(0, pos, r, "amax")
-        self._lo.scatter_reduce_(0, pos, r, "amin")
+        if self.track_extremes:
+            self._hi.scatter_reduce_(0, pos, r, "amax")
+            self._lo.scatter_reduce_(0, pos, r, "amin")
         self._succ.index_add_(0, pos, (r >= self.success_threshold).double())
         self.observed(pos, r)
 
@@ -74,6 +77,7 @@ class _Tracked(Conversation):
         n, s, ss = self.totals()
         nf = n.double().clamp(min=1)
         mean = s / nf
+        assert self.track_extremes, "group_stats needs track_extremes"
         flat = (n == 0) | (self._hi == self._lo)
         var = torch.where(flat, 0.0, (ss / nf - mean * mean).clamp(min=0.0))
         return n, mean, var
@@ -374,6 +378,7 @@ _PC_CODE = torch.tensor([6, 6, 2, 2, 0, 1, 3, 4, 5])  # state -> index into _PC_
 
 class _PilotCommitPlan(_Tracked):
     reason_names = _PC_NAMES
+    track_extremes = False  # only successes are read
 
     def __init__(self, prompt_ids: Tensor, budget: int, owner: PilotCommit) -> None:
         super().__init__(prompt_ids, budget)
