@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.allocators import AERO
-from rolloutopt.allocators._base import _sort_ids
-from rolloutopt.allocators.adaptive import _stable_argsort, _within_rank
+from rolloutopt.allocators._base import _argsort_stable, _sort_ids
+from rolloutopt.allocators.adaptive import _within_rank
 from rolloutopt.allocators.budget import _top_units, _top_units_by_key, _top_units_grouped, _top_units_lazy
 
 F64 = torch.float64
@@ -52,10 +52,17 @@ def test_within_rank_matches_reference(seed: int, n: int, segs: int, sort: bool)
 
 
 @settings(max_examples=100, deadline=None)
-@given(values=st.lists(st.sampled_from([0.0, -0.0, 0.5, 1e-310, 3.0, float("inf"), 2.5, -1.0]), max_size=30))
-def test_stable_argsort_matches_torch(values: list[float]) -> None:
-    x = torch.tensor(values, dtype=F64)
-    assert torch.equal(_stable_argsort(x), torch.sort(x, stable=True).indices)
+@given(
+    values=st.lists(
+        st.sampled_from([0.0, -0.0, 0.5, 1e-310, -1e-310, 3.0, float("inf"), -float("inf"), 2.5, -1.0, -2.5]),
+        max_size=30,
+    ),
+    nan=st.booleans(),
+)
+def test_argsort_stable_matches_torch(values: list[float], nan: bool) -> None:
+    x = torch.tensor(values + ([float("nan")] if nan else []), dtype=F64)
+    for desc in (False, True):
+        assert torch.equal(_argsort_stable(x, descending=desc), torch.sort(x, descending=desc, stable=True).indices)
 
 
 @settings(max_examples=150, deadline=None)

@@ -112,6 +112,18 @@ def as_prompt_ids(prompt_ids: Any, name: str = "prompt_ids") -> Tensor:
     return ids
 
 
+def _argsort_stable(x: Tensor, *, descending: bool = False) -> Tensor:
+    """``torch.sort(x, descending=descending, stable=True).indices``, several times faster for float64 without
+    NaN: sorted as int64 keys that order doubles as their values do (the bit pattern, the magnitude bits flipped
+    for negatives; ``+ 0.0`` first makes ``-0.0`` equal to ``0.0``), which torch sorts by radix. Other dtypes,
+    or a NaN, take ``torch.sort`` itself."""
+    if x.dtype == torch.float64 and x.numel() > 1 and not bool(x.isnan().any()):
+        bits = (x + 0.0).view(torch.int64)
+        key = torch.where(bits < 0, bits ^ ((1 << 63) - 1), bits)
+        return torch.sort(key.neg_() if descending else key, stable=True).indices
+    return torch.sort(x, descending=descending, stable=True).indices
+
+
 _last_sort: tuple[weakref.ref[Tensor], int, Tensor, Tensor] | None = None
 
 

@@ -26,6 +26,7 @@ from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
     Request,
+    _argsort_stable,
     _choice,
     _insert,
     _int,
@@ -62,15 +63,6 @@ def _budget_prefix(want: Tensor, by_id: Tensor, remaining: int) -> Tensor:
     give = torch.zeros_like(want)
     give[by_id] = torch.where(fits, w, 0)
     return give
-
-
-def _stable_argsort(x: Tensor) -> Tensor:
-    """``torch.sort(x, stable=True).indices`` of a float64 ``x``; when every value is ``>= 0`` (no NaN) by the
-    int64 bit patterns, which order non-negative doubles as the values do (``+ 0.0`` turns ``-0.0`` into
-    ``0.0``) and sort several times faster."""
-    if x.dtype == torch.float64 and x.numel() and bool((x >= 0).all()):
-        return torch.sort((x + 0.0).view(torch.int64), stable=True).indices
-    return torch.sort(x, stable=True).indices
 
 
 def _within_rank(seg: Tensor, key: Tensor) -> Tensor:
@@ -367,7 +359,7 @@ class AR3PO:
             ids, key, rew, stp = ids[fresh], key[fresh], rew[fresh], stp[fresh]
         if ids.numel() > self.buffer_size:  # keep the most recently stored, ties to the lower id
             o = torch.sort(ids).indices
-            o = o[torch.sort(stp[o], descending=True, stable=True).indices][: self.buffer_size]
+            o = o[_argsort_stable(stp[o], descending=True)][: self.buffer_size]
             ids, key, rew, stp = ids[o], key[o], rew[o], stp[o]
         o = torch.sort(ids).indices
         self._buf_ids, self._buf_key, self._buf_reward, self._buf_step = ids[o], key[o], rew[o], stp[o]
@@ -608,7 +600,7 @@ class AERO:
         else:
             want, pri, skip = self._group_sizes(a, b)
         by_id = _sort_ids(ids)[1]
-        order = by_id.index_select(0, _stable_argsort(pri.index_select(0, by_id)))
+        order = by_id.index_select(0, _argsort_stable(pri.index_select(0, by_id)))
         w = want.index_select(0, order)
         csum = torch.cumsum(w, 0)
         fits = csum <= budget

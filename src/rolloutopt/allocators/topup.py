@@ -23,6 +23,7 @@ from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
     Request,
+    _argsort_stable,
     _choice,
     _int,
     _real,
@@ -48,11 +49,12 @@ def _caps(n_min: Any, n_max: Any) -> None:
 
 class _Tracked(Conversation):
     """A conversation that also tracks, per planned prompt, the min and max reward (when ``track_extremes``, for
-    :meth:`group_stats`) and the successes so far (updated from each observed request only, so a round never
-    re-reads every rollout)."""
+    :meth:`group_stats`) and the successes so far (when ``track_successes``), updated from each observed request
+    only, so a round never re-reads every rollout."""
 
     success_threshold = 1.0
     track_extremes = True
+    track_successes = True
 
     def __init__(self, prompt_ids: Tensor, budget: int) -> None:
         super().__init__(prompt_ids, budget)
@@ -66,7 +68,8 @@ class _Tracked(Conversation):
         if self.track_extremes:
             self._hi.scatter_reduce_(0, pos, r, "amax")
             self._lo.scatter_reduce_(0, pos, r, "amin")
-        self._succ.index_add_(0, pos, (r >= self.success_threshold).double())
+        if self.track_successes:
+            self._succ.index_add_(0, pos, (r >= self.success_threshold).double())
         self.observed(pos, r)
 
     def observed(self, pos: Tensor, r: Tensor) -> None:
@@ -85,8 +88,7 @@ class _Tracked(Conversation):
 
 def _rank(score: Tensor, by_id: Tensor) -> Tensor:
     """Positions sorted by ``score`` descending, ties toward the lower prompt id (``by_id``: positions by id)."""
-    idx = torch.sort(score[by_id], descending=True, stable=True).indices
-    return by_id[idx]
+    return by_id.index_select(0, _argsort_stable(score.index_select(0, by_id), descending=True))
 
 
 # -- VIGOR --------------------------------------------------------------------------------------------------------
@@ -175,6 +177,7 @@ def _greedy_marginal(v: Tensor, n: Tensor, cap: Tensor, units: int, by_id: Tenso
 
 class _VIGORPlan(_Tracked):
     reason_names = ("initial", "top_up", "capped", "zero_variance", "no_budget")
+    track_successes = False  # only the extremes (zero variance) are read
 
     def __init__(self, prompt_ids: Tensor, budget: int, cfg: VIGOR) -> None:
         super().__init__(prompt_ids, budget)
@@ -215,24 +218,25 @@ class _VIGORPlan(_Tracked):
                 self._static = self._score()
         score = self._static if self._static is not None else self._score()
         n = self._n
-        head = (cfg.n_max - n) if cfg.n_max is not None else torch.full_like(n, _BIG)
-        eligible = (n > 0) & (score > 0) & (head > 0)
-        if not bool(eligible.any()):
+        head = (cfg.n_max - n) if cfg.n_max is not None else None
+        eligible = (n > 0) & (score > 0) if head is None else (n > 0) & (score > 0) & (head > 0)
+        order = self._order
+        sub = order.index_select(0, eligible.index_select(0, order).nonzero().squeeze(1))  # eligible, by id
+        if sub.numel() == 0:
             return None
         units = min(self._chunk, remaining)
+        amount = torch.zeros_like(n)
         if cfg.rule == "marginal":
-            sub = self._order[eligible[self._order]]  # eligible positions, by prompt id
-            amount = torch.zeros_like(n)
-            amount[sub] = _greedy_marginal(score[sub], n[sub], head[sub], units, torch.arange(sub.numel()))
+            cap = torch.full_like(sub, _BIG) if head is None else head[sub]
+            amount[sub] = _greedy_marginal(score[sub], n[sub], cap, units, torch.arange(sub.numel()))
         else:
-            ranked = _rank(torch.where(eligible, score, -1.0), self._order)
-            e = int(eligible.sum())
-            k = max(1, math.ceil(cfg.top_frac * e))
-            s_sorted = score[ranked]
-            m = int(((s_sorted >= s_sorted[k - 1]) & eligible[ranked]).sum())  # the top k, ties at the k-th included
+            ranked = _rank(score, sub)  # the eligible by score, descending, ties to the lower id
+            k = max(1, math.ceil(cfg.top_frac * sub.numel()))
+            s_sorted = score.index_select(0, ranked)
+            m = int((s_sorted >= s_sorted[k - 1]).sum())  # the top k, ties at the k-th included
             share = torch.full((m,), units // m, dtype=torch.long) + (torch.arange(m) < units % m).long()
-            amount = torch.zeros_like(n)
-            amount[ranked[:m]] = torch.minimum(share, head[ranked[:m]])
+            top = ranked[:m]
+            amount[top] = share if head is None else torch.minimum(share, head[top])
         give = amount > 0
         return self.request(give, amount[give])
 
@@ -397,24 +401,30 @@ class _PilotCommitPlan(_Tracked):
             self.added[hit] = owner._buf_step[pos[hit]]
         self.committed = 0
         self.rounds = 0
-        self._is_pilot: list[Tensor] = []
+        self._piloting = torch.zeros(0, dtype=torch.long)  # positions piloted by the last request (state _PILOT)
+        self._pilot_round = torch.full((p,), -1, dtype=torch.long)  # the request that piloted each prompt
+        self._sizes: list[int] = []  # rollouts of each observed request
 
     def observed(self, pos: Tensor, r: Tensor) -> None:
-        self._is_pilot.append(self.state[pos] == _PILOT)  # classification happens at the next decide()
+        self._sizes.append(pos.numel())  # classification happens at the next decide()
+
+    def _is_pilot(self) -> Tensor:
+        """Per observed rollout: was its prompt piloting when it was observed (a pilot rollout)? Request ``k``
+        pilots exactly the prompts whose ``_pilot_round`` is ``k``."""
+        pos, _ = self.rollouts()
+        req = torch.repeat_interleave(torch.arange(len(self._sizes)), torch.tensor(self._sizes, dtype=torch.long))
+        return self._pilot_round.index_select(0, pos) == req
 
     def _classify(self) -> None:
-        piloting = self.state == _PILOT
-        if not bool(piloting.any()):
+        pil = self._piloting  # the prompts in state _PILOT: those the last request piloted
+        if pil.numel() == 0:
             return
+        self._piloting = pil[:0]
         o = self.o
-        m = self._succ / self._n.double().clamp(min=1)  # a piloting prompt has only pilot rollouts so far
+        m = self._succ[pil] / self._n[pil].double().clamp(min=1)  # a piloting prompt has only pilot rollouts so far
         keep = (m >= o.p_lower) & (m <= 1 - o.p_upper)
-        self.state = torch.where(
-            piloting,
-            torch.where(keep, _KEPT, torch.where(m > 1 - o.p_upper, _TOO_CORRECT, _TOO_INCORRECT)),
-            self.state,
-        )
-        self.std = torch.where(piloting, (m * (1 - m)).clamp(min=0).sqrt(), self.std)
+        self.state[pil] = torch.where(keep, _KEPT, torch.where(m > 1 - o.p_upper, _TOO_CORRECT, _TOO_INCORRECT))
+        self.std[pil] = (m * (1 - m)).clamp(min=0).sqrt()
 
     def decide(self) -> Request | None:
         o = self.o
@@ -426,8 +436,8 @@ class _PilotCommitPlan(_Tracked):
         in_buf = (self.state == _KEPT) | (self.state == _CARRIED)
         if o.buffer_sampling == "max_variance":  # pilot std, then recency, both descending; then the lower id
             buf = self._order[in_buf[self._order]]
-            buf = buf[torch.sort(self.added[buf], descending=True, stable=True).indices]
-            buf = buf[torch.sort(self.std[buf], descending=True, stable=True).indices]
+            buf = buf[_argsort_stable(self.added[buf], descending=True)]
+            buf = buf[_argsort_stable(self.std[buf], descending=True)]
         else:
             buf = in_buf.nonzero().squeeze(1)
             buf = buf[torch.randperm(buf.numel(), generator=o._gen)]
@@ -445,6 +455,8 @@ class _PilotCommitPlan(_Tracked):
         pilot, commit = fresh[:g], buf[:c]
         self.state[commit] = torch.where(self.state[commit] == _CARRIED, _COMMITTED_CARRIED, _COMMITTED)
         self.state[pilot] = _PILOT
+        self._piloting = pilot
+        self._pilot_round[pilot] = self.rounds - 1  # this request's index
         self.committed += c
         counts = torch.cat([torch.full((g,), o.n_pilot), torch.full((c,), o.n_commit)]).long()
         return self.request(torch.cat([pilot, commit]), counts)
@@ -459,7 +471,7 @@ class _PilotCommitPlan(_Tracked):
         if m_eff is not None and m_eff < o.n_pilot and pos.numel():
             # max-variance down-sampling of each committed prompt's pilot rollouts to m_eff (as close to half 1s,
             # half 0s as the counts allow; uniformly at random among equals), on those rollouts only
-            pilot = torch.cat(self._is_pilot)
+            pilot = self._is_pilot()
             ok = ((r >= o.success) & pilot).long()
             ones = torch.zeros(self.prompt_ids.numel(), dtype=torch.long).index_add_(0, pos, ok)
             zeros = o.n_pilot - ones
