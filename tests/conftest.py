@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import os
 
+# The Triton kernels are tested on CPU tensors under Triton's interpreter, which must be on before triton is first
+# imported by anything (verl, liger, torch.compile import it too, during collection): triton.language's own jitted
+# helpers are built at import. An explicit TRITON_INTERPRET=0 (a GPU runner) is left alone.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings

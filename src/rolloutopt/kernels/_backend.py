@@ -1,9 +1,11 @@
 """Backend choice for the fused kernels: ``"auto" | "torch" | "triton"``, with errors that say why.
 
 Triton is imported here lazily, never at ``import rolloutopt`` time (``DESIGN.md`` §1). The Triton path runs on
-CUDA tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, set before the first kernel
-module is imported — that is how CPU CI tests the kernels). ``"auto"`` picks Triton for CUDA tensors when it is
-importable, the chunked torch path otherwise.
+CUDA tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` — that is how CPU CI tests the
+kernels). The variable must be set before ``triton`` is first imported by anything in the process (verl, Liger and
+``torch.compile`` import it too): ``triton.language`` builds its own jitted helpers at import, and with the
+interpreter switched on later a launch fails with "Cannot call @triton.jit'd outside of the scope of a kernel".
+``"auto"`` picks Triton for CUDA tensors when it is importable, the chunked torch path otherwise.
 """
 
 from __future__ import annotations
