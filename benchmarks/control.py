@@ -86,6 +86,19 @@ def calibrate_espo(rule: Any, draw: Callable[[], SimulatedGeneration]) -> None:
             rule.update(state)
 
 
+def calibrate_espo_steady(rule: Any, draw: Callable[[], SimulatedGeneration]) -> None:
+    calibrate_espo(rule, draw)
+    b = draw()
+    lo, hi = rule.beta_min, rule.beta_max
+    with rolloutopt.checks(False):
+        for _ in range(8):  # bisection on beta: the stop rate falls as beta rises
+            rule.beta = (lo + hi) / 2
+            rate = float(drive(rule, b, RECIPES_BY_CLASS["ESPO"]).stopped.float().mean())
+            lo, hi = (rule.beta, hi) if rate > rule.target_stop_rate else (lo, rule.beta)
+    rule.beta = (lo + hi) / 2
+    STEADY_BETA.append(rule.beta)
+
+
 def calibrate_critic_free(rule: Any, draw: Callable[[], SimulatedGeneration]) -> None:
     with rolloutopt.checks(False):
         b = draw()
@@ -109,6 +122,15 @@ def recipes(t_max: int) -> dict[str, Recipe]:
             lambda b: {**std(b), "values": b.values},
             calibrate=calibrate_espo,
             note="defaults; warm-up forced open; 3 update batches",
+        ),
+        "ESPO (steady-state beta)": Recipe(
+            lambda: C.ESPO(),
+            lambda b: {**std(b), "values": b.values},
+            calibrate=calibrate_espo_steady,
+            note="beta set by bisection where the stop rate of a calibration batch is the controller's target 0.25, "
+            "its fixed point (the controller moves beta by 0.1 x (stop rate - 0.25) per batch, about 0.01 here, so "
+            "it takes hundreds of batches to get there)",
+            extra={"cls": "ESPO"},
         ),
         "ESPOCriticFree": Recipe(
             lambda: C.ESPOCriticFree(experimental=True),
@@ -166,6 +188,10 @@ def recipes(t_max: int) -> dict[str, Recipe]:
 
 
 RECIPES_BY_CLASS: dict[str, Recipe] = {}
+ONLY: list[str] = []
+STEADY_BETA: list[
+    float
+] = []  # the betas the steady-state ESPO row found, per seed  # --only: run the rows whose name contains one of these
 
 
 def drive(rule: C.StopRule, b: SimulatedGeneration, recipe: Recipe) -> C.StopState:
@@ -269,6 +295,8 @@ def table_for(
             rows.setdefault("Oracle (stop at the failure point)", {}).setdefault(k, []).append(v)
     emit("Oracle (stop at the failure point)", rows)
     for name, recipe in table.items():
+        if ONLY and not any(o in name for o in ONLY):
+            continue
         cls = recipe.extra.get("cls", name)
         if cls not in available:
             print(f"| {name:34} | not in rolloutopt.control |")
@@ -288,6 +316,9 @@ def table_for(
             print(f"| {name:34} | failed: {type(e).__name__}: {str(e)[:90]} |")
             continue
         emit(name, rows)
+    if STEADY_BETA:
+        print(f"(steady-state ESPO beta per seed: {', '.join(f'{x:.2f}' for x in STEADY_BETA)})")
+        STEADY_BETA.clear()
     return batches
 
 
@@ -344,7 +375,9 @@ def speed(rounds: int, check_modes: tuple[bool, ...] = (False, True)) -> None:
     print(head)
     print("|" + "|".join("-" * (len(c) + 0) for c in head.split("|")[1:-1]) + "|")
     for name, recipe in table.items():
-        if "horizon=" in name:
+        if ONLY and not any(o in name for o in ONLY):
+            continue
+        if "cls" in recipe.extra:  # variants of a rule: timed once, as the rule itself
             continue
         cols: list[str] = []
         try:
@@ -413,7 +446,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--part", choices=("1", "2", "both"), default="both")
+    parser.add_argument("--only", default="", help="comma-separated substrings of the rule rows to run")
     args = parser.parse_args()
+    ONLY.extend(o for o in args.only.split(",") if o)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     now = datetime.datetime.now(datetime.UTC).strftime("%a %b %d %H:%M:%S UTC %Y")
