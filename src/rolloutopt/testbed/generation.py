@@ -170,7 +170,8 @@ class GenerationSimulator:
     - success :math:`s_i \sim \mathrm{Bernoulli}(p_g)`; natural length :math:`\ell_i = \max(\ell_{min},
       \lfloor m\, e^{\sigma_\ell z_i}\, \phi^{[s_i = 0]} \rceil)` (log-normal; failures longer by :math:`\phi`);
       successful rows always finish (:math:`\ell_i` clipped to the horizon :math:`T`), so
-      ``length = min(ℓ, T)``, and a failing row with :math:`\ell_i > T` is cut by the horizon (no EOS);
+      :math:`\text{length}_i = \min(\ell_i, T)`, and a failing row with :math:`\ell_i > T` is cut by the
+      horizon (no EOS);
     - failure point (failing rows) :math:`f_i = \min(\lfloor u_i \ell_i \rfloor, \text{length}_i - 1)`,
       :math:`u_i \sim U(\text{fail\_frac})`; answer token :math:`a_i = \min(\lfloor v_i \ell_i \rfloor,
       \ell_i - 2)`, :math:`v_i \sim U(\text{answer\_frac})` (dropped, -1, when the horizon cuts the row before it);
@@ -182,7 +183,12 @@ class GenerationSimulator:
       :math:`\gamma_{i,t} = \gamma\, e^{\sigma_\gamma z'_i}` with :math:`\gamma` = ``gap_ok`` (healthy) or
       ``gap_failed`` (degraded): a smaller gap is a flatter distribution. ``topk_logprobs`` are
       :math:`l_j - \log Z`, the entropy is exact for this distribution, and the sampled token is drawn from it
-      (rank :math:`r`; a tail token when :math:`r = K`), so the regret :math:`l_0 - l_r` grows as it flattens;
+      (rank :math:`r`; a tail token when :math:`r = K`), so the regret :math:`l_0 - l_r` grows as it flattens:
+
+      .. math::
+          \log\pi_j = l_j - \log Z, \quad Z = \sum_{j<K} e^{l_j} + (V - K)\,e^{l_K}, \qquad
+          H = -\sum_{j<K} \pi_j \log\pi_j - (V - K)\,\pi_K \log\pi_K ;
+
     - token ids: distinct ordinary ids (never a special id) in rank order; the sampled token's id is the id at its
       rank. Special tokens overwrite the sampled token (keeping its log-prob): EOS at ``length - 1`` of finished
       rows, an answer marker (uniform over ``answer_ids``) at :math:`a_i`, and elsewhere a transition marker
@@ -199,7 +205,8 @@ class GenerationSimulator:
       successful row from its answer on, else ``confidence_unsolved``.
 
     Every draw comes from the ``generator`` passed to :meth:`sample`, in a fixed order: same generator state,
-    same batch. Cost: a few ``[N, T, K]`` tensors (memory ~ ``40 N T K`` bytes).
+    same batch. Memory: the result holds about ``20 N T K`` bytes (the top-k log-probs and two id tensors);
+    sampling peaks at a few times that.
 
     Args:
         max_tokens: :math:`T`, the horizon (default 1024).
