@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from rolloutopt.allocators import AERO
 from rolloutopt.allocators._base import _argsort_stable, _sort_ids
-from rolloutopt.allocators.adaptive import _within_rank
+from rolloutopt.allocators.adaptive import _beyond_limit, _within_rank
 from rolloutopt.allocators.budget import _top_units, _top_units_by_key, _top_units_grouped, _top_units_lazy
 
 F64 = torch.float64
@@ -48,7 +48,12 @@ def test_within_rank_matches_reference(seed: int, n: int, segs: int, sort: bool)
         if n:
             key[torch.randint(0, n, (2,), generator=g)] = float("nan")
             key[torch.randint(0, n, (1,), generator=g)] = float("inf")
-    assert torch.equal(_within_rank(seg, key), _rank_reference(seg, key))
+    rank = _rank_reference(seg, key)
+    assert torch.equal(_within_rank(seg, key), rank)
+    limit = torch.randint(0, 4, (max(int(seg.max()) + 1, 1) if n else 1,), generator=g)
+    cut, cut_seg = _beyond_limit(seg, key, limit)
+    want = (rank >= limit[seg]).nonzero().squeeze(1)
+    assert sorted(cut.tolist()) == want.tolist() and torch.equal(cut_seg, seg[cut])
 
 
 @settings(max_examples=100, deadline=None)

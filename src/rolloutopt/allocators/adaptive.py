@@ -65,35 +65,52 @@ def _budget_prefix(want: Tensor, by_id: Tensor, remaining: int) -> Tensor:
     return give
 
 
-def _within_rank(seg: Tensor, key: Tensor) -> Tensor:
-    """Rank ``0, 1, ...`` of each element within its segment ``seg`` when ordered by ``key``, ties by position:
-    the lexicographic order by ``(seg, key, position)``.
+def _segment_order(seg: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
+    """The permutation that sorts by ``(seg, key, position)`` and the sorted segments.
 
     For non-negative segments and keys in ``[0, 1)`` (seeded uniforms) one stable int64 sort of
     ``seg * 2**b + floor(key * 2**b)`` (``b`` bits of key below the segment's bits; exact: a power-of-two scale)
     gives that order unless two keys of one segment agree in their first ``b`` bits without being equal, which
     is checked (then, as otherwise, two stable sorts: by key, then by segment)."""
     n = seg.numel()
-    order: Tensor | None = None
     if n and key.dtype == torch.float64 and seg.dtype == torch.long and int(seg.min()) >= 0:
         bits = 62 - max(int(seg.max()), 1).bit_length()
         if bits >= 32 and bool(((key >= 0) & (key < 1)).all()):
             comp = (seg << bits) | (key * float(2**bits)).long()
             ordered, order = torch.sort(comp, stable=True)
             same = ordered[1:] == ordered[:-1]
-            if bool(same.any()):
-                ks = key[order]
-                if bool((ks[1:] != ks[:-1])[same].any()):
-                    order = None
-    if order is None:
-        order = torch.sort(key, stable=True).indices
-        order = order[torch.sort(seg[order], stable=True).indices]
-    s = seg.index_select(0, order)
+            if not bool(same.any()):
+                return order, ordered >> bits
+            ks = key[order]
+            if not bool((ks[1:] != ks[:-1])[same].any()):
+                return order, ordered >> bits
+    order = torch.sort(key, stable=True).indices
+    order = order[torch.sort(seg[order], stable=True).indices]
+    return order, seg.index_select(0, order)
+
+
+def _rank_in_sorted(s: Tensor) -> Tensor:
+    """Position of each element of the sorted segments ``s`` within its segment (0, 1, ...)."""
     first = torch.ones_like(s, dtype=torch.bool)
     first[1:] = s[1:] != s[:-1]
     starts = first.nonzero().squeeze(1)
-    within = torch.arange(n) - starts.index_select(0, torch.cumsum(first, 0) - 1)
+    return torch.arange(s.numel()) - starts.index_select(0, torch.cumsum(first, 0) - 1)
+
+
+def _within_rank(seg: Tensor, key: Tensor) -> Tensor:
+    """Rank ``0, 1, ...`` of each element within its segment ``seg`` when ordered by ``key``, ties by position:
+    the lexicographic order by ``(seg, key, position)`` (:func:`_segment_order`)."""
+    order, s = _segment_order(seg, key)
+    within = _rank_in_sorted(s)
     return torch.empty_like(within).scatter_(0, order, within)
+
+
+def _beyond_limit(seg: Tensor, key: Tensor, limit: Tensor) -> tuple[Tensor, Tensor]:
+    """The elements whose :func:`_within_rank` is ``>= limit[seg]``: their indices and their segments (in
+    sorted order), without mapping the ranks back."""
+    order, s = _segment_order(seg, key)
+    hit = (_rank_in_sorted(s) >= limit.index_select(0, s)).nonzero().squeeze(1)
+    return order.index_select(0, hit), s.index_select(0, hit)
 
 
 def _check_state(state: Any, keys: set[str], owner: str) -> dict[str, Any]:
@@ -454,9 +471,9 @@ class _AEROPlan(_Tracked):
                 # only a prompt with more majority rollouts than its limit loses some: rank within those alone
                 sel = (torch.maximum(c, n - c) > limit).index_select(0, seg).nonzero().squeeze(1)
                 idx, key, seg = idx.index_select(0, sel), key.index_select(0, sel), seg.index_select(0, sel)
-                cut = (_within_rank(seg, key) >= limit.index_select(0, seg)).nonzero().squeeze(1)
+                cut, cut_seg = _beyond_limit(seg, key, limit)
                 weight.index_fill_(0, idx.index_select(0, cut), 0.0)
-                rejected.index_fill_(0, seg.index_select(0, cut), True)
+                rejected.index_fill_(0, cut_seg, True)
         reasons = torch.where(
             self._plan_reasons >= 4,
             self._plan_reasons,

@@ -14,6 +14,7 @@ int64 ids that are identical across processes, machines and Python runs (unlike 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -394,17 +395,19 @@ class PromptHistory:
             raise InputError("result", "an AllocationResult (plan.finish())", describe(result), "pass plan.finish()")
         _check_int(step, "step", 0)
         r = result.rewards.detach().cpu().to(torch.float64)
-        if checks_enabled() and not bool(torch.isfinite(r).all()):
+        # a finite sum proves every reward finite (one cheap reduction); otherwise check them all
+        if checks_enabled() and not math.isfinite(float(r.sum())) and not bool(torch.isfinite(r).all()):
             raise InputError("result.rewards", "finite rewards", describe(result.rewards), "fix the scorer")
         if r.numel() == 0:
             return
         plan_ids = result.plan_prompt_ids.long().cpu()
-        present = torch.zeros(plan_ids.numel(), dtype=torch.bool)
-        present[result.group] = True
-        uniq, order = plan_ids[present].sort()
+        group = result.group.long().cpu()
+        present = torch.zeros(plan_ids.numel(), dtype=torch.bool).index_fill_(0, group, True)
+        rows = present.nonzero().squeeze(1)
+        uniq, order = plan_ids.index_select(0, rows).sort()
         remap = torch.full((plan_ids.numel(),), -1, dtype=torch.long)
-        remap[present.nonzero().squeeze(1)[order]] = torch.arange(uniq.numel())
-        self._ingest(uniq, remap[result.group.long().cpu()], r, step)
+        remap.index_copy_(0, rows.index_select(0, order), torch.arange(uniq.numel()))
+        self._ingest(uniq, remap.index_select(0, group), r, step)
 
     def _ingest(self, uniq: Tensor, inv: Tensor, r: Tensor, step: int) -> None:
         u = uniq.numel()
@@ -419,7 +422,10 @@ class PromptHistory:
         failure = self._failure(r, success)
         n = torch.bincount(inv, minlength=u)
         s = torch.zeros(u, dtype=torch.long).index_add_(0, inv, success.long())
-        fails = torch.zeros(u, dtype=torch.long).index_add_(0, inv, failure.long())
+        if self.failure_threshold is None:  # failure = not success
+            fails = n - s
+        else:
+            fails = torch.zeros(u, dtype=torch.long).index_add_(0, inv, failure.long())
         rsum = torch.zeros(u, dtype=torch.float64).index_add_(0, inv, r)
         rmax = torch.full((u,), -torch.inf, dtype=torch.float64).scatter_reduce_(0, inv, r, "amax")
         rmin = torch.full((u,), torch.inf, dtype=torch.float64).scatter_reduce_(0, inv, r, "amin")
@@ -436,22 +442,23 @@ class PromptHistory:
         if not bool(known.all()):
             self._insert(uniq[~known], pos[known])
             pos, known = self._find(uniq)
+        # the store rows of the batch's prompts are distinct: index_add_/index_copy_ touch each row once
         f = self._f
-        first = f["groups"][pos] == 0
+        first = f["groups"].index_select(0, pos) == 0
         self._clock += 1
-        f["rollouts"][pos] += n
-        f["successes"][pos] += s
-        f["groups"][pos] += 1
-        f["reward_sum"][pos] += rsum
-        f["last_step"][pos] = step
-        f["last_touch"][pos] = self._clock
-        f["ema"][pos] = torch.where(first, rate, self.ema_decay * f["ema"][pos] + (1.0 - self.ema_decay) * rate)
-        f["correct_run"][pos] = torch.where(all_correct, f["correct_run"][pos] + 1, 0)
-        f["wrong_run"][pos] = torch.where(all_wrong, f["wrong_run"][pos] + 1, 0)
-        f["flat_run"][pos] = torch.where(flat, f["flat_run"][pos] + 1, 0)
+        f["rollouts"].index_add_(0, pos, n)
+        f["successes"].index_add_(0, pos, s)
+        f["groups"].index_add_(0, pos, torch.ones_like(n))
+        f["reward_sum"].index_add_(0, pos, rsum)
+        f["last_step"].index_fill_(0, pos, step)
+        f["last_touch"].index_fill_(0, pos, self._clock)
+        ema = torch.where(first, rate, self.ema_decay * f["ema"].index_select(0, pos) + (1.0 - self.ema_decay) * rate)
+        f["ema"].index_copy_(0, pos, ema)
+        for name, hit in (("correct_run", all_correct), ("wrong_run", all_wrong), ("flat_run", flat)):
+            f[name].index_copy_(0, pos, torch.where(hit, f[name].index_select(0, pos) + 1, 0))
         for name, value in (("window", mean), ("window_rollouts", n), ("window_successes", s)):
-            old = f[name][pos]
-            f[name][pos] = torch.cat([value[:, None].to(old.dtype), old[:, :-1]], dim=1)
+            old = f[name].index_select(0, pos)
+            f[name].index_copy_(0, pos, torch.cat([value[:, None].to(old.dtype), old[:, :-1]], dim=1))
 
     def lookup(self, prompt_ids: Tensor) -> PromptStats:
         """The statistics of ``prompt_ids`` (int64 ``[P]``, any ids, repeats allowed), as a :class:`PromptStats`.
