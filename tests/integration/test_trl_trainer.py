@@ -742,7 +742,8 @@ out = dict(
     ids=[r.prompt_ids.tolist() for r in alloc.results], rewards=[r.rewards.tolist() for r in alloc.results],
     pi=alloc.predictive(torch.arange(8)).tolist(), loss=[h["loss"] for h in t.step_logs(trainer)],
 )
-print("RESULT" + os.environ["RANK"] + " " + json.dumps(out))
+with open(os.path.join({out!r}, "rank" + os.environ["RANK"] + ".json"), "w") as f:  # not stdout: ranks interleave
+    json.dump(out, f)
 """
 
 
@@ -750,15 +751,12 @@ def test_selector_allocator_two_processes(tmp_path: Any) -> None:
     """Two processes (gloo): both allocators plan and learn identically; each process trains its slice."""
     here = str(pathlib.Path(__file__).parent)
     script = tmp_path / "two_alloc.py"
-    script.write_text(TWO_PROCESS_ALLOC_SCRIPT.format(here=here))
+    script.write_text(TWO_PROCESS_ALLOC_SCRIPT.format(here=here, out=str(tmp_path)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TRL_EXPERIMENTAL_SILENCE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    res = [
-        json.loads(next(x for x in proc.stdout.splitlines() if x.startswith(f"RESULT{r} "))[len("RESULT0 ") :])
-        for r in (0, 1)
-    ]
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     a, b = res
     assert a["ids"] == b["ids"] and a["rewards"] == b["rewards"] and a["pi"] == b["pi"]
     assert len(a["ids"]) == 3 and all(math.isfinite(x) for x in a["loss"])
@@ -800,7 +798,8 @@ trainer = Capture(model=t.model(), reward_funcs=t.reward, args=args, train_datas
 trainer.train()
 assert trainer.accelerator.num_processes == 2 and trainer.accelerator.distributed_type.value == "MULTI_CPU"
 logs = [h["loss"] for h in t.step_logs(trainer)]
-print("RESULT" + str(trainer.accelerator.process_index) + " " + json.dumps(logs))
+with open(os.path.join({out!r}, f"logs{{trainer.accelerator.process_index}}.json"), "w") as f:
+    json.dump(logs, f)  # a file, not stdout: the ranks' lines can interleave
 """
 
 
@@ -824,7 +823,7 @@ def test_accelerate_two_cpu_processes_match_one_process(tmp_path: Any, preset: s
     cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", str(script)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    logged = [json.loads(x.split(" ", 1)[1]) for x in proc.stdout.splitlines() if x.startswith("RESULT")]
+    logged = [json.loads((tmp_path / f"logs{r}.json").read_text()) for r in (0, 1)]
     assert len(logged) == 2 and all(len(x) == 2 and all(math.isfinite(v) for v in x) for x in logged)
 
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
