@@ -112,7 +112,7 @@ def _step(path: str, entropy: bool, x: dict[str, Any]) -> float:
         entropy_coef=ENTROPY_COEF if entropy else 0.0,
     )
     out.loss.backward()
-    return float(out.loss)
+    return float(out.loss.detach())
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:

@@ -14,8 +14,9 @@ the ``tl.dot`` operands are upcast to fp32 (the interpreter multiplies raw bf16 
 (one fixed config per mode); launches are wrapped in ``torch.compiler.disable``. Row and column offsets are
 int64 (every ``x * stride`` multiplies an int64 ``x64``; a test checks the source), so ``N * V`` and ``V * d``
 beyond 2**31 index correctly. ``-inf`` is the max identity, and the first block and masked tail columns are
-guarded so no ``0 * inf`` NaN appears. The kernels call no ``triton.jit`` device functions: under the
-interpreter each such call re-patches ``triton.language`` (~30 ms), once per tile.
+guarded so no ``0 * inf`` NaN appears. The kernels call no device functions of their own (and ``tl.full``
+rather than the jitted ``tl.zeros``): under the interpreter each such call re-patches ``triton.language``
+(milliseconds), once per tile.
 """
 
 from __future__ import annotations
@@ -244,14 +245,16 @@ def grad_tile(
     gl: Tensor | None,
     gh: Tensor | None,
     inv_t: float,
-) -> Tensor:
-    """fp32 ``[rows, cols]`` logit-gradient tile for ``hidden_c`` × ``weight_v`` (the fp32 copies are unused)."""
+    bufs: Any = None,
+) -> tuple[Tensor, float]:
+    """``(G, 1.0)``: the fp32 ``[rows, cols]`` logit-gradient tile for ``hidden_c`` × ``weight_v`` (the fp32 copies
+    and the torch path's workspaces are unused)."""
     n, d = hidden_c.shape
     vocab = weight_v.shape[0]
     cfg = _config(hidden_c.dtype, n, vocab)
     g = torch.empty((n, vocab), dtype=torch.float32, device=hidden_c.device)
     if n == 0:
-        return g
+        return g, 1.0
     # 1-D vectors are indexed as contiguous (an autograd cotangent may be an expanded, stride-0 tensor)
     targets_c, lse_c, ent_c = targets_c.contiguous(), lse_c.contiguous(), ent_c.contiguous()
     gl = None if gl is None else gl.contiguous()
@@ -264,4 +267,4 @@ def grad_tile(
         hidden_c.stride(0), hidden_c.stride(1), weight_v.stride(0), weight_v.stride(1), g.stride(0),
         inv_t=float(inv_t), HAS_GL=gl is not None, HAS_GH=gh is not None, **cfg,
     )  # fmt: skip
-    return g
+    return g, 1.0

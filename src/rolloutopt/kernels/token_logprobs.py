@@ -228,13 +228,14 @@ class _TokenLogprobs(torch.autograd.Function):
         dh = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         n, vocab = hidden.shape[0], weight.shape[0]
+        bufs = _Buffers(min(cn, n) * min(cv, vocab), acc, hidden.device)
         for v0 in range(0, vocab, cv):
             v1 = min(v0 + cv, vocab)
             wv = weight[v0:v1].to(acc)
             for c0 in range(0, n, cn):
                 c1 = min(c0 + cn, n)
                 hc = hidden[c0:c1].to(acc)
-                g = tile(
+                g, scale = tile(
                     hidden[c0:c1],
                     weight[v0:v1],
                     hc,
@@ -246,11 +247,12 @@ class _TokenLogprobs(torch.autograd.Function):
                     None if g_logp is None else g_logp[c0:c1].to(acc),
                     None if g_ent is None else g_ent[c0:c1].to(acc),
                     inv_t,
+                    bufs,
                 )
-                if dh is not None:
-                    dh[c0:c1].addmm_(g, wv)
+                if dh is not None:  # the tile's scale rides on the GEMM (no extra pass over the tile)
+                    dh[c0:c1].addmm_(g, wv, alpha=scale)
                 if dw is not None:
-                    dw[v0:v1].addmm_(g.t(), hc)
+                    dw[v0:v1].addmm_(g.t(), hc, alpha=scale)
         grad_h = None if dh is None else dh.to(hidden.dtype)
         grad_w = None if dw is None else dw.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None, None
@@ -258,6 +260,17 @@ class _TokenLogprobs(torch.autograd.Function):
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+class _Buffers:
+    """Two reusable ``[chunk_tokens × chunk_vocab]`` workspaces: no fresh (page-faulting) tile per iteration."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.a = torch.empty(numel, dtype=dtype, device=device)
+        self.b = torch.empty(numel, dtype=dtype, device=device)
+
+    def views(self, rows: int, cols: int) -> tuple[Tensor, Tensor]:
+        return self.a[: rows * cols].view(rows, cols), self.b[: rows * cols].view(rows, cols)
 
 
 def _forward_torch(
@@ -271,12 +284,14 @@ def _forward_torch(
     s = torch.empty(n, dtype=acc, device=dev)
     a = torch.zeros(n, dtype=acc, device=dev)
     zy = torch.zeros(n, dtype=acc, device=dev)
+    bufs = _Buffers(min(cn, n) * min(cv, vocab), acc, dev)
     for v0 in range(0, vocab, cv):
         v1 = min(v0 + cv, vocab)
         wv = weight[v0:v1].to(acc)
         for c0 in range(0, n, cn):
             c1 = min(c0 + cn, n)
-            z = torch.mm(hidden[c0:c1].to(acc), wv.t()).mul_(inv_t)  # [cn, cv] logits tile / T
+            z, e = bufs.views(c1 - c0, v1 - v0)
+            z.addmm_(hidden[c0:c1].to(acc), wv.t(), beta=0, alpha=inv_t)  # logits tile / T (beta=0: no read)
             idx = targets[c0:c1] - v0
             inside = (idx >= 0) & (idx < v1 - v0)
             picked = z.gather(1, idx.clamp(0, v1 - v0 - 1)[:, None]).squeeze(1)
@@ -292,15 +307,14 @@ def _forward_torch(
                     a[c0:c1] = alpha * (a[c0:c1] + (m_old - m_new) * s[c0:c1])
                 s[c0:c1] *= alpha
             z.sub_(m_new[:, None])
-            e = torch.exp(z)
+            torch.exp(z, out=e)
             if v0 == 0:
                 s[c0:c1] = e.sum(1)
             else:
                 s[c0:c1] += e.sum(1)
-            if with_entropy:  # in place, no third tile; a BLAS dot (einsum) loses ~1e-4 over 150k terms
+            if with_entropy:  # in place; a BLAS dot (einsum) would lose ~1e-4 relative over 150k terms
                 a[c0:c1] += z.mul_(e).sum(1)
             m[c0:c1] = m_new
-            del z, e
     return _finish(m, s, a, zy, with_entropy)
 
 
@@ -324,17 +338,22 @@ def _grad_tile_torch(
     gl: Tensor | None,
     gh: Tensor | None,
     inv_t: float,
-) -> Tensor:
-    """``G = [g_logp (onehot - p) - g_H p (log p + H)] / T`` for one tile, recomputing its logits."""
-    g = torch.mm(hc, wv.t()).mul_(inv_t).sub_(lse_c[:, None])  # log p
-    p = torch.exp(g)
+    bufs: Any,
+) -> tuple[Tensor, float]:
+    """``(M, -1/T)`` with ``G = -M/T`` the tile's logit gradient, recomputing its logits:
+    ``M = p (g_H (log p + H) + g_logp) - g_logp onehot``; three passes over the tile after the GEMM."""
+    lp, p = bufs.views(hc.shape[0], wv.shape[0])
+    torch.addmm(-lse_c[:, None], hc, wv.t(), alpha=inv_t, out=lp)  # log p = z/T - lse, one GEMM
+    torch.exp(lp, out=p)
     if gh is not None:
-        g.add_(ent_c[:, None]).mul_(p).mul_(-gh[:, None])
+        shift = gh * ent_c if gl is None else torch.addcmul(gl, gh, ent_c)  # g_H H + g_logp, per row
+        torch.addcmul(shift[:, None], lp, gh[:, None], out=lp)  # g_H log p + g_H H + g_logp
+        m = lp.mul_(p)
     else:
-        g.zero_()
+        assert gl is not None
+        m = p.mul_(gl[:, None])
     if gl is not None:
-        g.addcmul_(p, gl[:, None], value=-1.0)
         idx = targets_c - v0
-        rows = torch.nonzero((idx >= 0) & (idx < g.shape[1])).squeeze(1)
-        g.index_put_((rows, idx[rows]), gl[rows], accumulate=True)
-    return g.mul_(inv_t)
+        rows = torch.nonzero((idx >= 0) & (idx < m.shape[1])).squeeze(1)
+        m.index_put_((rows, idx[rows]), -gl[rows], accumulate=True)
+    return m, -inv_t
