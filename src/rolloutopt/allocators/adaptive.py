@@ -211,7 +211,7 @@ class _AR3POPlan(_Tracked):
         drop = (all_correct | (unsolved & ~reuse)) if o.drop_flat else torch.zeros_like(played)
         pos, _ = self.rollouts()
         self._reuse = reuse
-        return (~drop[pos]).double(), reasons
+        return (~drop).double().index_select(0, pos), reasons
 
     def finish(self) -> AllocationResult:
         res = super().finish()
@@ -471,9 +471,13 @@ class _AEROPlan(_Tracked):
             if idx.numel():
                 key = torch.rand(idx.numel(), generator=o._gen, dtype=torch.float64)
                 seg = pos.index_select(0, idx)
-                # only a prompt with more majority rollouts than its limit loses some: rank within those alone
-                sel = (torch.maximum(c, n - c) > limit).index_select(0, seg).nonzero().squeeze(1)
-                idx, key, seg = idx.index_select(0, sel), key.index_select(0, sel), seg.index_select(0, sel)
+                # only a prompt with more majority rollouts than its limit loses some: when those hold well under
+                # half of the majority rollouts, rank them alone (the others keep every rollout either way)
+                major_n = torch.maximum(c, n - c)
+                over = (major_n > limit) & (code < 2)
+                if 2 * int(torch.where(over, major_n, 0).sum()) < idx.numel():
+                    sel = over.index_select(0, seg).nonzero().squeeze(1)
+                    idx, key, seg = idx.index_select(0, sel), key.index_select(0, sel), seg.index_select(0, sel)
                 cut, cut_seg = _beyond_limit(seg, key, limit)
                 weight.index_fill_(0, idx.index_select(0, cut), 0.0)
                 rejected.index_fill_(0, cut_seg, True)

@@ -193,7 +193,7 @@ class _OneShot(Conversation):
         return self.request(keep, self.counts[keep])
 
     def select(self) -> tuple[Tensor, Tensor]:
-        return torch.ones(self.spent_observed), self._reasons
+        return torch.ones(self.spent_observed, dtype=torch.float64), self._reasons
 
 
 def _unsort(values: Tensor, order: Tensor) -> Tensor:

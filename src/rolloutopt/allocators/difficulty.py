@@ -168,7 +168,7 @@ class _DARSPlan(Conversation):
             5,
             torch.where(wrong, 3, torch.where(right, 4, torch.where(cut, 2, torch.where(topped, 1, 0)))),
         )
-        return (~drop[pos]).double(), reasons
+        return (~drop).double().index_select(0, pos), reasons
 
     def finish(self) -> AllocationResult:
         res = super().finish()
@@ -358,7 +358,7 @@ class _E3Plan(Conversation):
         return self.request(keep, self._counts[keep]) if bool(keep.any()) else None
 
     def select(self) -> tuple[Tensor, Tensor]:
-        return torch.ones(self.spent_observed), self._reasons
+        return torch.ones(self.spent_observed, dtype=torch.float64), self._reasons
 
 
 class E3Budget:

@@ -103,7 +103,7 @@ class _DAPOPlan(Conversation):
                 torch.where(sampled, _ZERO_VARIANCE, _NOT_NEEDED if self.kept >= self._b else _NO_BUDGET),
             ),
         )
-        return keep[pos].double(), reasons
+        return keep.double().index_select(0, pos), reasons
 
     def finish(self) -> AllocationResult:
         result = super().finish()

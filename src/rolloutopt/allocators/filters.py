@@ -93,15 +93,15 @@ def _check_entropies(entropies: Any, n: int, name: str) -> Tensor:
     if entropies.ndim != 1 or entropies.numel() != n:
         raise InputError(name, f"a 1-d tensor of {n} values", describe(entropies), "pass one value per row")
     e = entropies.detach().cpu().to(torch.float64)
-    if not bool(torch.isfinite(e).all()):
+    if not math.isfinite(float(e.sum())) and not bool(torch.isfinite(e).all()):  # a finite sum: all finite
         raise InputError(name, "finite values", f"{describe(entropies)} with NaN or inf", "fix the entropy")
     return e
 
 
 def _shift_in(buf: Tensor, pos: Tensor, new: Tensor) -> Tensor:
     """Append ``new[i]`` to the window row ``buf[pos[i]]`` (oldest value dropped); ``pos`` distinct."""
-    buf[pos] = torch.cat([buf[pos, 1:], new.unsqueeze(1)], dim=1)
-    return buf
+    rows = torch.cat([buf.index_select(0, pos)[:, 1:], new.unsqueeze(1).to(buf.dtype)], dim=1)
+    return buf.index_copy_(0, pos, rows)
 
 
 def _check_state(state: Any, keys: set[str], owner: str) -> None:
@@ -179,9 +179,10 @@ def _depo_scores(group: Tensor, correct: Tensor, e: Tensor, g: int, ratio: float
     a_pos = (1 - m) / (s + eps)
     a_neg = m / (s + eps)
     mean_pos = torch.bincount(group, weights=e * c, minlength=g) / n_pos.clamp(min=1)
-    keep_neg = ~correct & (e <= ratio * mean_pos[group])
-    pos_sum = torch.bincount(group, weights=e.abs() * c, minlength=g)
-    neg_sum = torch.bincount(group, weights=e.abs() * keep_neg.double(), minlength=g)
+    keep_neg = ~correct & (e <= (ratio * mean_pos).index_select(0, group))
+    e_abs = e.abs()
+    pos_sum = torch.bincount(group, weights=e_abs * c, minlength=g)
+    neg_sum = torch.bincount(group, weights=e_abs * keep_neg.double(), minlength=g)
     return a_pos.abs() * pos_sum + a_neg.abs() * neg_sum
 
 

@@ -150,7 +150,7 @@ class _GRESOPlan(Conversation):
         reasons[rolled] = 2
         reasons[rolled & zv] = 1
         reasons[kept] = 0
-        return kept[pos].double(), reasons
+        return kept.double().index_select(0, pos), reasons
 
     def finish(self) -> AllocationResult:
         result = super().finish()

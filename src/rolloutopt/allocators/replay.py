@@ -540,7 +540,7 @@ class _XRPOPlan(Conversation):
         reasons = torch.where(
             n == 0, 3, torch.where((n >= self.cfg.n_max) & (n > self._base), 2, torch.where(n > self._base, 1, 0))
         )
-        return torch.ones(self.spent_observed), reasons
+        return torch.ones(self.spent_observed, dtype=torch.float64), reasons
 
     def finish(self) -> AllocationResult:
         res = super().finish()

@@ -62,9 +62,11 @@ class _Tracked(Conversation):
         self._hi = torch.full((p,), -math.inf, dtype=torch.float64)
         self._lo = torch.full((p,), math.inf, dtype=torch.float64)
         self._succ = torch.zeros(p, dtype=torch.float64)
+        self._stats: tuple[Tensor, Tensor, Tensor] | None = None  # group_stats() since the last observe
 
     def on_observe(self, pos: Tensor, r: Tensor) -> None:
         """Update the per-prompt extremes and successes from the request just observed."""
+        self._stats = None
         if self.track_extremes:
             self._hi.scatter_reduce_(0, pos, r, "amax")
             self._lo.scatter_reduce_(0, pos, r, "amin")
@@ -76,13 +78,17 @@ class _Tracked(Conversation):
         """Hook: the rollouts of the request just observed (prompt positions, rewards)."""
 
     def group_stats(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Per planned prompt: count, mean, population variance (exactly 0 where every reward is equal)."""
+        """Per planned prompt: count, mean, population variance (exactly 0 where every reward is equal); computed
+        once per observed request (read-only tensors)."""
+        if self._stats is not None:
+            return self._stats
         n, s, ss = self.totals()
         nf = n.double().clamp(min=1)
         mean = s / nf
         assert self.track_extremes, "group_stats needs track_extremes"
         flat = (n == 0) | (self._hi == self._lo)
         var = torch.where(flat, 0.0, (ss / nf - mean * mean).clamp(min=0.0))
+        self._stats = (n, mean, var)
         return n, mean, var
 
 
@@ -249,7 +255,7 @@ class _VIGORPlan(_Tracked):
             4,
             torch.where(capped & (n > self._warm), 2, torch.where(n > self._warm, 1, torch.where(var == 0, 3, 0))),
         )
-        return torch.ones(self.spent_observed), reasons
+        return torch.ones(self.spent_observed, dtype=torch.float64), reasons
 
     def finish(self) -> AllocationResult:
         res = super().finish()
@@ -465,10 +471,10 @@ class _PilotCommitPlan(_Tracked):
         self._classify()
         o = self.o
         pos, r = self.rollouts()
-        st = self.state[pos]
-        weight = ((st == _COMMITTED) | (st == _COMMITTED_CARRIED)).double()
+        weight = ((self.state == _COMMITTED) | (self.state == _COMMITTED_CARRIED)).double().index_select(0, pos)
         m_eff = o.n_pilot_eff
         if m_eff is not None and m_eff < o.n_pilot and pos.numel():
+            st = self.state[pos]
             # max-variance down-sampling of each committed prompt's pilot rollouts to m_eff (as close to half 1s,
             # half 0s as the counts allow; uniformly at random among equals), on those rollouts only
             pilot = self._is_pilot()
