@@ -590,3 +590,18 @@ def test_popd_topd_bad_input() -> None:
         topd_horizon(100, frac=0.0)
     with pytest.raises(InputError, match="frac"):
         topd_horizon(100, frac=1.5)
+
+
+def test_prune_opd_precomputed_overlap_equals_ids() -> None:
+    """``overlap=`` (computed by the engine) drives the rule exactly as the top-k ids it summarises."""
+    g = torch.Generator().manual_seed(3)
+    n, t_len, k = 6, 24, 8
+    student = torch.stack([torch.randperm(40, generator=g)[:k] for _ in range(n * t_len)]).view(n, t_len, k)
+    teacher = torch.stack([torch.randperm(40, generator=g)[:k] for _ in range(n * t_len)]).view(n, t_len, k)
+    teacher[:3] = student[:3]  # three rows agree fully
+    rule = PruneOPD(experimental=True)
+    by_ids = replay(rule, student_topk=student, teacher_topk=teacher)
+    o = torch.stack([rule.overlap(student[:, i], teacher[:, i]) for i in range(t_len)], dim=1)
+    by_overlap = replay(rule, overlap=o)
+    assert torch.equal(by_ids.position, by_overlap.position) and torch.equal(by_ids.reason, by_overlap.reason)
+    assert by_ids.stopped[3:].any() and not by_ids.stopped[:3].any()

@@ -131,7 +131,9 @@ class PruneOPD(StopRule):
         experimental: must be True.
 
     ``step`` inputs (keywords): ``student_topk`` and ``teacher_topk``, int ``[N, K]`` token ids with ``K >= k``;
-    the standard inputs are ignored.
+    or ``overlap``, float ``[N]`` in [0, 1], the overlap :math:`o_t` already computed where both top-k tensors
+    live (e.g. on the engine's GPU; :meth:`overlap` is the reference), which skips the ``[N, k, k]`` comparison
+    here. The standard inputs are ignored.
 
     Edge cases: an all-inactive step changes nothing; an empty batch (N = 0) works; a student identical to its
     teacher (:math:`o_t = 1`) is never stopped and keeps every weight at 1. Inactive rows neither count tokens nor
@@ -143,6 +145,7 @@ class PruneOPD(StopRule):
     extra_inputs: ClassVar[dict[str, tuple[str, str]]] = {
         "student_topk": ("N K", "int"),
         "teacher_topk": ("N K", "int"),
+        "overlap": ("N", "float"),
     }
 
     def __init__(
@@ -187,14 +190,21 @@ class PruneOPD(StopRule):
         return hits.float() / self.k
 
     def _step(self, state: StopState, x: StepInputs) -> tuple[dict[str, Tensor], Tensor, Tensor]:
-        s = x.need("student_topk", "PruneOPD")
-        t = x.need("teacher_topk", "PruneOPD")
-        if checks_enabled() and s.shape[1] < self.k:
-            raise InputError(
-                "student_topk", f"[N, K] ids with K >= k = {self.k}", describe(s), f"pass top-{self.k} ids or lower k"
-            )
+        given = x.extra.get("overlap")
+        if given is not None:
+            o = given.clamp(0.0, 1.0)
+        else:
+            s = x.need("student_topk", "PruneOPD")
+            t = x.need("teacher_topk", "PruneOPD")
+            if checks_enabled() and s.shape[1] < self.k:
+                raise InputError(
+                    "student_topk",
+                    f"[N, K] ids with K >= k = {self.k}",
+                    describe(s),
+                    f"pass top-{self.k} ids or lower k",
+                )
+            o = self.overlap(s, t)
         ex, live, pos = state.extra, x.live, state.steps
-        o = self.overlap(s, t)
         col = (pos % self.window)[:, None]
         value = torch.where(live[:, None], o[:, None], ex["overlaps"].gather(1, col))
         overlaps = ex["overlaps"].scatter(1, col, value)
