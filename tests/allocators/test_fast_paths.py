@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rolloutopt.allocators import AERO
+from rolloutopt.allocators import AERO, PromptHistory
 from rolloutopt.allocators._base import _argsort_stable, _sort_ids
 from rolloutopt.allocators.adaptive import _beyond_limit, _within_rank
 from rolloutopt.allocators.budget import _top_units, _top_units_by_key, _top_units_grouped, _top_units_lazy
@@ -133,3 +133,19 @@ def test_aero_grid_and_full_posterior_tables_agree() -> None:
         row = ia * ub.numel() + ib
         for x, y in zip(full, grid, strict=True):
             assert torch.equal(x, y[row])
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 1000), window=st.integers(1, 4), unseen=st.sampled_from(["prior", "nan"]))
+def test_history_window_pass_rate_equals_lookup(seed: int, window: int, unseen: str) -> None:
+    g = torch.Generator().manual_seed(seed)
+    h = PromptHistory(window=window, unseen=unseen)  # type: ignore[arg-type]
+    for step in range(3):
+        ids = torch.randint(0, 30, (40,), generator=g)
+        h.update(ids, torch.randint(0, 2, (40,), generator=g).double(), step=step)
+    query = torch.randint(0, 45, (25,), generator=g)
+    seen, rate = h._window_pass_rate(query)
+    stats = h.lookup(query)
+    assert torch.equal(seen, stats.seen)
+    assert torch.equal(rate.isnan(), stats.window_pass_rate.isnan())
+    assert torch.equal(rate.nan_to_num(-1.0), stats.window_pass_rate.nan_to_num(-1.0))

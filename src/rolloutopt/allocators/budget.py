@@ -125,7 +125,11 @@ def _top_units_by_key(key: Tensor, gain_fn: Callable[[Tensor, int], Tensor], len
     e = key.numel()
     if e == 0 or r <= 0:
         return torch.zeros(e, dtype=torch.long)
-    uniq, inv, mult = torch.unique(key, return_inverse=True, return_counts=True)
+    if key.dtype == _F64:  # group by bit pattern: an int64 unique is faster, and splitting -0.0 from 0.0 is harmless
+        bits, inv, mult = torch.unique(key.contiguous().view(torch.int64), return_inverse=True, return_counts=True)
+        uniq = bits.view(_F64)
+    else:
+        uniq, inv, mult = torch.unique(key, return_inverse=True, return_counts=True)
     if 4 * uniq.numel() > e or bool(uniq.isnan().any()):
         return _top_units_lazy(lambda cols: gain_fn(key, cols), length, r)
     cols = min(length, 16)
@@ -381,14 +385,13 @@ class CoBAAllocator:
 
     def _allocate(self, ids: Tensor, budget: int) -> tuple[Tensor, Tensor]:
         m = ids.numel()
-        stats = self.history.lookup(ids)
+        seen, p = self.history._window_pass_rate(ids)  # p: 0.5 where unseen (the history's prior fill)
         if m == 0:
             return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-        if not bool(stats.seen.any()) or budget < m * self.n_min:
+        if not bool(seen.any()) or budget < m * self.n_min:
             counts = _uniform(budget, m, self.n_min, self.n_max)
             reason = 3 if budget >= m * self.n_min else 4
             return counts, torch.where(counts > 0, reason, 5)
-        p = stats.window_pass_rate  # 0.5 where unseen (the history's prior fill)
         counts = torch.full((m,), self.n_min, dtype=torch.long)
         hard, easy = p < 0.05, p > 0.99
         explore = ~hard & ~easy
@@ -593,9 +596,8 @@ class Knapsack:
 
     def _allocate(self, ids: Tensor, budget: int) -> tuple[Tensor, Tensor]:
         m = ids.numel()
-        stats = self.history.lookup(ids)
-        seen = stats.seen
-        p = torch.where(seen, stats.window_pass_rate, 0.0)
+        seen, rate = self.history._window_pass_rate(ids)
+        p = torch.where(seen, rate, 0.0)
         eff = seen & (p > 0) & (p < 1)
         zero = seen & (p == 0)
         one = seen & (p == 1)

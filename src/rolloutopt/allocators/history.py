@@ -519,6 +519,22 @@ class PromptHistory:
             window_pass_rate=torch.where(seen & (wr > 0), ws.double() / wr.clamp(min=1).double(), fill),
         )
 
+    def _window_pass_rate(self, prompt_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """``(seen, window_pass_rate)`` of :meth:`lookup` (same values, same ``unseen`` policy) without gathering
+        the other fields: what CoBA-RL and Knapsack-RL read."""
+        stats_ids = prompt_ids.long().cpu()
+        if self.unseen == "raise" or self._ids.numel() == 0:
+            stats = self.lookup(stats_ids)
+            return stats.seen, stats.window_pass_rate
+        pos, seen = self._find(stats_ids)
+        f = self._f
+        wr = f["window_rollouts"].index_select(0, pos).sum(1)
+        ws = f["window_successes"].index_select(0, pos).sum(1)
+        if not bool(seen.all()):
+            wr, ws = torch.where(seen, wr, 0), torch.where(seen, ws, 0)
+        fill = torch.tensor(torch.nan if self.unseen == "nan" else self.prior_pass_rate, dtype=torch.float64)
+        return seen, torch.where(seen & (wr > 0), ws.double() / wr.clamp(min=1).double(), fill)
+
     # -- checkpointing --------------------------------------------------------------------------------------
     def _config(self) -> dict[str, Any]:
         return {
