@@ -119,7 +119,8 @@ def _top_units_grouped(g: Tensor, inv: Tensor, mult: Tensor, r: int) -> Tensor:
 
 def _top_units_by_key(key: Tensor, gain_fn: Callable[[Tensor, int], Tensor], length: int, r: int) -> Tensor:
     """:func:`_top_units_lazy` on the table whose row ``i`` is ``gain_fn(key, L')[i]``, a function of ``key[i]``
-    alone (elementwise torch ops), evaluated once per distinct key: success rates take few distinct values, so
+    alone (elementwise torch ops whose result does not depend on the element's position: exp, log, expm1,
+    arithmetic; not ``torch.pow``, whose vectorised and scalar paths can differ), evaluated once per distinct key: success rates take few distinct values, so
     the table has a few hundred rows instead of one per prompt. Identical counts (the rows of equal keys are the
     same floats); with many distinct keys (over a quarter of the rows) the expanded table is cheaper and used."""
     e = key.numel()
@@ -626,7 +627,12 @@ class Knapsack:
                     surplus_to = give > 0
                     rem -= int(give.sum())
         pe = p[eff]
-        extra = _top_units_by_key(pe, self.gains, self.n_max - self.n_min, rem)
+        if self.no_extra == "zero":
+            # column 0 then holds knapsack_value, whose torch.pow is not elementwise-reproducible (vectorised and
+            # scalar paths can differ in the last bit, by position): keep the table of every item, as before
+            extra = _top_units_lazy(lambda cols: self.gains(pe, cols), self.n_max - self.n_min, rem)
+        else:
+            extra = _top_units_by_key(pe, self.gains, self.n_max - self.n_min, rem)
         counts[eff] += extra
         return counts, torch.where(surplus_to, 4, reasons)
 
