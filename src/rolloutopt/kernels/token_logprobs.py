@@ -82,8 +82,9 @@ def token_logprobs(
             label convention). Such positions get ``logp = 0`` and no gradient through ``logp``; their entropy
             is still computed (from their hidden state), so mask it in the loss. ``None`` (the default): every
             target must be a valid id, and padding is handled by the loss mask — pad with any valid id.
-        backend: ``"auto"`` (Triton for CUDA tensors when importable, else torch), ``"torch"`` or ``"triton"``
-            (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; raises and says why otherwise).
+        backend: ``"auto"`` (Triton for CUDA tensors when importable, else torch; torch for float64), ``"torch"``
+            or ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; fp32/bf16/fp16 only;
+            raises and says why otherwise).
         chunk_tokens: tokens per tile (default 1024 on CPU, 4096 on CUDA).
         chunk_vocab: vocabulary entries per tile (default 8192 on CPU, 16384 on CUDA); on the Triton backend
             also the vocabulary split of one forward program (rounded up to its block size).
@@ -107,6 +108,8 @@ def token_logprobs(
     if checks_enabled():
         _validate(hidden, weight, targets, temperature, ignore_index, chunk_tokens, chunk_vocab)
     chosen = resolve_backend(backend, hidden.device)
+    if chosen == "triton" and hidden.dtype == torch.float64 and backend == "auto":
+        chosen = "torch"  # the kernels accumulate in fp32; float64 (gradcheck) stays exact on the torch path
     if chosen == "triton" and hidden.dtype == torch.float64:
         raise InputError(
             "hidden", "fp32, bf16 or fp16 for backend='triton'", describe(hidden), "pass backend='torch' for float64"
