@@ -38,6 +38,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/groups.py
 	$(PY) benchmarks/ratios.py
 	$(PY) benchmarks/allocators.py
+	$(PY) benchmarks/control.py
+	$(PY) benchmarks/kernels.py
 
 clean:
 	rm -rf $(VENV) .site .pytest_cache .mypy_cache .ruff_cache .hypothesis
