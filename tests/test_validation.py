@@ -258,3 +258,17 @@ def test_choice() -> None:
         choice("x", "mode", ("token-mean", "seq-mean-token-mean"))
     with pytest.raises(InputError, match=r"^level: "):
         choice("Token", "level", ("token", "sequence"))  # case-sensitive
+
+
+def test_check_int_and_check_real() -> None:
+    from rolloutopt._validation import check_int, check_real
+
+    assert check_int(3, "n", 1) == 3 and check_int(None, "n", 1, none=True) is None
+    assert check_real(1, "x", 0.0, 1.0) == 1.0 and isinstance(check_real(1, "x"), float)
+    assert check_real(None, "x", none=True) is None
+    for bad in (0, True, 1.5, "2", None):
+        with pytest.raises(InputError, match=r"^n: .*int >= 1"):
+            check_int(bad, "n", 1)
+    for bad, kw in ((0.0, {"open_low": True}), (1.0, {"open_high": True}), (float("nan"), {}), (2.0, {}), (True, {})):
+        with pytest.raises(InputError, match=r"^x: .*\[?\(?0\.0, 1\.0"):
+            check_real(bad, "x", 0.0, 1.0, **kw)

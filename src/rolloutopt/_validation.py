@@ -9,8 +9,9 @@ tensor values (mask values, finiteness) cost one host synchronisation each, whic
 
 from __future__ import annotations
 
+import math
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor
@@ -23,6 +24,8 @@ __all__ = [
     "as_index",
     "as_mask",
     "as_seq_or_token",
+    "check_int",
+    "check_real",
     "checks",
     "checks_enabled",
     "describe",
@@ -218,6 +221,68 @@ def positive(value: float, name: str, *, strict: bool = True) -> None:
         raise InputError(
             name, "a positive number" if strict else "a non-negative number", describe(value), f"set {name} accordingly"
         )
+
+
+@overload
+def check_int(x: Any, name: str, low: int, *, none: Literal[False] = False) -> int: ...
+@overload
+def check_int(x: Any, name: str, low: int, *, none: bool) -> int | None: ...
+def check_int(x: Any, name: str, low: int, *, none: bool = False) -> int | None:
+    """Return the hyper-parameter ``x`` if it is an int ``>= low`` (or None, with ``none=True``); raise otherwise."""
+    if none and x is None:
+        return None
+    if not isinstance(x, int) or isinstance(x, bool) or x < low:
+        raise InputError(
+            name, f"{'None or ' if none else ''}an int >= {low}", describe(x), f"set {name} to an int >= {low}"
+        )
+    return x
+
+
+@overload
+def check_real(
+    x: Any,
+    name: str,
+    low: float = ...,
+    high: float = ...,
+    *,
+    open_low: bool = ...,
+    open_high: bool = ...,
+    none: Literal[False] = False,
+) -> float: ...
+@overload
+def check_real(
+    x: Any,
+    name: str,
+    low: float = ...,
+    high: float = ...,
+    *,
+    open_low: bool = ...,
+    open_high: bool = ...,
+    none: bool,
+) -> float | None: ...
+def check_real(
+    x: Any,
+    name: str,
+    low: float = -math.inf,
+    high: float = math.inf,
+    *,
+    open_low: bool = False,
+    open_high: bool = False,
+    none: bool = False,
+) -> float | None:
+    """Return the hyper-parameter ``x`` as a float if it is a finite number in the interval ``[low, high]`` (ends
+    open with ``open_low``/``open_high``; None allowed with ``none=True``); raise an InputError naming it otherwise."""
+    if none and x is None:
+        return None
+    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
+    if ok:
+        v = float(x)
+        ok = (v > low if open_low else v >= low) and (v < high if open_high else v <= high)
+    if not ok:
+        interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+        expected = f"{'None or ' if none else ''}a finite number in {interval}"
+        raise InputError(name, expected, describe(x), f"set {name} inside {interval}")
+    return float(x)
 
 
 def choice(value: Any, name: str, options: tuple[Any, ...]) -> None:

@@ -42,6 +42,12 @@ from rolloutopt._validation import (
     finite,
     require_experimental,
 )
+from rolloutopt._validation import (
+    check_int as _int,
+)
+from rolloutopt._validation import (
+    check_real as _real,
+)
 from rolloutopt.control._base import StepInputs, StopResult, StopRule, StopState, truncate_mask
 from rolloutopt.errors import InputError
 
@@ -58,21 +64,6 @@ _SPEC = "specs/rollout_control.md B1"
 
 
 # -- hyper-parameter checks (shared with control.value) -------------------------------------------------------------
-def _real(x: Any, name: str, low: float = -math.inf, high: float = math.inf, *, open_low: bool = False) -> float:
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
-    ok = ok and (float(x) > low if open_low else float(x) >= low) and float(x) <= high
-    if not ok:
-        lo = "(" if open_low else "["
-        raise InputError(name, f"a finite number in {lo}{low}, {high}]", describe(x), f"set {name} accordingly")
-    return float(x)
-
-
-def _int(x: Any, name: str, low: int) -> int:
-    if not isinstance(x, int) or isinstance(x, bool) or x < low:
-        raise InputError(name, f"an int >= {low}", describe(x), f"pass e.g. {name}={low}")
-    return x
-
-
 def _float_state(state: Any, key: str, owner: str) -> float:
     value = state.get(key) if isinstance(state, dict) else None
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -41,6 +41,12 @@ from rolloutopt._validation import (
     finite,
     require_experimental,
 )
+from rolloutopt._validation import (
+    check_int as _int,
+)
+from rolloutopt._validation import (
+    check_real as _real,
+)
 from rolloutopt.control._base import StepInputs, StopResult, StopRule, StopState
 from rolloutopt.errors import InputError
 
@@ -63,23 +69,6 @@ _SPEC = "specs/rollout_control.md"
 
 
 # -- hyper-parameter checks ---------------------------------------------------------------------------------------
-def _int(x: Any, name: str, low: int) -> int:
-    if not isinstance(x, int) or isinstance(x, bool) or x < low:
-        raise InputError(name, f"an int >= {low}", describe(x), f"pass e.g. {name}={max(low, 1)}")
-    return x
-
-
-def _real(x: Any, name: str, low: float, high: float, *, open_low: bool = False, open_high: bool = False) -> float:
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
-    if ok:
-        v = float(x)
-        ok = (v > low if open_low else v >= low) and (v < high if open_high else v <= high)
-    if not ok:
-        interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
-        raise InputError(name, f"a number in {interval}", describe(x), f"set {name} inside {interval}")
-    return float(x)
-
-
 def _round(x: float) -> int:
     """Round half up (``floor(x + 0.5)``): the horizon schedules' rounding."""
     return math.floor(x + 0.5)

@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from rolloutopt._validation import check_int as _check_int
 from rolloutopt._validation import describe, finite
 from rolloutopt.errors import InputError
 
@@ -211,13 +212,6 @@ class _Rollout:
 
 _NO_VERSION = 2**62
 _ROLLOUT_FIELDS = ("prompt", "group", "sample", "status", "tokens", "logp", "versions", "stored", "reward", "oldest")
-
-
-def _check_int(x: Any, name: str, low: int, *, none: bool = False) -> None:
-    if none and x is None:
-        return
-    if not isinstance(x, int) or isinstance(x, bool) or x < low:
-        raise InputError(name, f"{'None or ' if none else ''}an int >= {low}", describe(x), f"pass e.g. {name}={low}")
 
 
 def _empty_batch() -> PartialBatch:

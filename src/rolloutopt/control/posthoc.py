@@ -41,6 +41,12 @@ from rolloutopt._validation import (
     finite,
     require_experimental,
 )
+from rolloutopt._validation import (
+    check_int as _int,
+)
+from rolloutopt._validation import (
+    check_real as _real,
+)
 from rolloutopt.advantages.shaping import truncation_penalty
 from rolloutopt.control._base import TruncationOutput
 from rolloutopt.errors import InputError
@@ -69,27 +75,6 @@ _SPEC = "specs/rollout_control.md"
 
 def _experimental(flag: Any, what: str, where: str) -> None:
     require_experimental(flag, what, where)
-
-
-def _real(value: Any, name: str, *, low: float | None = None, high: float | None = None, strict: bool = False) -> float:
-    """Raise unless ``value`` is a finite real number in ``[low, high]`` (``(low, high]`` with ``strict``)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and low is not None:
-        ok = value > low if strict else value >= low
-    if ok and high is not None:
-        ok = value <= high
-    if not ok:
-        lo = "-inf" if low is None else repr(low)
-        hi = "inf" if high is None else repr(high)
-        bracket = "(" if strict or low is None else "["
-        raise InputError(name, f"a finite number in {bracket}{lo}, {hi}]", describe(value), f"set {name} accordingly")
-    return float(value)
-
-
-def _int(value: Any, name: str, *, low: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise InputError(name, f"an int >= {low}", describe(value), f"set {name} to an int >= {low}")
-    return value
 
 
 def _lengths(lengths: Any, dims: Dims, device: torch.device | None = None) -> Tensor:
@@ -426,7 +411,7 @@ def jet_reward(
     _real(alpha, "alpha", low=0.0)
     _real(delta, "delta", low=0.0, high=1.0)
     _real(format_weight, "format_weight", low=0.0, high=1.0)
-    _real(eps, "eps", low=0.0, strict=True)
+    _real(eps, "eps", low=0.0, open_low=True)
     choice(baseline, "baseline", ("group", "batch"))
     dims = Dims()
     acc = as_float(accuracy, "accuracy", dims, "B")
@@ -740,7 +725,7 @@ def soft_compression_penalty(
     """
     _experimental(experimental, "the sample-level soft compression penalty", "its abstract in ../shared/seeds")
     _real(correct, "correct")
-    _real(mastery, "mastery", low=0.0, high=1.0, strict=True)
+    _real(mastery, "mastery", low=0.0, high=1.0, open_low=True)
     _real(coef, "coef", low=0.0)
     _real(cap, "cap", low=0.0)
     if not isinstance(relative, bool):

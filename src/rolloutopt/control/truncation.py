@@ -44,6 +44,12 @@ from rolloutopt._validation import (
     finite,
     require_experimental,
 )
+from rolloutopt._validation import (
+    check_int as _int,
+)
+from rolloutopt._validation import (
+    check_real as _real,
+)
 from rolloutopt.control._base import StepInputs, StopResult, StopRule, StopState
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups, as_groups
@@ -66,21 +72,6 @@ _MASK32 = 0xFFFFFFFF
 
 
 # -- hyper-parameter checks -----------------------------------------------------------------------------------------
-def _int(x: Any, name: str, low: int, *, none: bool = False) -> None:
-    if none and x is None:
-        return
-    if not isinstance(x, int) or isinstance(x, bool) or x < low:
-        raise InputError(name, f"{'None or ' if none else ''}an int >= {low}", describe(x), f"pass e.g. {name}={low}")
-
-
-def _real(x: Any, name: str, low: float, high: float, *, open_low: bool = False) -> None:
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
-    ok = ok and (float(x) > low if open_low else float(x) >= low) and float(x) <= high
-    if not ok:
-        lo = "(" if open_low else "["
-        raise InputError(name, f"a number in {lo}{low}, {high}]", describe(x), f"set {name} inside that range")
-
-
 def _markers(markers: Any, name: str = "markers") -> tuple[int, ...]:
     if isinstance(markers, Tensor):
         if markers.is_floating_point() or markers.is_complex() or markers.dtype == torch.bool or markers.ndim != 1:

@@ -37,8 +37,10 @@ from rolloutopt._validation import (
     finite,
     require_experimental,
 )
+from rolloutopt._validation import check_int as _int
+from rolloutopt._validation import check_real as _real
 from rolloutopt.control._base import StepInputs, StopResult, StopRule, StopState
-from rolloutopt.control.espo import _check_keys, _int, _real
+from rolloutopt.control.espo import _check_keys
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 
