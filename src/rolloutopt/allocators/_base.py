@@ -117,10 +117,15 @@ def _argsort_stable(x: Tensor, *, descending: bool = False) -> Tensor:
     NaN: sorted as int64 keys that order doubles as their values do (the bit pattern, the magnitude bits flipped
     for negatives; ``+ 0.0`` first makes ``-0.0`` equal to ``0.0``), which torch sorts by radix. Other dtypes,
     or a NaN, take ``torch.sort`` itself."""
-    if x.dtype == torch.float64 and x.numel() > 1 and not bool(x.isnan().any()):
-        bits = (x + 0.0).view(torch.int64)
-        key = torch.where(bits < 0, bits ^ ((1 << 63) - 1), bits)
-        return torch.sort(key.neg_() if descending else key, stable=True).indices
+    if x.dtype == torch.float64 and x.numel() > 1:
+        lo = float(x.min())  # NaN if any value is NaN
+        if lo >= 0:  # non-negative: the bit patterns already order the values
+            key = (x + 0.0).view(torch.int64)
+            return torch.sort(key.neg() if descending else key, stable=True).indices
+        if lo == lo:
+            bits = (x + 0.0).view(torch.int64)
+            key = torch.where(bits < 0, bits ^ ((1 << 63) - 1), bits)
+            return torch.sort(key.neg_() if descending else key, stable=True).indices
     return torch.sort(x, descending=descending, stable=True).indices
 
 

@@ -242,7 +242,12 @@ class _VIGORPlan(_Tracked):
             m = int((s_sorted >= s_sorted[k - 1]).sum())  # the top k, ties at the k-th included
             share = torch.full((m,), units // m, dtype=torch.long) + (torch.arange(m) < units % m).long()
             top = ranked[:m]
-            amount[top] = share if head is None else torch.minimum(share, head[top])
+            if head is not None:
+                share = torch.minimum(share, head[top])
+            go = (share > 0).nonzero().squeeze(1)
+            rows, counts = top.index_select(0, go), share.index_select(0, go)
+            by_pos = torch.sort(rows).indices  # the request lists prompts by position, as a mask would
+            return self.request(rows.index_select(0, by_pos), counts.index_select(0, by_pos))
         give = amount > 0
         return self.request(give, amount[give])
 
