@@ -338,18 +338,22 @@ class StopRule:
                 raise InputError(
                     key, f"a keyword {name}.step accepts (extra inputs: {known})", describe(value), f"remove {key}="
                 )
-            spec, kind = self.extra_inputs[key]
-            if value is None:
-                continue
-            if kind == "float":
-                t = as_float(value, key, dims, spec).to(dev)
-                finite(t, key, live.view(-1, *([1] * (t.ndim - 1))).expand_as(t))
-            elif kind == "int":
-                t = as_index(value, key, dims, spec).to(dev)
-            else:
-                t = as_mask(value, key, dims, spec).to(dev)
-            extra[key] = t
+            if value is not None:
+                extra[key] = extra_input(value, key, self.extra_inputs[key], dims, live)
         return StepInputs(live=live, active=act, extra=extra, **std)
+
+
+def extra_input(value: Any, key: str, spec_kind: tuple[str, str], dims: Dims, rows: Tensor) -> Tensor:
+    """Validate one rule-specific ``step`` input: shape ``spec`` (dims bound in ``dims``), kind ``"float"`` (fp32,
+    finite at ``rows``), ``"int"`` (int64) or ``"bool"``; returned on ``rows``' device."""
+    spec, kind = spec_kind
+    if kind == "float":
+        t = as_float(value, key, dims, spec).to(rows.device)
+        finite(t, key, rows.view(-1, *([1] * (t.ndim - 1))).expand_as(t))
+        return t
+    if kind == "int":
+        return as_index(value, key, dims, spec).to(rows.device)
+    return as_mask(value, key, dims, spec).to(rows.device)
 
 
 def replay(rule: StopRule, *, mask: Any = None, init: dict[str, Any] | None = None, **per_token: Any) -> StopResult:

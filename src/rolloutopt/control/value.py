@@ -39,7 +39,7 @@ from rolloutopt._validation import (
 )
 from rolloutopt._validation import check_int as _int
 from rolloutopt._validation import check_real as _real
-from rolloutopt.control._base import StepInputs, StopResult, StopRule, StopState
+from rolloutopt.control._base import StepInputs, StopResult, StopRule, StopState, extra_input
 from rolloutopt.control.espo import _check_keys
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
@@ -149,20 +149,10 @@ class _CheckpointRule(StopRule):
         dims = Dims()
         dims.sizes["N"] = (state.batch_size, "state")
         dims.sizes.update(self._bound_dims())
-        dev = state.stopped.device
         extra = dict(x.extra)
         for key, value in mine.items():
-            if value is None:
-                continue
-            spec, kind = self._due_inputs[key]
-            if kind == "float":
-                t = as_float(value, key, dims, spec).to(dev)
-                finite(t, key, due.view(-1, *([1] * (t.ndim - 1))).expand_as(t))
-            elif kind == "int":
-                t = as_index(value, key, dims, spec).to(dev)
-            else:
-                t = as_mask(value, key, dims, spec).to(dev)
-            extra[key] = t
+            if value is not None:
+                extra[key] = extra_input(value, key, self._due_inputs[key], dims, due)
         return replace(x, extra=extra)
 
 
