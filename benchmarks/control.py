@@ -19,6 +19,7 @@ constructors' defaults except where the table says. Then DOT (post-hoc) on the a
 Part 2 (speed): one ``step`` of every rule on a live batch of 4,096 rows with top-k 20 (inputs drawn from the
 simulator, 64 steps cycled; the state is re-initialised every 128 steps, the rule's checkpoint steps included),
 median and mean over the timed steps, with ``rolloutopt.checks(False)`` and with checks on, one torch thread;
+Prune-OPD is timed twice: fed the top-k ids, and fed the overlap ``[N]`` an engine computed (its optional input);
 the baseline is ``topk_logprobs.max(-1)`` on the same ``[4096, 20]`` tensor, timed right after every step (the
 "vs baseline" column is the ratio of the medians, so that load drift cancels). Target: under 1 ms.
 
@@ -59,6 +60,12 @@ def features(b: SimulatedGeneration) -> torch.Tensor:
     entropy = b.entropy.cumsum(-1) / count
     markers = torch.isin(b.tokens, torch.tensor(MARKERS)).float().cumsum(-1) / count * 10
     return torch.stack([regret, entropy / 4, b.values, markers], dim=-1)
+
+
+def topk_overlap(b: SimulatedGeneration, k: int) -> torch.Tensor:
+    """Student/teacher top-k overlap ``[N, T]`` over the first ``k`` ids, as an engine would pass it to PruneOPD."""
+    s, t = b.topk_ids[..., :k], b.teacher_topk_ids[..., :k]
+    return (s[..., :, None] == t[..., None, :]).sum((-1, -2)).clamp(max=k).float() / k
 
 
 @dataclass
@@ -184,6 +191,12 @@ def recipes(t_max: int) -> dict[str, Recipe]:
             lambda: C.PruneOPD(experimental=True),
             lambda b: {"student_topk": b.topk_ids, "teacher_topk": b.teacher_topk_ids},
         ),
+        "PruneOPD (overlap input)": Recipe(
+            lambda: C.PruneOPD(experimental=True),
+            lambda b: {"overlap": topk_overlap(b, 8)},
+            note="the engine passes the overlap [N] it computed (timed in Part 2 only: same decisions as PruneOPD)",
+            extra={"cls": "PruneOPD", "part": "speed"},
+        ),
         "ESR": Recipe(lambda: C.ESR(), std, note="n=100"),
     }
 
@@ -298,6 +311,8 @@ def table_for(
     for name, recipe in table.items():
         if ONLY and not any(o in name for o in ONLY):
             continue
+        if recipe.extra.get("part") == "speed":
+            continue
         cls = recipe.extra.get("cls", name)
         if cls not in available:
             print(f"| {name:34} | not in rolloutopt.control |")
@@ -379,7 +394,7 @@ def speed(rounds: int, check_modes: tuple[bool, ...] = (False, True)) -> None:
     for name, recipe in table.items():
         if ONLY and not any(o in name for o in ONLY):
             continue
-        if "cls" in recipe.extra:  # variants of a rule: timed once, as the rule itself
+        if "cls" in recipe.extra and recipe.extra.get("part") != "speed":  # variants: timed as the rule itself
             continue
         cols: list[str] = []
         try:
