@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import checks_enabled, describe
+from rolloutopt._validation import check_int, check_real, checks_enabled, describe
 from rolloutopt.errors import InputError
 
 __all__ = [
@@ -147,21 +147,8 @@ def _sort_ids(ids: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # -- hyper-parameter checks shared by the allocators --------------------------------------------------------------
-def _int(x: Any, name: str, low: int, *, none: bool = False) -> None:
-    if none and x is None:
-        return
-    if not isinstance(x, int) or isinstance(x, bool) or x < low:
-        raise InputError(name, f"{'None or ' if none else ''}an int >= {low}", describe(x), f"pass e.g. {name}={low}")
-
-
-def _real(x: Any, name: str, low: float, high: float, *, none: bool = False, open_low: bool = False) -> None:
-    if none and x is None:
-        return
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
-    ok = ok and (float(x) > low if open_low else float(x) >= low) and float(x) <= high
-    if not ok:
-        lo = "(" if open_low else "["
-        raise InputError(name, f"{'None or ' if none else ''}a number in {lo}{low}, {high}]", describe(x), "fix it")
+_int = check_int  # hyper-parameter checks shared with the rest of the library (rolloutopt._validation)
+_real = check_real
 
 
 def _choice(x: Any, name: str, options: tuple[str, ...]) -> None:
