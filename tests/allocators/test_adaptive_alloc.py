@@ -14,7 +14,15 @@ from hypothesis import strategies as st
 
 from rolloutopt.advantages.prior import v05
 from rolloutopt.allocators import AllocationResult, Request
-from rolloutopt.allocators.adaptive import AERO, AR3PO, V05Budget, dead_zone_probability, response_key
+from rolloutopt.allocators.adaptive import (
+    AERO,
+    AR3PO,
+    V05Budget,
+    _beyond_limit,
+    _cut_beyond_limit,
+    dead_zone_probability,
+    response_key,
+)
 from rolloutopt.errors import InputError
 
 from .helpers import hashed, run, table
@@ -192,6 +200,64 @@ def test_aero_budget_priority_and_partial() -> None:
     assert reasons(res)[2] == "partial"
     res, _ = run(e.plan(torch.tensor([0, 1, 2]), n1 + 1), table({0: [1, 0], 1: [1, 0], 2: [1, 0]}))
     assert res.counts.tolist() == [0, n1, 0]  # remainder 1 < n_min: nothing
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 10_000), segs=st.integers(1, 8), kind=st.integers(0, 2))
+def test_aero_cut_beyond_limit_matches_exact_ranking(seed: int, segs: int, kind: int) -> None:
+    """The truncated-key sort selects what the exact (key, index) ranking selects, also when truncations tie."""
+    g = torch.Generator().manual_seed(seed)
+    size = torch.randint(2, 12, (segs,), generator=g)
+    limit = (torch.rand(segs, generator=g, dtype=torch.float64) * (size - 1).double()).long() + 1
+    seg = torch.cat([torch.repeat_interleave(torch.arange(segs), size), torch.full((seed % 4,), segs)])
+    seg = seg[torch.randperm(seg.numel(), generator=g)]
+    if kind == 0:  # seeded uniforms
+        key = torch.rand(seg.numel(), generator=g, dtype=torch.float64)
+    elif kind == 1:  # equal in their top 40 bits, distinct: every boundary is a tie of truncations
+        key = 0.5 + torch.randint(0, 4, (seg.numel(),), generator=g).double() * 2.0**-45
+    else:  # exact ties: ranked by index
+        key = torch.randint(0, 3, (seg.numel(),), generator=g).double() / 4
+    want, _ = _beyond_limit(seg, key, torch.cat([limit, torch.tensor([1 << 40])]))
+    got = _cut_beyond_limit(seg.int(), key, size, limit)
+    assert sorted(got.tolist()) == sorted(want.tolist())
+
+
+def test_aero_cut_beyond_limit_int64_path() -> None:
+    """More than 2**19 segments: the composite key is int64 (fewer key bits left in int32)."""
+    g = torch.Generator().manual_seed(0)
+    s_n = (1 << 19) + 5
+    size = torch.full((s_n,), 3)
+    limit = torch.randint(1, 3, (s_n,), generator=g)
+    seg = torch.repeat_interleave(torch.arange(s_n), size)
+    key = torch.rand(seg.numel(), generator=g, dtype=torch.float64)
+    want, _ = _beyond_limit(seg, key, limit)
+    got = _cut_beyond_limit(seg.int(), key, size, limit)
+    assert torch.equal(got.sort().values, want.sort().values)
+
+
+@pytest.mark.parametrize(("drop_flat", "prior"), [(True, (1.0, 1.0)), (False, (0.5, 2.0))])
+def test_aero_rejection_matches_reference_ranking(drop_flat: bool, prior: tuple[float, float]) -> None:
+    """Selective rejection keeps, per prompt, the majority rollouts whose seeded keys (one per majority rollout, in
+    observation order) rank below the limit: replayed here with a generator seeded alike and the exact ranking."""
+    ids = torch.arange(400) * 3 + 1
+    res, _ = run(aero(seed=3, drop_flat=drop_flat, n_min=3, prior=prior).plan(ids, 5000), hashed(1))
+    pos, y = res.group, (res.rewards >= 1.0).long()
+    n = res.counts
+    c = torch.zeros(ids.numel(), dtype=torch.long).index_add_(0, pos, y)
+    m = torch.minimum(c, n - c)
+    flat = (n > 0) & (m == 0)
+    code = torch.where((2 * c == n) | flat, 2, (2 * c > n).long())
+    idx = (code[pos] == y).nonzero().squeeze(1)
+    key = torch.rand(idx.numel(), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    limit = torch.maximum(torch.ceil(2.0 * m.double()).long(), 3 - m)
+    cut, _ = _beyond_limit(pos[idx], key, limit)
+    want = (~flat).double()[pos] if drop_flat else torch.ones(pos.numel(), dtype=torch.float64)
+    want[idx[cut]] = 0.0
+    assert cut.numel() > 0
+    assert torch.equal(res.weight, want)
+    rejected = torch.zeros(ids.numel(), dtype=torch.bool)
+    rejected[pos[idx[cut]]] = True
+    assert torch.equal(res.reasons == 1, rejected)
 
 
 # -- V05Budget oracle -------------------------------------------------------------------------------------------------

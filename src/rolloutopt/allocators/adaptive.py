@@ -116,6 +116,46 @@ def _beyond_limit(seg: Tensor, key: Tensor, limit: Tensor) -> tuple[Tensor, Tens
     return order.index_select(0, hit), s.index_select(0, hit)
 
 
+def _cut_beyond_limit(seg: Tensor, key: Tensor, size: Tensor, limit: Tensor) -> Tensor:
+    """What :func:`_beyond_limit` selects for the segments ``0 .. S-1`` (``S = size.numel()``), without exact ranks.
+
+    ``seg`` (int ``[K]``, values in ``[0, S]``; ``S`` marks an element of no segment), ``key`` (float64 ``[K]`` in
+    ``[0, 1)``), ``size[s]`` = how many elements have ``seg == s`` and ``1 <= limit[s] < size[s]``. Returns the
+    indices (in no particular order) of the elements whose rank within their segment, by ``(key, index)``, is
+    ``>= limit[seg]``.
+
+    One stable sort of ``seg * 2**kb + floor(key * 2**kb)``, in int32 while ``kb >= 12`` bits of key fit (torch
+    sorts int32 about twice as fast as int64): segment ``s`` fills sorted positions ``a[s] .. a[s] + size[s] - 1``
+    (``a`` the exclusive cumsum of ``size``), ordered by the truncated key and then by index. Truncation is monotone,
+    so keys of equal truncation are adjacent in both that order and the exact one, and only their order among
+    themselves can differ: the first ``limit[s]`` positions hold exactly the elements of rank ``< limit[s]`` unless
+    the two positions at the boundary, ``a[s] + limit[s] - 1`` and ``a[s] + limit[s]``, hold equal truncations.
+    The few segments where they do are ranked exactly (:func:`_beyond_limit` on their elements, in index order)."""
+    s_n = size.numel()
+    bits = s_n.bit_length()
+    dtype, kb = (torch.int32, 31 - bits) if bits <= 19 else (torch.long, 62 - bits)
+    comp = (key * float(1 << kb)).to(dtype).add_(seg.to(dtype), alpha=1 << kb)
+    ordered, order = torch.sort(comp, stable=True)
+    start = torch.cumsum(size, 0) - size
+    bound = start + limit
+    tied = ordered.index_select(0, bound - 1) == ordered.index_select(0, bound)
+    cut_n = torch.where(tied, 0, size - limit)
+    cut_end = torch.cumsum(cut_n, 0)
+    total = int(cut_end[-1]) if s_n else 0
+    at = torch.repeat_interleave(bound - (cut_end - cut_n), cut_n, output_size=total).add_(torch.arange(total))
+    cut = order.index_select(0, at)
+    if bool(tied.any()):
+        rows = tied.nonzero().squeeze(1)
+        rs = size.index_select(0, rows)
+        re = torch.cumsum(rs, 0)
+        first = start.index_select(0, rows) - (re - rs)
+        at = torch.repeat_interleave(first, rs, output_size=int(re[-1])).add_(torch.arange(int(re[-1])))
+        members = order.index_select(0, at).sort().values
+        exact, _ = _beyond_limit(seg.index_select(0, members).long(), key.index_select(0, members), limit)
+        cut = torch.cat([cut, members.index_select(0, exact)])
+    return cut
+
+
 def _check_state(state: Any, keys: set[str], owner: str) -> dict[str, Any]:
     if not isinstance(state, dict) or set(state) != keys:
         raise InputError("state", f"a dict with keys {sorted(keys)}", describe(state), f"pass {owner}.state_dict()")
@@ -434,14 +474,15 @@ _AE_NAMES = ("allocated", "rejected_surplus", "flat_dropped", "partial", "skippe
 
 class _AEROPlan(_Tracked):
     reason_names = _AE_NAMES
-    track_extremes = False  # only successes are read
+    track_extremes = False
+    track_successes = False  # counted once at finish, from the rollouts (select)
 
     def __init__(self, prompt_ids: Tensor, budget: int, owner: AERO, counts: Tensor, reasons: Tensor) -> None:
         super().__init__(prompt_ids, budget)
         self.o = owner
-        self.success_threshold = owner.success
         self._counts, self._plan_reasons = counts, reasons
         self._sent = False
+        self._observed = 0
 
     def decide(self) -> Request | None:
         if self._sent:
@@ -450,10 +491,27 @@ class _AEROPlan(_Tracked):
         keep = self._counts > 0
         return self.request(keep, self._counts[keep]) if bool(keep.any()) else None
 
+    def observed(self, pos: Tensor, r: Tensor) -> None:
+        self._observed += 1
+
+    def _successes(self, pos: Tensor, y: Tensor) -> Tensor:
+        """Successes per planned prompt (int64 ``[P]``) from the per-rollout outcomes ``y``."""
+        n = self._n
+        if self._observed == 1 and pos.numel() < 2**31:
+            # the plan's one request (rows in increasing position, each repeated its count), observed at once: the
+            # rollouts of position i are rows end[i] - n[i] .. end[i] - 1, so a prefix sum gives every count
+            end = torch.cumsum(n, 0)
+            up = torch.zeros(pos.numel() + 1, dtype=torch.int32)
+            torch.cumsum(y, 0, dtype=torch.int32, out=up[1:])
+            return (up.index_select(0, end) - up.index_select(0, end - n)).long()
+        return torch.zeros(n.numel(), dtype=torch.long).index_add_(0, pos, y.long())
+
     def select(self) -> tuple[Tensor, Tensor]:
         o = self.o
         pos, r = self.rollouts()
-        n, c = self._n, self._succ.long()
+        n = self._n
+        y = r >= o.success
+        c = self._successes(pos, y)
         m = torch.minimum(c, n - c)  # minority size per prompt
         flat = (n > 0) & (m == 0)
         if o.drop_flat:  # weight 0 for a flat group's rollouts (and, below, for the rejected ones)
@@ -465,27 +523,28 @@ class _AEROPlan(_Tracked):
             # per prompt, the majority outcome: 1 success, 0 failure, 2 none (a tie or a flat group); a rollout is
             # of the majority iff its outcome equals its prompt's code
             code = torch.where((2 * c == n) | flat, 2, (2 * c > n).long()).to(torch.int8)
-            major = code.index_select(0, pos) == (r >= o.success).to(torch.int8)
-            limit = torch.maximum(torch.ceil(o.reject_ratio * m.double()).long(), o.n_min - m)
+            major = code.index_select(0, pos) == y.view(torch.int8)
             idx = major.nonzero().squeeze(1)
             if idx.numel():
+                # one seeded uniform key per majority rollout, in observation order; a prompt keeps the `limit`
+                # majority rollouts of smallest key (ties by order) and every other one gets weight 0
                 key = torch.rand(idx.numel(), generator=o._gen, dtype=torch.float64)
-                seg = pos.index_select(0, idx)
-                # only a prompt with more majority rollouts than its limit loses some: when those hold well under
-                # half of the majority rollouts, rank them alone (the others keep every rollout either way)
+                limit = torch.maximum(torch.ceil(o.reject_ratio * m.double()).long(), o.n_min - m)
                 major_n = torch.maximum(c, n - c)
-                over = (major_n > limit) & (code < 2)
-                if 2 * int(torch.where(over, major_n, 0).sum()) < idx.numel():
-                    sel = over.index_select(0, seg).nonzero().squeeze(1)
-                    idx, key, seg = idx.index_select(0, sel), key.index_select(0, sel), seg.index_select(0, sel)
-                cut, cut_seg = _beyond_limit(seg, key, limit)
-                weight.index_fill_(0, idx.index_select(0, cut), 0.0)
-                rejected.index_fill_(0, cut_seg, True)
-        reasons = torch.where(
-            self._plan_reasons >= 4,
-            self._plan_reasons,
-            torch.where(flat, 2, torch.where(rejected, 1, self._plan_reasons)),
-        )
+                rejected = (major_n > limit) & (code < 2)  # only these lose any (limit >= 1: m >= 1 here)
+                rows = rejected.nonzero().squeeze(1)
+                if rows.numel():
+                    s_n = rows.numel()
+                    row_of = torch.full((n.numel(),), s_n, dtype=torch.int32)
+                    row_of.index_copy_(0, rows, torch.arange(s_n, dtype=torch.int32))
+                    seg = row_of.index_select(0, pos.index_select(0, idx))
+                    size, lim = major_n.index_select(0, rows), limit.index_select(0, rows)
+                    if 2 * int(size.sum()) < idx.numel():  # rank the losing prompts' keys alone
+                        sel = (seg < s_n).nonzero().squeeze(1)
+                        idx, key, seg = idx.index_select(0, sel), key.index_select(0, sel), seg.index_select(0, sel)
+                    weight.index_fill_(0, idx.index_select(0, _cut_beyond_limit(seg, key, size, lim)), 0.0)
+        # a prompt planned "skipped"/"no_budget" (4, 5) got no rollouts: it is neither flat nor rejected
+        reasons = torch.where(flat, 2, torch.where(rejected, 1, self._plan_reasons))
         return weight, reasons
 
 
@@ -609,7 +668,17 @@ class AERO:
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
         p = ids.numel()
-        a, b = self.posterior(ids)
+        # everything per prompt in increasing-id order (the order that breaks priority ties): the posterior look-up
+        # of sorted ids needs no scatter back, and one scatter at the end places counts and reasons
+        q, by_id = _sort_ids(ids)
+        if self._ids.numel() == 0:
+            a = torch.full((p,), self.prior[0], dtype=torch.float64)
+            b = torch.full((p,), self.prior[1], dtype=torch.float64)
+        else:
+            at = torch.searchsorted(self._ids, q).clamp_(max=self._ids.numel() - 1)
+            found = self._ids.index_select(0, at) == q
+            a = torch.where(found, self._a.index_select(0, at), self.prior[0])
+            b = torch.where(found, self._b.index_select(0, at), self.prior[1])
         # The rule is a function of (a, b) alone, and posteriors take few distinct values (counts): evaluate it on
         # the grid of distinct a x distinct b (the same elementwise floats) and gather, unless the grid is large.
         # (a, b > 0: equal bit patterns are equal values, and an int64 unique is the faster one)
@@ -623,22 +692,21 @@ class AERO:
             want, pri, skip = g_want.index_select(0, row), g_pri.index_select(0, row), g_skip.index_select(0, row)
         else:
             want, pri, skip = self._group_sizes(a, b)
-        by_id = _sort_ids(ids)[1]
-        order = by_id.index_select(0, _argsort_stable(pri.index_select(0, by_id)))
-        w = want.index_select(0, order)
+        rank = _argsort_stable(pri)  # by priority, ties to the lower id
+        w = want.index_select(0, rank)
         csum = torch.cumsum(w, 0)
         fits = csum <= budget
         give_o = torch.where(fits, w, 0)
         nfit = int(fits.sum()) if p else 0
-        partial = torch.zeros(p, dtype=torch.bool)
+        reasons_o = torch.where(skip.index_select(0, rank), 4, torch.where(give_o == 0, 5, 0))
         if nfit < p and int(w[nfit]) > 0:
             rest = budget - (int(csum[nfit - 1]) if nfit else 0)
             rest = rest if self.n_min <= rest else 0
             give_o[nfit] = rest
-            partial[nfit] = rest > 0
+            reasons_o[nfit] = 3 if rest > 0 else 5
+        order = by_id.index_select(0, rank)
         counts = torch.empty(p, dtype=torch.long).scatter_(0, order, give_o)
-        part = torch.empty(p, dtype=torch.bool).scatter_(0, order, partial)
-        reasons = torch.where(skip, 4, torch.where(counts == 0, 5, torch.where(part, 3, 0)))
+        reasons = torch.empty(p, dtype=torch.long).scatter_(0, order, reasons_o)
         return _AEROPlan(ids, budget, self, counts, reasons)
 
     def update(self, result: AllocationResult) -> None:
