@@ -3,11 +3,14 @@
 :class:`ReverseTask` is a verifiable toy task, :class:`TinyPolicy` a small GRU policy whose sampler returns
 rollouts in the library's tensor convention, and :func:`train` a short GRPO loop built from
 :func:`rolloutopt.advantages.grpo` and a :mod:`rolloutopt.losses` preset. ``python -m rolloutopt demo`` runs it.
-:class:`PromptPopulation` and :func:`run` are a model-free prompt population for comparing rollout allocators.
+:class:`PromptPopulation` and :func:`run` are a model-free prompt population for comparing rollout allocators;
+:class:`GenerationSimulator` is a token-level generation simulator (per-step signals with a latent failure point)
+for comparing stop rules.
 """
 
 from __future__ import annotations
 
+from rolloutopt.testbed.generation import GenerationSimulator, SimulatedGeneration
 from rolloutopt.testbed.policy import Rollouts, TinyPolicy
 from rolloutopt.testbed.prompts import PromptPopulation, run
 from rolloutopt.testbed.task import VOCAB, VOCAB_SIZE, ReverseTask, decode, encode
@@ -17,9 +20,11 @@ __all__ = [
     "VOCAB",
     "VOCAB_SIZE",
     "EvalResult",
+    "GenerationSimulator",
     "PromptPopulation",
     "ReverseTask",
     "Rollouts",
+    "SimulatedGeneration",
     "StepRecord",
     "TinyPolicy",
     "TrainConfig",
