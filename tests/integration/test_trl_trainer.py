@@ -426,6 +426,7 @@ def test_two_processes_equal_stock_trl(tmp_path: Any) -> None:
     script = tmp_path / "two.py"
     script.write_text(TWO_PROCESS_SCRIPT.format(here=here))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    env["TOKENIZERS_PARALLELISM"] = "false"  # no tokenizer thread pool left running at a rank's exit
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -744,6 +745,9 @@ out = dict(
 )
 with open(os.path.join({out!r}, "rank" + os.environ["RANK"] + ".json"), "w") as f:  # not stdout: ranks interleave
     json.dump(out, f)
+trainer.accelerator.wait_for_everyone()
+torch.distributed.destroy_process_group()
+os._exit(0)  # results are on disk: skip interpreter teardown (a C++ thread joined at exit can abort a rank)
 """
 
 
@@ -753,6 +757,7 @@ def test_selector_allocator_two_processes(tmp_path: Any) -> None:
     script = tmp_path / "two_alloc.py"
     script.write_text(TWO_PROCESS_ALLOC_SCRIPT.format(here=here, out=str(tmp_path)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    env["TOKENIZERS_PARALLELISM"] = "false"  # no tokenizer thread pool left running at a rank's exit
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -800,6 +805,9 @@ assert trainer.accelerator.num_processes == 2 and trainer.accelerator.distribute
 logs = [h["loss"] for h in t.step_logs(trainer)]
 with open(os.path.join({out!r}, f"logs{{trainer.accelerator.process_index}}.json"), "w") as f:
     json.dump(logs, f)  # a file, not stdout: the ranks' lines can interleave
+trainer.accelerator.wait_for_everyone()
+torch.distributed.destroy_process_group()
+os._exit(0)  # results are on disk: skip interpreter teardown (a C++ thread joined at exit can abort a rank)
 """
 
 
@@ -816,6 +824,7 @@ def test_accelerate_two_cpu_processes_match_one_process(tmp_path: Any, preset: s
     script = tmp_path / "accel.py"
     script.write_text(ACCELERATE_SCRIPT.format(here=here, out=str(tmp_path), preset=preset, trl_kw=trl_kw))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    env["TOKENIZERS_PARALLELISM"] = "false"  # no tokenizer thread pool left running at a rank's exit
     accelerate = pathlib.Path(sys.executable).with_name("accelerate")
     # --multi_gpu selects accelerate's torch.distributed launcher (its --cpu path needs mpirun); the script's
     # GRPOConfig(use_cpu=True) then makes the Accelerator a MULTI_CPU (gloo) world
