@@ -26,7 +26,7 @@ from rolloutopt._validation import Dims, as_float, as_mask, checks_enabled, choi
 from rolloutopt.errors import InputError
 from rolloutopt.kernels._backend import resolve_backend
 from rolloutopt.losses.aggregation import AGG_MODES, AggMode, Denominators, aggregate
-from rolloutopt.losses.policy import RATIO_QUANTILES, LossOutput, weight_metrics
+from rolloutopt.losses.policy import RATIO_QUANTILES, LossOutput, aggregate_terms, weight_metrics
 from rolloutopt.losses.presets import PRESETS, Preset
 from rolloutopt.losses.regularizers import KL
 from rolloutopt.ratios.context import StageContext, as_weights, masked_max, masked_mean, masked_quantiles
@@ -742,25 +742,11 @@ def fused_policy_loss(
     pg, klv, weight, flags = pg.view(shape), klv.view(shape), weight.view(shape), flags.view(shape)
     removed = (flags & F_REMOVED) != 0
     keep = ~removed if plan.mis is not None else None
-    loss_mask = m if keep is None else m & keep
-    denom_mask = m if plan.removed_in_denominator else loss_mask
-    kept = loss_mask
-    if seq_weight is not None:
-        sw = as_float(seq_weight, "seq_weight", dims, "B", device=x.device)
-        finite(sw, "seq_weight")
-        total = total * sw[:, None].to(total.dtype)
-        pg = pg * sw[:, None].to(pg.dtype)
-        carries = (sw != 0)[:, None]
-        loss_mask = loss_mask & carries
-        denom_mask = denom_mask & carries
-    per_token = torch.where(loss_mask, total, torch.zeros_like(total))
-    agg_kw: dict[str, Any] = {
-        "denominators": denominators,
-        "group": group,
-        "max_len": max_len,
-        "denominator_mask": denom_mask,
-    }
-    loss = aggregate(per_token, loss_mask, plan.agg, **agg_kw)  # type: ignore[arg-type]
+    a = aggregate_terms(
+        total, pg, m, keep, dims, agg=plan.agg, seq_weight=seq_weight,  # type: ignore[arg-type]
+        removed_in_denominator=plan.removed_in_denominator, denominators=denominators, group=group, max_len=max_len,
+    )  # fmt: skip
+    loss, per_token, pg, loss_mask, kept, agg_kw = a.loss, a.per_token, a.pg, a.loss_mask, a.kept, a.agg_kw
     metrics = _metrics(
         plan, loss, pg, logp2.detach(), ent2.detach(), klv, weight, flags, m, kept, keep, inp, dims, loss_mask, agg_kw
     )

@@ -117,6 +117,59 @@ def _corrections(correction: Correction | Sequence[Correction] | None) -> tuple[
     return (correction,)
 
 
+@dataclass(frozen=True)
+class AggregatedTerms:
+    """What :func:`aggregate_terms` returns: the loss, the per-token loss, the weighted policy term, the loss mask
+    (after sequence weights), the kept mask (before them) and the aggregation keywords used."""
+
+    loss: Tensor
+    per_token: Tensor
+    pg: Tensor
+    loss_mask: Tensor
+    kept: Tensor
+    agg_kw: dict[str, Any]
+
+
+def aggregate_terms(
+    total: Tensor,
+    pg: Tensor,
+    mask: Tensor,
+    keep: Tensor | None,
+    dims: Dims,
+    *,
+    agg: AggMode,
+    seq_weight: Any,
+    removed_in_denominator: bool,
+    denominators: Denominators | None,
+    group: Any,
+    max_len: int | None,
+) -> AggregatedTerms:
+    """The last stage of a policy loss, shared by :func:`policy_loss` and the fused kernel: the loss mask (``mask``
+    and the stages' ``keep``; removed tokens stay in the denominator with ``removed_in_denominator``), the
+    per-sequence weights ``seq_weight [B]`` (a weight-0 sequence leaves the numerator and every denominator), and
+    the aggregation with explicit denominators."""
+    loss_mask = mask if keep is None else mask & keep
+    denom_mask = mask if removed_in_denominator else loss_mask
+    kept = loss_mask  # before seq_weight: masked_frac reports trust-region and correction masks only
+    if seq_weight is not None:
+        sw = as_float(seq_weight, "seq_weight", dims, "B", device=total.device)
+        finite(sw, "seq_weight")
+        total = total * sw[:, None].to(total.dtype)
+        pg = pg * sw[:, None].to(pg.dtype)
+        carries = (sw != 0)[:, None]
+        loss_mask = loss_mask & carries
+        denom_mask = denom_mask & carries
+    per_token = torch.where(loss_mask, total, torch.zeros_like(total))
+    agg_kw: dict[str, Any] = {
+        "denominators": denominators,
+        "group": group,
+        "max_len": max_len,
+        "denominator_mask": denom_mask,
+    }
+    loss = aggregate(per_token, loss_mask, agg, **agg_kw)
+    return AggregatedTerms(loss, per_token, pg, loss_mask, kept, agg_kw)
+
+
 def policy_loss(
     logp: FloatBT,
     old_logp: FloatBT | None,
@@ -284,25 +337,12 @@ def policy_loss(
             )
         total = total - entropy_coef * ent
 
-    loss_mask = m if keep is None else m & keep
-    denom_mask = m if removed_in_denominator else loss_mask
-    kept = loss_mask  # before seq_weight: masked_frac reports trust-region and correction masks only
-    if seq_weight is not None:
-        sw = as_float(seq_weight, "seq_weight", dims, "B", device=lp.device)
-        finite(sw, "seq_weight")
-        total = total * sw[:, None]
-        pg = pg * sw[:, None]
-        carries = (sw != 0)[:, None]
-        loss_mask = loss_mask & carries
-        denom_mask = denom_mask & carries
-    per_token = torch.where(loss_mask, total, torch.zeros_like(total))
-    agg_kw: dict[str, Any] = {
-        "denominators": denominators,
-        "group": group,
-        "max_len": max_len,
-        "denominator_mask": denom_mask,
-    }
-    loss = aggregate(per_token, loss_mask, agg, **agg_kw)
+    regularised = total is not pg
+    a = aggregate_terms(
+        total, pg, m, keep, dims, agg=agg, seq_weight=seq_weight, removed_in_denominator=removed_in_denominator,
+        denominators=denominators, group=group, max_len=max_len,
+    )  # fmt: skip
+    loss, per_token, pg, loss_mask, kept, agg_kw = a.loss, a.per_token, a.pg, a.loss_mask, a.kept, a.agg_kw
 
     # Metrics: one float mask for every masked mean (a bool mask is converted once, not per metric), and the
     # policy-term loss is the loss itself when no regulariser was added.
@@ -312,7 +352,7 @@ def policy_loss(
     rd = r.detach()
     lrd = log_r.detach()
     metrics: dict[str, Tensor] = {
-        "pg_loss": loss.detach() if total is pg else aggregate(pg.detach(), loss_mask, agg, **agg_kw).detach(),
+        "pg_loss": aggregate(pg.detach(), loss_mask, agg, **agg_kw).detach() if regularised else loss.detach(),
         "ratio_mean": _masked_mean(rd, mf, count),
         "ratio_max": _masked_max(rd, mf),
         "log_ratio_max": _masked_max(lrd.abs(), mf),
