@@ -272,3 +272,21 @@ def test_check_int_and_check_real() -> None:
     for bad, kw in ((0.0, {"open_low": True}), (1.0, {"open_high": True}), (float("nan"), {}), (2.0, {}), (True, {})):
         with pytest.raises(InputError, match=r"^x: .*\[?\(?0\.0, 1\.0"):
             check_real(bad, "x", 0.0, 1.0, **kw)
+
+
+def test_check_state_check_bool_and_fix() -> None:
+    from rolloutopt._validation import check_bool, check_int, check_real, check_state
+
+    state = {"a": 1, "b": 2}
+    assert check_state(state, {"a", "b"}, "Thing") is state
+    with pytest.raises(InputError, match=r"^state: .*\['a', 'b'\].*Thing\.state_dict\(\)"):
+        check_state({"a": 1}, {"a", "b"}, "Thing")
+    with pytest.raises(InputError, match=r"^scores: "):
+        check_state([], {"a"}, "Thing", "scores")
+    assert check_bool(True, "flag") is True
+    with pytest.raises(InputError, match=r"^flag: .*a bool"):
+        check_bool(1, "flag")
+    with pytest.raises(InputError, match=r"pass n=8"):
+        check_int(0, "n", 1, "pass n=8")
+    with pytest.raises(InputError, match=r"pass x=0.5"):
+        check_real(2.0, "x", 0.0, 1.0, "pass x=0.5")

@@ -24,8 +24,10 @@ __all__ = [
     "as_index",
     "as_mask",
     "as_seq_or_token",
+    "check_bool",
     "check_int",
     "check_real",
+    "check_state",
     "checks",
     "checks_enabled",
     "describe",
@@ -224,17 +226,17 @@ def positive(value: float, name: str, *, strict: bool = True) -> None:
 
 
 @overload
-def check_int(x: Any, name: str, low: int, *, none: Literal[False] = False) -> int: ...
+def check_int(x: Any, name: str, low: int, fix: str | None = None, *, none: Literal[False] = False) -> int: ...
 @overload
-def check_int(x: Any, name: str, low: int, *, none: bool) -> int | None: ...
-def check_int(x: Any, name: str, low: int, *, none: bool = False) -> int | None:
-    """Return the hyper-parameter ``x`` if it is an int ``>= low`` (or None, with ``none=True``); raise otherwise."""
+def check_int(x: Any, name: str, low: int, fix: str | None = None, *, none: bool) -> int | None: ...
+def check_int(x: Any, name: str, low: int, fix: str | None = None, *, none: bool = False) -> int | None:
+    """Return the hyper-parameter ``x`` if it is an int ``>= low`` (or None, with ``none=True``); raise an
+    InputError naming it otherwise (``fix``: the advice in the message, default "set <name> to an int >= low")."""
     if none and x is None:
         return None
     if not isinstance(x, int) or isinstance(x, bool) or x < low:
-        raise InputError(
-            name, f"{'None or ' if none else ''}an int >= {low}", describe(x), f"set {name} to an int >= {low}"
-        )
+        expected = f"{'None or ' if none else ''}an int >= {low}"
+        raise InputError(name, expected, describe(x), fix or f"set {name} to an int >= {low}")
     return x
 
 
@@ -244,6 +246,7 @@ def check_real(
     name: str,
     low: float = ...,
     high: float = ...,
+    fix: str | None = None,
     *,
     open_low: bool = ...,
     open_high: bool = ...,
@@ -255,6 +258,7 @@ def check_real(
     name: str,
     low: float = ...,
     high: float = ...,
+    fix: str | None = None,
     *,
     open_low: bool = ...,
     open_high: bool = ...,
@@ -265,13 +269,15 @@ def check_real(
     name: str,
     low: float = -math.inf,
     high: float = math.inf,
+    fix: str | None = None,
     *,
     open_low: bool = False,
     open_high: bool = False,
     none: bool = False,
 ) -> float | None:
     """Return the hyper-parameter ``x`` as a float if it is a finite number in the interval ``[low, high]`` (ends
-    open with ``open_low``/``open_high``; None allowed with ``none=True``); raise an InputError naming it otherwise."""
+    open with ``open_low``/``open_high``; None allowed with ``none=True``); raise an InputError naming it otherwise
+    (``fix``: the advice in the message, default "set <name> inside the interval")."""
     if none and x is None:
         return None
     ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
@@ -281,8 +287,22 @@ def check_real(
     if not ok:
         interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
         expected = f"{'None or ' if none else ''}a finite number in {interval}"
-        raise InputError(name, expected, describe(x), f"set {name} inside {interval}")
+        raise InputError(name, expected, describe(x), fix or f"set {name} inside {interval}")
     return float(x)
+
+
+def check_bool(x: Any, name: str) -> bool:
+    """Return the flag ``x`` if it is a bool; raise an InputError naming it otherwise."""
+    if not isinstance(x, bool):
+        raise InputError(name, "a bool", describe(x), f"pass {name}=True or {name}=False")
+    return x
+
+
+def check_state(state: Any, keys: set[str], owner: str, name: str = "state") -> dict[str, Any]:
+    """Return ``state`` if it is a dict with exactly ``keys`` (a ``load_state_dict`` argument); raise otherwise."""
+    if not isinstance(state, dict) or set(state) != keys:
+        raise InputError(name, f"a dict with keys {sorted(keys)}", describe(state), f"pass {owner}.state_dict()")
+    return state
 
 
 def choice(value: Any, name: str, options: tuple[Any, ...]) -> None:

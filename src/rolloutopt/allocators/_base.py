@@ -147,8 +147,8 @@ def _sort_ids(ids: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # -- hyper-parameter checks shared by the allocators --------------------------------------------------------------
-_int = check_int  # hyper-parameter checks shared with the rest of the library (rolloutopt._validation)
-_real = check_real
+_int = _check_int = check_int  # hyper-parameter checks shared with the rest of the library (rolloutopt._validation)
+_real = _check_float = check_real
 
 
 def _choice(x: Any, name: str, options: tuple[str, ...]) -> None:
@@ -393,23 +393,6 @@ class OneShotPlan(Conversation):
 
 
 # -- id stores and group sizes shared by the allocators ----------------------------------------------------------
-def _check_int(value: Any, name: str, low: int, fix: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise InputError(name, f"an int >= {low}", describe(value), fix)
-    return value
-
-
-def _check_float(value: Any, name: str, low: float, high: float, fix: str, *, open_low: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
-    if ok:
-        v = float(value)
-        ok = (v > low if open_low else v >= low) and v <= high
-    if not ok:
-        bracket = "(" if open_low else "["
-        raise InputError(name, f"a finite number in {bracket}{low}, {high}]", describe(value), fix)
-    return float(value)
-
-
 def _group_sizes(n: Any, n_min: Any, n_max: Any) -> tuple[int, int, int]:
     """Validate the group size ``n`` and the per-prompt caps ``n_min <= n <= n_max`` (None means ``n``)."""
     n = _check_int(n, "n", 1, "pass the rollouts per prompt, e.g. n=8")

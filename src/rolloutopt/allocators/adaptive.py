@@ -21,7 +21,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import describe, require_experimental
+from rolloutopt._validation import check_bool as _bool
+from rolloutopt._validation import check_state, describe, require_experimental
 from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
@@ -43,11 +44,6 @@ __all__ = ["AERO", "AR3PO", "ReusedResponses", "V05Budget", "dead_zone_probabili
 
 _SHIFT = 32
 _ROW_MASK = (1 << _SHIFT) - 1
-
-
-def _bool(x: Any, name: str) -> None:
-    if not isinstance(x, bool):
-        raise InputError(name, "a bool", describe(x), f"pass {name}=True or {name}=False")
 
 
 def _success(x: Any) -> float:
@@ -154,12 +150,6 @@ def _cut_beyond_limit(seg: Tensor, key: Tensor, size: Tensor, limit: Tensor) -> 
         exact, _ = _beyond_limit(seg.index_select(0, members).long(), key.index_select(0, members), limit)
         cut = torch.cat([cut, members.index_select(0, exact)])
     return cut
-
-
-def _check_state(state: Any, keys: set[str], owner: str) -> dict[str, Any]:
-    if not isinstance(state, dict) or set(state) != keys:
-        raise InputError("state", f"a dict with keys {sorted(keys)}", describe(state), f"pass {owner}.state_dict()")
-    return state
 
 
 def _check_result(result: Any, names: tuple[str, ...], owner: str) -> AllocationResult:
@@ -439,7 +429,7 @@ class AR3PO:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
         keys = {"step", "buffer_ids", "buffer_keys", "buffer_rewards", "buffer_steps", "generator"}
-        s = _check_state(state, keys, "AR3PO")
+        s = check_state(state, keys, "AR3PO")
         self._step = int(s["step"])
         self._buf_ids = s["buffer_ids"].clone().long()
         self._buf_key = s["buffer_keys"].clone().long()
@@ -739,7 +729,7 @@ class AERO:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        s = _check_state(state, {"ids", "a", "b", "generator"}, "AERO")
+        s = check_state(state, {"ids", "a", "b", "generator"}, "AERO")
         self._ids, self._a, self._b = s["ids"].clone().long(), s["a"].clone().double(), s["b"].clone().double()
         self._gen.set_state(s["generator"])
 
@@ -941,6 +931,6 @@ class V05Budget:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        s = _check_state(state, {"ids", "value", "sum", "count"}, "V05Budget")
+        s = check_state(state, {"ids", "value", "sum", "count"}, "V05Budget")
         self._ids, self._vm = s["ids"].clone().long(), s["value"].clone().double()
         self._sum, self._cnt = s["sum"].clone().double(), s["count"].clone().double()

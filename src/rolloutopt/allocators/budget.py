@@ -24,7 +24,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import describe
+from rolloutopt._validation import check_int as _int
+from rolloutopt._validation import check_real as _float
+from rolloutopt._validation import check_state, describe
 from rolloutopt.allocators._base import AllocationResult, Conversation, Request, _sort_ids, as_prompt_ids, check_budget
 from rolloutopt.allocators.history import PromptHistory
 from rolloutopt.errors import InputError
@@ -35,23 +37,6 @@ _F64 = torch.float64
 
 
 # -- validation helpers -------------------------------------------------------------------------------------------
-def _int(value: Any, name: str, low: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise InputError(name, f"an int >= {low}", describe(value), f"pass {name} as an int >= {low}")
-    return value
-
-
-def _float(value: Any, name: str, low: float, high: float, *, open_low: bool = False, open_high: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
-    if ok:
-        v = float(value)
-        ok = (v > low if open_low else v >= low) and (v < high if open_high else v <= high)
-    if not ok:
-        lb, rb = "(" if open_low else "[", ")" if open_high else "]"
-        raise InputError(name, f"a finite number in {lb}{low}, {high}{rb}", describe(value), f"pass a valid {name}")
-    return float(value)
-
-
 def _check_result(result: Any) -> AllocationResult:
     if not isinstance(result, AllocationResult):
         raise InputError("result", "the AllocationResult of plan.finish()", describe(result), "pass plan.finish()")
@@ -453,8 +438,7 @@ class CoBAAllocator:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`."""
         keys = {"history", "rates", "alpha", "beta", "step"}
-        if not isinstance(state, dict) or set(state) != keys:
-            raise InputError("state", f"a dict with keys {sorted(keys)}", describe(state), "pass state_dict()")
+        check_state(state, keys, "CoBAAllocator")
         self.history.load_state_dict(state["history"])
         self._rates = state["rates"].clone().to(_F64)
         self.alpha, self.beta = float(state["alpha"]), float(state["beta"])
@@ -656,7 +640,6 @@ class Knapsack:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`."""
-        if not isinstance(state, dict) or set(state) != {"history", "step"}:
-            raise InputError("state", "a dict with keys ['history', 'step']", describe(state), "pass state_dict()")
+        check_state(state, {"history", "step"}, "Knapsack")
         self.history.load_state_dict(state["history"])
         self._step = int(state["step"])

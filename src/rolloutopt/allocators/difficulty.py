@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import describe
+from rolloutopt._validation import check_bool as _bool
+from rolloutopt._validation import check_state, describe
 from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
@@ -38,11 +39,6 @@ _UNSEEN_RANK = -100.0  # E3's rank of a never-seen prompt (weight 0)
 
 
 # -- validation helpers -------------------------------------------------------------------------------------------
-
-
-def _bool(x: Any, name: str) -> None:
-    if not isinstance(x, bool):
-        raise InputError(name, "a bool", describe(x), "pass True or False")
 
 
 def _greedy(headroom: Tensor, units: Tensor | int) -> Tensor:
@@ -529,8 +525,7 @@ class E3Budget:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (validated: keys, shapes, sorted distinct ids)."""
         keys = {"ids", "sum", "count", "rank", "n_min", "n_max", "epoch", "steps"}
-        if not isinstance(state, dict) or set(state) != keys:
-            raise InputError("state", f"a dict with keys {sorted(keys)}", describe(state), "pass state_dict()")
+        check_state(state, keys, "E3Budget")
         ids = state["ids"]
         k = ids.numel() if isinstance(ids, Tensor) else -1
         ok = k >= 0 and all(isinstance(state[x], Tensor) and state[x].shape == (k,) for x in ("sum", "count", "rank"))
@@ -683,8 +678,7 @@ class E3Temperature:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
         keys = {"temperature", "target_entropy", "initial_target", "steps", "init_entropy"}
-        if not isinstance(state, dict) or set(state) != keys:
-            raise InputError("state", f"a dict with keys {sorted(keys)}", describe(state), "pass state_dict()")
+        check_state(state, keys, "E3Temperature")
         self.temperature = float(state["temperature"])
         self.target_entropy = state["target_entropy"]
         self._initial_target = state["initial_target"]

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import describe
+from rolloutopt._validation import check_state, describe
 from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
@@ -369,8 +369,7 @@ class DPS:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (validated: keys, shapes, sorted distinct ids)."""
         keys = {"ids", "alpha", "pi", "pi_before", "sampled_times", "generator"}
-        if not isinstance(state, dict) or set(state) != keys:
-            raise InputError("state", f"a dict with keys {sorted(keys)}", describe(state), "pass DPS.state_dict()")
+        check_state(state, keys, "DPS")
         ids = state["ids"]
         k = ids.numel() if isinstance(ids, Tensor) else -1
         shapes = {"ids": (k,), "alpha": (k, 3, 3), "pi": (k, 3), "pi_before": (k, 3), "sampled_times": (k,)}

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from rolloutopt._validation import check_int as _check_int
 from rolloutopt._validation import choice, describe
 from rolloutopt.allocators._base import AllocationResult, Conversation, Request, as_prompt_ids, check_budget
 from rolloutopt.errors import InputError
@@ -120,12 +121,6 @@ class _DAPOPlan(Conversation):
             "target_reached": torch.tensor(float(self.kept >= self._b)),
         }
         return dataclasses.replace(result, metrics=metrics)
-
-
-def _check_int(value: Any, name: str, low: int, hint: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise InputError(name, f"an int >= {low}", describe(value), hint)
-    return value
 
 
 class DAPODynamicSampling:

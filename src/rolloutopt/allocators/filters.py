@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import choice, describe, require_experimental
+from rolloutopt._validation import check_state, choice, describe, require_experimental
 from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
@@ -102,11 +102,6 @@ def _shift_in(buf: Tensor, pos: Tensor, new: Tensor) -> Tensor:
     """Append ``new[i]`` to the window row ``buf[pos[i]]`` (oldest value dropped); ``pos`` distinct."""
     rows = torch.cat([buf.index_select(0, pos)[:, 1:], new.unsqueeze(1).to(buf.dtype)], dim=1)
     return buf.index_copy_(0, pos, rows)
-
-
-def _check_state(state: Any, keys: set[str], owner: str) -> None:
-    if not isinstance(state, dict) or set(state) != keys:
-        raise InputError("state", f"a dict with keys {sorted(keys)}", describe(state), f"pass {owner}.state_dict()")
 
 
 def _check_rows(state: dict[str, Any], shapes: dict[str, tuple[int, ...]], owner: str) -> None:
@@ -377,7 +372,7 @@ class DEPO:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (validated: keys, shapes, sorted distinct ids)."""
-        _check_state(state, {"ids", "scores", "count", "epoch", "steps", "generator"}, "DEPO")
+        check_state(state, {"ids", "scores", "count", "epoch", "steps", "generator"}, "DEPO")
         m = state["ids"].numel() if isinstance(state["ids"], Tensor) else -1
         _check_rows(state, {"ids": (m,), "scores": (m, self.history_k), "count": (m,)}, "DEPO")
         self._ids = state["ids"].clone().long()
@@ -547,7 +542,7 @@ class HIVE:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (validated: keys, shapes, sorted distinct ids)."""
-        _check_state(state, {"ids", "reward", "entropy", "prompt_entropy", "generator"}, "HIVE")
+        check_state(state, {"ids", "reward", "entropy", "prompt_entropy", "generator"}, "HIVE")
         m = state["ids"].numel() if isinstance(state["ids"], Tensor) else -1
         w = self.window
         _check_rows(state, {"ids": (m,), "reward": (m, w), "entropy": (m, w), "prompt_entropy": (m,)}, "HIVE")

@@ -27,7 +27,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import choice, describe, positive, require_experimental
+from rolloutopt._validation import check_int as _int
+from rolloutopt._validation import check_state, choice, describe, positive, require_experimental
 from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
@@ -53,12 +54,6 @@ _F64 = torch.float64
 
 
 # ------------------------------------------------------------------------------------------ validation helpers
-
-
-def _int(value: Any, name: str, low: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise InputError(name, f"an int >= {low}", describe(value), f"set {name} to an int >= {low}")
-    return value
 
 
 def _unit(value: Any, name: str, *, closed_low: bool, closed_high: bool) -> float:
@@ -418,10 +413,7 @@ class DifficultyClassifier:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (validated: keys, shapes, sorted distinct ids, bins in range)."""
         keys = {"ids", "ema", "bin", "streak", "last", "step"}
-        if not isinstance(state, dict) or set(state) != keys:
-            raise InputError(
-                "state", f"a dict with keys {sorted(keys)}", describe(state), "pass classifier.state_dict()"
-            )
+        check_state(state, keys, "DifficultyClassifier")
         ids = as_prompt_ids(state["ids"], "state['ids']")
         s = ids.numel()
         tensors = {name: state[name] for name in ("ema", "bin", "streak", "last")}
@@ -472,8 +464,7 @@ class _BinEMA:
 
     def load(self, state: Any, name: str) -> None:
         k = self.s.numel()
-        if not isinstance(state, dict) or set(state) != {"s", "t"}:
-            raise InputError(name, "a dict with keys ['s', 't']", describe(state), "pass a state_dict()")
+        check_state(state, {"s", "t"}, "the allocator", name)
         for key in ("s", "t"):
             if not isinstance(state[key], Tensor) or state[key].shape != (k,):
                 raise InputError(f"{name}['{key}']", f"a tensor of shape ({k},)", describe(state[key]), "same bins")
@@ -699,8 +690,7 @@ class PromptGDRO:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; the allocator then continues exactly as the saved one would."""
-        if not isinstance(state, dict) or set(state) != {"scores", "classifier", "generator"}:
-            raise InputError("state", "PromptGDRO.state_dict()", describe(state), "pass allocator.state_dict()")
+        check_state(state, {"scores", "classifier", "generator"}, "PromptGDRO")
         self._scores.load(state["scores"], "state['scores']")
         self.classifier.load_state_dict(state["classifier"])
         _load_generator(self._gen, state["generator"])
@@ -961,8 +951,7 @@ class RolloutGDRO:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; the allocator then continues exactly as the saved one would."""
         keys = {"mu", "scores", "rate", "classifier", "generator"}
-        if not isinstance(state, dict) or set(state) != keys:
-            raise InputError("state", "RolloutGDRO.state_dict()", describe(state), "pass allocator.state_dict()")
+        check_state(state, keys, "RolloutGDRO")
         positive(state["mu"], "state['mu']", strict=False)
         self._scores.load(state["scores"], "state['scores']")
         self._rate.load(state["rate"], "state['rate']")

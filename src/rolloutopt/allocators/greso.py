@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import describe
+from rolloutopt._validation import check_state, describe
 from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
@@ -418,8 +418,7 @@ class GRESO:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (validated: keys, shapes, sorted distinct ids)."""
         keys = {"ids", "k_easy", "k_hard", "p_easy", "p_hard", "epoch", "steps", "generator"}
-        if not isinstance(state, dict) or set(state) != keys:
-            raise InputError("state", f"a dict with keys {sorted(keys)}", describe(state), "pass GRESO.state_dict()")
+        check_state(state, keys, "GRESO")
         ids = state["ids"]
         k = ids.numel() if isinstance(ids, Tensor) else -1
         for key in ("ids", "k_easy", "k_hard"):

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from rolloutopt._validation import check_int as _check_int
 from rolloutopt._validation import checks_enabled, choice, describe
 from rolloutopt.allocators._base import AllocationResult
 from rolloutopt.errors import InputError
@@ -167,12 +168,6 @@ def _check_number(value: Any, name: str) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
         raise InputError(name, "a real number", describe(value), f"pass e.g. {name}=1.0")
     return float(value)
-
-
-def _check_int(value: Any, name: str, low: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise InputError(name, f"an int >= {low}", describe(value), f"pass {name} as an int >= {low}")
-    return value
 
 
 class PromptHistory:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import describe, require_experimental
+from rolloutopt._validation import check_state, describe, require_experimental
 from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
@@ -441,8 +441,7 @@ class DOTS:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (validated: keys and aligned shapes)."""
         keys = {"step", "next_key", "label_ids", "labels", "ref_ids", "ref_labels", "buffer", "generator"}
-        if not isinstance(state, dict) or set(state) != keys:
-            raise InputError("state", f"a dict with keys {sorted(keys)}", describe(state), "pass DOTS.state_dict()")
+        check_state(state, keys, "DOTS")
         buf = state["buffer"]
         ok = isinstance(buf, dict) and set(buf) == set(_empty_replay(1))
         ok = ok and all(isinstance(v, Tensor) for v in buf.values())
@@ -635,6 +634,5 @@ class XRPOAllocator:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`."""
-        if not isinstance(state, dict) or set(state) != {"generator"}:
-            raise InputError("state", "a dict with key 'generator'", describe(state), "pass XRPOAllocator.state_dict()")
+        check_state(state, {"generator"}, "XRPOAllocator")
         self._gen.set_state(state["generator"])

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import describe, require_experimental
+from rolloutopt._validation import check_state, describe, require_experimental
 from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
@@ -714,8 +714,7 @@ class PilotCommit:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
         keys = {"step", "buffer_ids", "buffer_std", "buffer_step", "evicted", "generator"}
-        if not isinstance(state, dict) or set(state) != keys:
-            raise InputError("state", f"a dict with keys {sorted(keys)}", describe(state), "pass state_dict()")
+        check_state(state, keys, "PilotCommit")
         self._step = int(state["step"])
         self._buf_ids = state["buffer_ids"].clone().long()
         self._buf_std = state["buffer_std"].clone().double()

@@ -37,6 +37,7 @@ from rolloutopt._validation import (
     Dims,
     as_float,
     as_mask,
+    check_state,
     checks_enabled,
     describe,
     finite,
@@ -69,12 +70,6 @@ def _float_state(state: Any, key: str, owner: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InputError(f"state[{key!r}]", "a number", describe(value), f"pass {owner}.state_dict()")
     return float(value)
-
-
-def _check_keys(state: Any, keys: set[str], owner: str) -> dict[str, Any]:
-    if not isinstance(state, dict) or set(state) != keys:
-        raise InputError("state", f"a dict with keys {sorted(keys)}", describe(state), f"pass {owner}.state_dict()")
-    return state
 
 
 # -- the regret ------------------------------------------------------------------------------------------------------
@@ -376,7 +371,7 @@ class ESPO(StopRule):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` exactly (validated)."""
-        s = _check_keys(state, self._KEYS, "ESPO")
+        s = check_state(state, self._KEYS, "ESPO")
         mu, var, beta = (_float_state(s, k, "ESPO") for k in ("mu", "var", "beta"))
         progress = _float_state(s, "progress", "ESPO")
         last = None if s["last_loss"] is None else _float_state(s, "last_loss", "ESPO")
@@ -508,7 +503,7 @@ class ESPOCriticFree(StopRule):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` exactly (validated)."""
-        s = _check_keys(state, {"rho_bar", "s_rho", "batches"}, "ESPOCriticFree")
+        s = check_state(state, {"rho_bar", "s_rho", "batches"}, "ESPOCriticFree")
         if (s["rho_bar"] is None) != (s["s_rho"] is None):
             raise InputError("state", "rho_bar and s_rho both None or both numbers", describe(s), "pass state_dict()")
         ref = [None if s[k] is None else _float_state(s, k, "ESPOCriticFree") for k in ("rho_bar", "s_rho")]

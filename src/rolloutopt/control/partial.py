@@ -54,7 +54,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from rolloutopt._validation import check_int as _check_int
-from rolloutopt._validation import describe, finite
+from rolloutopt._validation import check_state, describe, finite
 from rolloutopt.errors import InputError
 
 __all__ = [
@@ -801,8 +801,7 @@ class PartialScheduler:
             "open",
             "extra",
         }
-        if not isinstance(state, dict) or set(state) != keys:
-            raise InputError("state", f"a dict with keys {sorted(keys)}", describe(state), "pass state_dict()")
+        check_state(state, keys, type(self).__name__)
         if state["kind"] != type(self).__name__ or state["config"] != self._config():
             raise InputError(
                 "state",

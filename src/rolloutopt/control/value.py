@@ -32,6 +32,7 @@ from rolloutopt._validation import (
     as_float,
     as_index,
     as_mask,
+    check_state,
     checks_enabled,
     describe,
     finite,
@@ -40,7 +41,6 @@ from rolloutopt._validation import (
 from rolloutopt._validation import check_int as _int
 from rolloutopt._validation import check_real as _real
 from rolloutopt.control._base import StepInputs, StopResult, StopRule, StopState, extra_input
-from rolloutopt.control.espo import _check_keys
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 
@@ -555,7 +555,7 @@ class QualityHeadPruner(_CheckpointRule):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` exactly (validated: keys, shapes, counts)."""
-        s = _check_keys(state, self._KEYS, "QualityHeadPruner")
+        s = check_state(state, self._KEYS, "QualityHeadPruner")
         shapes = {
             "weight": (self.dim,),
             "bias": (),

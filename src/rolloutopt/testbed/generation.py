@@ -27,27 +27,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rolloutopt._validation import check_int as _int
+from rolloutopt._validation import check_real as _real
 from rolloutopt._validation import describe
 from rolloutopt.errors import InputError
 
 __all__ = ["GenerationSimulator", "SimulatedGeneration"]
-
-
-def _real(value: Any, name: str, low: float | None = None, high: float | None = None, *, strict: bool = False) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise InputError(name, "a finite real number", describe(value), f"pass e.g. {name}=1.0")
-    v = float(value)
-    if low is not None and (v <= low if strict else v < low):
-        raise InputError(name, f"a number {'>' if strict else '>='} {low}", describe(value), f"set {name} accordingly")
-    if high is not None and v > high:
-        raise InputError(name, f"a number <= {high}", describe(value), f"set {name} accordingly")
-    return v
-
-
-def _int(value: Any, name: str, low: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise InputError(name, f"an int >= {low}", describe(value), f"pass e.g. {name}={max(low, 1)}")
-    return value
 
 
 def _span(value: Any, name: str) -> tuple[float, float]:
@@ -273,7 +258,7 @@ class GenerationSimulator:
         self.top_k = _int(top_k, "top_k", 1)
         self.pass_logit_mean = _real(pass_logit_mean, "pass_logit_mean")
         self.pass_logit_std = _real(pass_logit_std, "pass_logit_std", 0.0)
-        self.length_median = _real(length_median, "length_median", 0.0, strict=True)
+        self.length_median = _real(length_median, "length_median", 0.0, open_low=True)
         self.length_sigma = _real(length_sigma, "length_sigma", 0.0)
         self.fail_length_factor = _real(fail_length_factor, "fail_length_factor", 1.0)
         self.min_length = _int(min_length, "min_length", 2)
@@ -290,8 +275,8 @@ class GenerationSimulator:
                 describe(fail_frac),
                 "lower fail_frac or raise answer_frac",
             )
-        self.gap_ok = _real(gap_ok, "gap_ok", 0.0, strict=True)
-        self.gap_failed = _real(gap_failed, "gap_failed", 0.0, strict=True)
+        self.gap_ok = _real(gap_ok, "gap_ok", 0.0, open_low=True)
+        self.gap_failed = _real(gap_failed, "gap_failed", 0.0, open_low=True)
         self.gap_row_std = _real(gap_row_std, "gap_row_std", 0.0)
         self.eos_id = _int(eos_id, "eos_id", 0)
         if self.eos_id >= self.vocab_size:

@@ -11,25 +11,17 @@ rollouts it needed to reach a target mean pass rate.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from rolloutopt._validation import check_real as _real
 from rolloutopt._validation import describe
 from rolloutopt.allocators._base import AllocationResult, Allocator, as_prompt_ids, check_budget
 from rolloutopt.errors import InputError
 
 __all__ = ["PromptPopulation", "run"]
-
-
-def _real(value: Any, name: str, *, low: float | None = None, strict: bool = False) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise InputError(name, "a finite real number", describe(value), f"pass e.g. {name}=1.0")
-    if low is not None and (value <= low if strict else value < low):
-        raise InputError(name, f"a number {'>' if strict else '>='} {low}", describe(value), f"set {name} accordingly")
-    return float(value)
 
 
 class PromptPopulation:
