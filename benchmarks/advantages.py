@@ -4,7 +4,7 @@ Cases: (a) equal groups of 8 in consecutive order and (b) ragged groups of rando
 Each estimator gets the inputs it needs (binary correctness rewards, K = 3 reward components, per-token
 log-probs, entropies and a right-padded mask with T = 8), built once; a ``Groups`` is built once per case and
 passed to every call, as a training step would. Times are medians over repeats after a warmup, with input
-validation on (the default), one torch thread. The issue's target: every estimator within 5x of ``grpo``. The
+validation on (the default), one torch thread. Our target: every estimator within 5x of ``grpo``. The
 ``grpo + to_tokens`` row (not an estimator) shows what writing one ``[B, T]`` tensor costs next to ``grpo``'s
 ``[B]`` work: estimators that read or write ``[B, T]`` tensors pay that several times.
 

@@ -55,11 +55,11 @@ class SyntheticEntropies:
 
     def pre_update(self, result: Any) -> dict[str, torch.Tensor]:
         """The entropies of ``result``'s rollouts (drawn here, outside the timed ``update``)."""
-        return {"entropies": torch.rand(result.rewards.numel(), generator=self.gen, dtype=torch.float64)}
+        return {"entropy": torch.rand(result.rewards.numel(), generator=self.gen, dtype=torch.float64)}
 
-    def update(self, result: Any, entropies: torch.Tensor | None = None) -> None:
-        e = self.pre_update(result)["entropies"] if entropies is None else entropies
-        self.inner.update(result, entropies=e)
+    def update(self, result: Any, entropy: torch.Tensor | None = None) -> None:
+        e = self.pre_update(result)["entropy"] if entropy is None else entropy
+        self.inner.update(result, entropy=e)
 
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict(), "gen": self.gen.get_state()}
@@ -80,14 +80,14 @@ def contenders() -> dict[str, Callable[[], Any]]:
         "RolloutGDRO": lambda: A.RolloutGDRO(seed=0, experimental=True),
         "DPS": lambda: A.DPS(seed=0),
         "GRESO": lambda: A.GRESO(seed=0, steps_per_epoch=10, train_batch_size=128),
-        "CoBAAllocator": lambda: A.CoBAAllocator(),
+        "CoBA": lambda: A.CoBA(),
         "Knapsack": lambda: A.Knapsack(),
         "DARS": lambda: A.DARS(seed=0),
         "E3Budget": lambda: A.E3Budget(seed=0),
         "AR3PO": lambda: A.AR3PO(seed=0, experimental=True),
         "AERO": lambda: A.AERO(seed=0, experimental=True),
         "DOTS": lambda: A.DOTS(seed=0, experimental=True),
-        "XRPOAllocator": lambda: A.XRPOAllocator(seed=0, experimental=True),
+        "XRPO": lambda: A.XRPO(seed=0, experimental=True),
         "HIVE (no prompt entropy)": lambda: A.HIVE(seed=0, experimental=True),
         "DEPO (random entropy)": lambda: SyntheticEntropies(A.DEPO(seed=0), seed=0),
         "V05Budget": lambda: A.V05Budget(experimental=True),

@@ -19,8 +19,7 @@ constructors' defaults except where the table says. Then DOT (post-hoc) on the a
 Part 2 (speed): one ``step`` of every rule on a live batch of 4,096 rows with top-k 20 (inputs drawn from the
 simulator, 64 steps cycled; the state is re-initialised every 128 steps, the rule's checkpoint steps included),
 median and mean over the timed steps, with ``rolloutopt.checks(False)`` and with checks on, one torch thread;
-Prune-OPD is timed twice: fed the top-k ids, and fed the overlap ``[N]`` an engine computed (its optional input);
-the baseline is ``topk_logprobs.max(-1)`` on the same ``[4096, 20]`` tensor, timed right after every step (the
+Prune-OPD is fed the top-k overlap ``[N]`` an engine computes (its one input); the baseline is ``topk_logp.max(-1)`` on the same ``[4096, 20]`` tensor, timed right after every step (the
 "vs baseline" column is the ratio of the medians, so that load drift cancels). Target: under 1 ms.
 
 Run: ``python benchmarks/control.py`` (``--quick``: fewer seeds and steps).
@@ -30,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import os
 import platform
 import statistics
@@ -56,7 +54,7 @@ FEATURES = 4  # ARRoL head features: running mean regret, running mean entropy, 
 def features(b: SimulatedGeneration) -> torch.Tensor:
     """Per-token features ``[N, T, 4]`` a quality head could read at its checkpoint (running means so far)."""
     count = torch.arange(1, b.max_tokens + 1, dtype=torch.float32)[None, :]
-    regret = (b.topk_logprobs[..., 0] - b.logprobs).cumsum(-1) / count
+    regret = (b.topk_logp[..., 0] - b.logp).cumsum(-1) / count
     entropy = b.entropy.cumsum(-1) / count
     markers = torch.isin(b.tokens, torch.tensor(MARKERS)).float().cumsum(-1) / count * 10
     return torch.stack([regret, entropy / 4, b.values, markers], dim=-1)
@@ -82,7 +80,7 @@ class Recipe:
 
 
 def std(b: SimulatedGeneration) -> dict[str, torch.Tensor]:
-    return {"logprobs": b.logprobs, "entropy": b.entropy, "topk_logprobs": b.topk_logprobs, "tokens": b.tokens}
+    return {"logp": b.logp, "entropy": b.entropy, "topk_logp": b.topk_logp, "tokens": b.tokens}
 
 
 def calibrate_espo(rule: Any, draw: Callable[[], SimulatedGeneration]) -> None:
@@ -151,51 +149,46 @@ def recipes(t_max: int) -> dict[str, Recipe]:
             lambda b: {**std(b), "values": b.values},
             note=f"r_abs={R_ABS} (required; ours), values = critic",
         ),
-        "QualityHeadPruner": Recipe(
-            lambda: C.QualityHeadPruner(dim=FEATURES, experimental=True),
+        "ARRoL": Recipe(
+            lambda: C.ARRoL(dim=FEATURES, experimental=True),
             lambda b: {**std(b), "features": features(b)},
             init=lambda b: {"group": b.group},
             calibrate=calibrate_arrol,
             note="head trained on 2 batches; keep_frac 0.5",
         ),
-        "StepConfidenceTruncation": Recipe(
-            lambda: C.StepConfidenceTruncation(markers=MARKERS, experimental=True),
+        "StepGRPOTruncation": Recipe(
+            lambda: C.StepGRPOTruncation(markers=MARKERS, experimental=True),
             lambda b: {**std(b), "confidence": b.confidence},
             answer_reasons=("confident",),
         ),
-        "SelfTruncation": Recipe(
-            lambda: C.SelfTruncation(markers=MARKERS, experimental=True),
+        "DEER": Recipe(
+            lambda: C.DEER(markers=MARKERS, experimental=True),
             lambda b: {**std(b), "confidence": b.confidence},
             answer_reasons=("early_exit",),
         ),
-        "MarkerGatedAbort": Recipe(
-            lambda: C.MarkerGatedAbort(markers=ANSWERS, experimental=True),
+        "DUETAbort": Recipe(
+            lambda: C.DUETAbort(markers=ANSWERS, experimental=True),
             std,
             answer_reasons=("answered",),
             note="horizon 4096 > T: the gate never fires",
         ),
-        f"MarkerGatedAbort (horizon={t_max // 2})": Recipe(
-            lambda: C.MarkerGatedAbort(markers=ANSWERS, horizon=t_max // 2, experimental=True),
+        f"DUETAbort (horizon={t_max // 2})": Recipe(
+            lambda: C.DUETAbort(markers=ANSWERS, horizon=t_max // 2, experimental=True),
             std,
             answer_reasons=("answered",),
             note="horizon scaled to T/2",
-            extra={"cls": "MarkerGatedAbort"},
+            extra={"cls": "DUETAbort"},
         ),
-        "ConfidencePruning": Recipe(
-            lambda: C.ConfidencePruning(experimental=True),
+        "ECHOPruning": Recipe(
+            lambda: C.ECHOPruning(experimental=True),
             std,
             init=lambda b: {"group": b.group},
             note="trees = prompt groups",
         ),
         "PruneOPD": Recipe(
             lambda: C.PruneOPD(experimental=True),
-            lambda b: {"student_topk": b.topk_ids, "teacher_topk": b.teacher_topk_ids},
-        ),
-        "PruneOPD (overlap input)": Recipe(
-            lambda: C.PruneOPD(experimental=True),
             lambda b: {"overlap": topk_overlap(b, 8)},
-            note="the engine passes the overlap [N] it computed (timed in Part 2 only: same decisions as PruneOPD)",
-            extra={"cls": "PruneOPD", "part": "speed"},
+            note="the engine passes the top-8 overlap [N] it computed (PruneOPD.overlap on the same ids)",
         ),
         "ESR": Recipe(lambda: C.ESR(), std, note="n=100"),
     }
@@ -218,13 +211,8 @@ def drive(rule: C.StopRule, b: SimulatedGeneration, recipe: Recipe) -> C.StopSta
 
 
 def stop_rules() -> list[str]:
-    """Every StopRule subclass that rolloutopt.control exports now."""
-    out = []
-    for name in C.__all__:
-        obj = getattr(C, name)
-        if inspect.isclass(obj) and issubclass(obj, C.StopRule) and obj is not C.StopRule:
-            out.append(name)
-    return out
+    """Class names of every streaming rule (StopRule subclass) in the ``rolloutopt.control`` registry."""
+    return sorted(e.obj.__name__ for e in C.REGISTRY.entries() if issubclass(e.obj, C.StopRule))
 
 
 def score(b: SimulatedGeneration, res: C.StopResult, answer_reasons: tuple[str, ...]) -> dict[str, float]:
@@ -372,7 +360,7 @@ def speed(rounds: int, check_modes: tuple[bool, ...] = (False, True)) -> None:
     b = sim.sample(n // sim.group_size, torch.Generator().manual_seed(0))
     feats = features(b)
     table = recipes(per_round)
-    topk = b.topk_logprobs[:, 0].contiguous()
+    topk = b.topk_logp[:, 0].contiguous()
 
     def bare() -> None:
         topk.max(-1)
@@ -384,7 +372,7 @@ def speed(rounds: int, check_modes: tuple[bool, ...] = (False, True)) -> None:
         times.append(time.perf_counter() - t0)
     base = statistics.median(times) * 1e3
     print(f"\nPart 2: step time, {n} live rows, top-k {sim.top_k}, {rounds * per_round} steps per rule, one thread")
-    print(f"baseline topk_logprobs.max(-1) on [{n}, {sim.top_k}]: median {base * 1e3:.1f} us")
+    print(f"baseline topk_logp.max(-1) on [{n}, {sim.top_k}]: median {base * 1e3:.1f} us")
     head = (
         "| rule                               | off median ms | off mean ms | off checkpoint ms | vs baseline "
         "| on median ms | on mean ms |"
@@ -430,7 +418,7 @@ def prepare_for_speed(rule: Any, b: SimulatedGeneration, recipe: Recipe) -> None
         rule.mu, rule.var = 1.0, 4.0
     elif name == "ESPOCriticFree":
         rule.rho_bar, rule.s_rho = 0.4, 1.0
-    elif name == "QualityHeadPruner":
+    elif name == "ARRoL":
         f = features(b)[:, -1]
         rule.train_head(f, b.success)
 

@@ -22,7 +22,7 @@ calls; the first call is the memory one), torch's default thread count. The rati
 measured in the same run. On a shared machine the CPU-time ratio is the steadier one: a process that waits for
 a core does not accumulate CPU time (OpenMP spin-waits still count, on both paths alike). "mem n/o" is naive
 peak / ours, "o/n" ours / naive.
-Targets (issue 8): peak extra memory independent of N and at least 8x below naive at V = 151,936; time no worse
+Targets (the project's): peak extra memory independent of N and at least 8x below naive at V = 151,936; time no worse
 than 1.5x naive on CPU.
 
 Run: ``python benchmarks/kernels.py`` (about 10 minutes on an idle 2-core machine; the naive path at N = 4,096,

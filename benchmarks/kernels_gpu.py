@@ -1,4 +1,5 @@
-"""GPU benchmark of the fused kernels (issue 8) for one H100 / H200: correctness, then time and peak memory.
+"""GPU benchmark of the fused kernels (``docs/methods/kernels.md``) for one H100 / H200: correctness, then time and
+peak memory.
 
     python benchmarks/kernels_gpu.py [--out PATH] [--budget SECONDS]   # on a CUDA machine, ~10 minutes at most
     python benchmarks/kernels_gpu.py --dry-run [--out PATH]            # every section at tiny shapes on CPU
@@ -56,7 +57,7 @@ TEMP = 0.7
 KL_COEF = 0.001
 GIB = 2**30
 HBM = {"H200": 4.8e12, "H100": 3.35e12}
-DENSE_BF16 = 989e12  # H100 / H200 SXM dense bf16 peak (spec kernels.md §4)
+DENSE_BF16 = 989e12  # H100 / H200 SXM dense bf16 peak (NVIDIA's figure; both chips have the same tensor throughput)
 
 
 def log(msg: str) -> None:
@@ -154,7 +155,7 @@ def gib(x: float | None) -> str:
 
 
 def token_inputs(run: Run, b: int, t: int, lp: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Per-token inputs near on-policy (old/ref = logp + noise); every token valid (N valid tokens, spec §7)."""
+    """Per-token inputs near on-policy (old/ref = logp + noise); every token valid (N valid tokens)."""
     g = torch.Generator(device=run.dev).manual_seed(0)
     base = torch.zeros(b, t, device=run.dev) if lp is None else lp.detach().float().view(b, t)
     mask = torch.ones(b, t, dtype=torch.bool, device=run.dev)

@@ -10,7 +10,7 @@ then its ``vanilla`` loss with them), as ``verl/workers/utils/losses.py`` calls 
 
 Both columns are measured twice: with input validation on (the default: finiteness and mask checks cost a few
 host synchronisations) and with ``rolloutopt.checks(False)`` (the production / ``torch.compile`` setting).
-The issue's target: no preset more than 2x ``grpo``, except where the method needs a second pass.
+Our target: no preset more than 2x ``grpo``, except where the method needs a second pass.
 
 Run: ``python benchmarks/ratios.py`` (add ``--quick`` for B = 64).
 """

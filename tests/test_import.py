@@ -1,4 +1,4 @@
-"""``import rolloutopt`` stays light (DESIGN.md §1): no triton, no trainer package, fast after torch, and it works
+"""``import rolloutopt`` stays light: no triton, no trainer package, fast after torch, and it works
 with none of them installed. Each check runs in a fresh interpreter, so that other tests' imports do not count."""
 
 from __future__ import annotations

@@ -26,12 +26,14 @@ __all__ = [
     "as_seq_or_token",
     "check_bool",
     "check_int",
+    "check_log_probs",
     "check_real",
     "check_state",
     "checks",
     "checks_enabled",
     "describe",
     "finite",
+    "refuse_compiling",
     "require_experimental",
 ]
 
@@ -138,7 +140,7 @@ def as_float(
 ) -> Tensor:
     """Validate a floating tensor and return it in fp32 (float64 stays float64, for gradcheck).
 
-    bf16 and fp16 inputs are upcast, so that arithmetic runs in fp32 as ``DESIGN.md`` §2 requires.
+    bf16 and fp16 inputs are upcast, so that arithmetic runs in fp32 (the tensor convention, ``docs/guide.md``).
     """
     if checks_enabled():
         x = _require_tensor(x, name)
@@ -177,6 +179,7 @@ def as_mask(
         if dims is not None and spec is not None:
             dims.check(mask, name, spec)
         _check_device(mask, name, device)
+        refuse_compiling()
         if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
             raise InputError(
                 name,
@@ -188,7 +191,9 @@ def as_mask(
     return m if m.dtype == torch.bool else m != 0
 
 
-def as_index(group: Any, name: str, dims: Dims | None = None, spec: str = "B") -> Tensor:
+def as_index(
+    group: Any, name: str, dims: Dims | None = None, spec: str = "B", *, device: torch.device | None = None
+) -> Tensor:
     """Validate integer ids ``[B]`` (any integer dtype; returned as int64)."""
     if checks_enabled():
         group = _require_tensor(group, name)
@@ -196,23 +201,77 @@ def as_index(group: Any, name: str, dims: Dims | None = None, spec: str = "B") -
             raise InputError(name, "an int64 tensor of ids", describe(group), f"cast with {name}.long()")
         if dims is not None:
             dims.check(group, name, spec)
+        _check_device(group, name, device)
     return group.long()  # type: ignore[no-any-return]
 
 
-def finite(x: Tensor, name: str, mask: Tensor | None = None) -> None:
-    """Raise if a masked-in value of ``x`` is NaN or infinite (skipped while checks are off)."""
+LOGP_MAX = 0.01
+"""Largest log-prob accepted at a masked-in position: log-probs are <= 0, and the margin absorbs the rounding of
+a low-precision log-softmax; a probability passed for a log-prob is almost always above it."""
+
+
+def check_log_probs(x: Tensor, name: str, mask: Tensor) -> None:
+    """Raise unless every masked-in value of the log-probs ``x`` is finite and <= :data:`LOGP_MAX` (one host sync;
+    skipped while checks are off)."""
     if not checks_enabled():
         return
+    refuse_compiling()
+    xd = x.detach()
+    bad = (~torch.isfinite(xd) | (xd > LOGP_MAX)) & mask
+    if bool(bad.any()):
+        finite(x, name, mask)  # a non-finite value gets finite's message
+        where = torch.nonzero(bad)[0].tolist()
+        raise InputError(
+            name,
+            f"log-probabilities (<= 0; values up to {LOGP_MAX} are tolerated as rounding) at masked-in positions",
+            f"{describe(x)} with {int(bad.sum())} value(s) above {LOGP_MAX}, first {float(xd[tuple(where)]):.4g} "
+            f"at index {tuple(where)}",
+            f"pass natural-log probabilities of the sampled tokens (e.g. {name}.log() if these are probabilities)",
+        )
+
+
+def refuse_compiling() -> None:
+    """Raise an :class:`InputError` saying to use ``rolloutopt.checks(False)`` while ``torch.compile`` traces the
+    caller: the checks that read tensor values (mask values, finiteness, log-prob range) cannot be traced.
+
+    Called by every such check. Without ``fullgraph`` the error reaches the caller as it is; with
+    ``fullgraph=True`` torch reports it inside its ``Unsupported`` error ("raised exception InputError(...)").
+    """
+    if torch.compiler.is_compiling():
+        raise InputError(
+            "checks",
+            "rolloutopt.checks(False) around a function traced by torch.compile (validation reads tensor values)",
+            "checks enabled while compiling",
+            "wrap the compiled call in `with rolloutopt.checks(False):` (call it once eagerly to validate, if wanted)",
+        )
+
+
+def finite(x: Tensor, name: str, mask: Tensor | None = None, *, exclude: str | None = "mask") -> None:
+    """Raise if a masked-in value of ``x`` is NaN or infinite (skipped while checks are off).
+
+    ``exclude`` names the caller's keyword that leaves entries out (the advice in the message): ``"mask"``
+    (default, the losses' mask), another keyword such as ``"valid"`` (the advantage estimators' row mask), or
+    None when the caller has no such keyword.
+    """
+    if not checks_enabled():
+        return
+    refuse_compiling()
     bad = ~torch.isfinite(x.detach())
     if mask is not None:
         bad = bad & mask
     if bool(bad.any()):
         where = torch.nonzero(bad)[0].tolist()
+        if exclude is None:
+            fix = f"fix the producer of {name}"
+        elif exclude == "mask":
+            fix = f"fix the producer of {name}, or mask those positions out"
+        else:
+            fix = f"fix the producer of {name}, or leave those rows out with {exclude}="
         raise InputError(
             name,
             "finite values at masked-in positions",
             f"{describe(x)} with {int(bad.sum())} non-finite value(s), first at index {tuple(where)}",
-            f"fix the producer of {name}, or mask those positions out",
+            fix,
         )
 
 
@@ -316,14 +375,15 @@ def choice(value: Any, name: str, options: tuple[Any, ...]) -> None:
         )
 
 
-def require_experimental(flag: Any, what: str, spec: str, *, argument: str = "experimental") -> None:
-    """Raise unless ``flag is True``: ``what`` is reconstructed (``specs/`` section ``spec``), not taken from a
-    primary source, so the caller must acknowledge it with ``experimental=True``."""
+def require_experimental(flag: Any, what: str, docs: str, *, argument: str = "experimental") -> None:
+    """Raise unless ``flag is True``: ``what`` is reconstructed (described on the docs page ``docs``, e.g.
+    ``"docs/methods/trust_regions.md"``), not taken from a primary source, so the caller must acknowledge it with
+    ``experimental=True``."""
     if flag is not True:
         raise InputError(
             argument,
             f"experimental=True: {what} is reconstructed, not taken from a primary source, and may change when one is "
             "checked",
             repr(flag),
-            f"pass experimental=True to acknowledge the reconstruction (see {spec})",
+            f"pass experimental=True to acknowledge the reconstruction (see {docs})",
         )

@@ -28,4 +28,6 @@ class InputError(RolloutOptError, ValueError):
         self.expected = expected
         self.got = got
         self.fix = fix
-        super().__init__(f"{argument}: expected {expected}, got {got}. Fix: {fix}")
+        # args set directly rather than through super().__init__, which torch.compile cannot trace: an InputError
+        # raised while compiling (e.g. with checks left on) then reaches the user with its message.
+        self.args = (f"{argument}: expected {expected}, got {got}. Fix: {fix}",)

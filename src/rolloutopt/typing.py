@@ -1,4 +1,4 @@
-"""Shape aliases of the tensor convention (see ``DESIGN.md`` §2).
+"""Shape aliases of the tensor convention (see ``docs/guide.md``, "Tensor convention").
 
 ``B`` is the number of rollouts (sequences), ``T`` the padded response length, ``K`` the number of reward
 components and ``G`` the number of groups (prompts). The aliases are jaxtyping annotations; they document

@@ -1,7 +1,8 @@
-"""ACE (specs/advantages.md §A9, reconstructed form) and XRPO novelty-aware advantage sharpening (arXiv 2510.06672).
+"""ACE (arXiv 2602.21420, reconstructed form) and XRPO novelty-aware advantage sharpening (arXiv 2510.06672).
 
-Hand-computed oracles (the spec's ACE oracle and our own for both methods), the experimental gate, composition
-with GRPO and with precomputed advantages, ``valid`` masks, hypothesis properties against a float64 Python loop
+Hand-computed oracles (our reconstruction of ACE, see docs/methods/confidence.md, and our own examples for both
+methods), the experimental gate, composition with GRPO and with precomputed advantages, ``valid`` masks,
+hypothesis properties against a float64 Python loop
 written from the formulas, invariances, gradchecks and one test per class of bad input. Neither method has a
 public reference implementation installed (verl 0.9.1 and TRL 1.16 ship neither; ACE has no public code; XRPO's
 code is not available offline), so parity is with the formulas as documented in the module.
@@ -38,7 +39,7 @@ def softplus(x: float) -> float:
 
 
 def test_ace_spec_oracle() -> None:
-    # specs/advantages.md §A9: A = [+1, -1, -1], c = [5, 0, 3], alpha = 1.
+    # our reconstruction (docs/methods/confidence.md): A = [+1, -1, -1], c = [5, 0, 3], alpha = 1.
     a = t([1.0, -1.0, -1.0])
     out = ace(None, ids([0, 0, 0]), t([5.0, 0.0, 3.0]), t([0.0, 0.0, 0.0]), advantages=a, experimental=True)
     close(out.advantages, [1.0, -(1 + math.log(2)), -(1 + softplus(3.0))])
@@ -203,8 +204,8 @@ def test_invalid_rows_get_zero_weight_and_may_be_nan() -> None:
 
 
 def test_registry_and_groups_object() -> None:
-    assert REGISTRY.get("ace") is ace
-    assert REGISTRY.get("xrpo_sharpen") is xrpo_sharpen
+    assert REGISTRY.get("ace").fn is ace
+    assert REGISTRY.get("xrpo_sharpen").fn is xrpo_sharpen
     r = t([1.0, 0.0, 1.0, 1.0, 0.0])
     g = ids([3, 1, 3, 1, 3])
     lp = t([-1.0, -2.0, -3.0, -0.5, -0.7])

@@ -1,10 +1,12 @@
-"""MC-GRPO and GAPO robust baselines (specs/advantages.md A4, A5).
+"""MC-GRPO and GAPO robust baselines.
 
-Spec oracles and hand-computed examples; the documented behaviour of the papers' code (MC-GRPO's dense
-``torch.median(dim=1)`` path and GAPO's ``find_shortest_covering_subarray``), re-implemented here from the
-spec's description because neither codebase is installable; float64 per-group Python loops written
-independently of the library; hypothesis properties; gradchecks; bad input; and a Monte Carlo reproduction of
-MC-GRPO's motivation (fewer advantage sign flips than GRPO under heavy-tailed rewards at small G).
+Hand-computed examples; transcriptions of the authors' code paths (MC-GRPO: ``lotusroot-kim/MC-GRPO@da07745``,
+``src/open_r1/grpo_trainer_math.py`` / ``grpo_trainer_gsm.py`` ``_generate_and_score_completions``, the dense
+``view(-1, G + 1).median(dim=1)`` path; GAPO: ``TsingZ0/verl-GAPO@58f42b55``
+``find_shortest_covering_subarray``), written here because neither codebase is installable; float64 per-group
+Python loops written independently of the library; hypothesis properties; gradchecks; bad input; and a Monte
+Carlo reproduction of MC-GRPO's motivation (fewer advantage sign flips than GRPO under heavy-tailed rewards at
+small G).
 """
 
 from __future__ import annotations
@@ -48,11 +50,15 @@ def naive_mc(
     group: list[int],
     *,
     valid: list[bool] | None = None,
-    scale: str | None = "mad",
+    scale: str | None = "mad_or_std",
     eps: float = 1e-3,
     unbiased: bool = True,
+    pivot: str = "rank",
+    rescale_nonzero: bool = False,
 ) -> tuple[list[float], list[float]]:
-    """Per-group loop from spec A4: lower median, MAD, pivot = lowest row index equal to the median."""
+    """Per-group loop: lower median, MAD (the std where it is 0 for "mad_or_std"), the pivot at rank
+    (n - 1) // 2 of the rows sorted by (reward, row) ("rank") or the lowest tied row ("first"), and the GSM8K
+    trainer's n / #nonzero factor on |A| > 1e-6."""
     ok = valid if valid is not None else [True] * len(rewards)
     members: dict[int, list[int]] = {}
     for i, gid in enumerate(group):
@@ -67,10 +73,17 @@ def naive_mc(
         mu = sum(xs) / n
         sd = math.sqrt(sum((x - mu) ** 2 for x in xs) / (n - 1 if unbiased else n)) if n > (1 if unbiased else 0) else 0
         s = {"mad": mad + eps, "std": sd + eps, "mad_or_std": (mad if mad > 0 else sd) + eps, None: 1.0}[scale]
-        pivot = min(i for i in rows if rewards[i] == m)
+        s = s if s > 0 else 1.0
+        ranked = sorted(rows, key=lambda i: (rewards[i], i))
+        piv = ranked[(n - 1) // 2] if pivot == "rank" else min(i for i in rows if rewards[i] == m)
+        a = {i: (rewards[i] - m) / s for i in rows}
+        if rescale_nonzero:
+            nonzero = [i for i in rows if abs(a[i]) > 1e-6]
+            for i in nonzero:
+                a[i] *= n / len(nonzero)
         for i in rows:
-            adv[i] = (rewards[i] - m) / s
-            weight[i] = 0.0 if i == pivot else 1.0
+            adv[i] = a[i]
+            weight[i] = 0.0 if i == piv else 1.0
     return adv, weight
 
 
@@ -86,7 +99,7 @@ def naive_gapo(
     eps: float = 1e-6,
     singleton: str = "zero",
 ) -> list[float]:
-    """Per-group loop from spec A5 (the GAPO code's documented behaviour): sorted Python floats, windows of
+    """Per-group loop of the GAPO code's behaviour (``find_shortest_covering_subarray``): sorted Python floats, windows of
     ``ceil(n * (100 tau) / 100)`` values, strict "<" keeps the first shortest window."""
     ok = valid if valid is not None else [True] * len(rewards)
     members: dict[int, list[int]] = {}
@@ -119,13 +132,21 @@ def naive_gapo(
     return out
 
 
-def reference_mc_dense(rewards: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MC-GRPO code's training-mode path as spec A4 documents it: ``view(-1, G + 1).median(dim=1)``,
-    MAD + 1e-3, no std division, the row at ``median.indices`` dropped. Returns (advantages, keep mask)."""
+def reference_mc_dense(rewards: torch.Tensor, n: int, *, gsm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MC-GRPO code's training-mode path (``lotusroot-kim/MC-GRPO@da07745``, ``_generate_and_score_completions``
+    of ``grpo_trainer_math.py``; ``gsm``: of ``grpo_trainer_gsm.py``), transcribed: ``view(-1, G + 1)``,
+    ``median(dim=1)``, MAD + 1e-3, no std division, the row at ``median.indices`` dropped; the GSM8K trainer then
+    multiplies each group's advantages that are not ``isclose(A, 0, atol=1e-6)`` by (G + 1) / their count, in
+    a Python loop over groups. Returns (advantages, keep mask)."""
     grouped = rewards.view(-1, n)
     med = grouped.median(dim=1)
     mad = (grouped - med.values[:, None]).abs().median(dim=1).values + 1e-3
     adv = (grouped - med.values[:, None]) / mad[:, None]
+    if gsm:
+        for row in adv:
+            nonzero = ~torch.isclose(row, torch.zeros_like(row), atol=1e-6)
+            if int(nonzero.sum()) > 0:
+                row[nonzero] = row[nonzero] * (row.numel() / int(nonzero.sum()))
     drop = torch.zeros_like(grouped, dtype=torch.bool).scatter_(1, med.indices[:, None], True)
     return adv.reshape(-1), ~drop.reshape(-1)
 
@@ -133,39 +154,86 @@ def reference_mc_dense(rewards: torch.Tensor, n: int) -> tuple[torch.Tensor, tor
 # --------------------------------------------------------------------------------------- MC-GRPO oracles
 
 
-def test_mc_grpo_spec_oracle_binary() -> None:
-    # A4: [0, 1, 1] -> median 1, MAD 0, s = 0.001; one of the 1s is the pivot; remaining {0, -1000}; 2 rows.
+def test_mc_grpo_binary_oracle_default_is_bounded_and_mad_is_the_code() -> None:
+    # [0, 1, 1]: median 1 (rank (3 - 1) // 2 = 1 of [0, 1, 1]: row 1), MAD = lower median of [1, 0, 0] = 0.
+    # default: MAD 0 -> the std, sqrt(1/3) = 0.57735: A_0 = -1 / (0.57735 + 0.001) = -1.72906.
     out = mc_grpo(t([0.0, 1.0, 1.0]), ids([0, 0, 0]))
-    close(out.advantages, [-1000.0, 0.0, 0.0], rtol=1e-5)
-    assert torch.equal(out.weight, t([1.0, 0.0, 1.0]))  # pivot rule: lowest row index equal to the median
-    assert out.weight.sum().item() == 2.0
-    kept = out.advantages[out.weight.bool()]
-    assert sorted(kept.tolist()) == pytest.approx([-1000.0, 0.0], rel=1e-5)
+    close(out.advantages, [-1 / (math.sqrt(1 / 3) + 1e-3), 0.0, 0.0])
+    close(out.advantages[0], -1.72906, atol=1e-5)
+    assert torch.equal(out.weight, t([1.0, 0.0, 1.0]))  # row 1 is the pivot, two rows carry gradient
     close(out.metrics["pivot_frac"], 1 / 3)
     close(out.metrics["zero_mad_group_frac"], 1.0)
     close(out.metrics["median_tie_group_frac"], 1.0)
+    # scale="mad" is the authors' code: MAD + 1e-3 = 0.001, so A_0 = -1000
+    code = mc_grpo(t([0.0, 1.0, 1.0]), ids([0, 0, 0]), scale="mad")
+    close(code.advantages, [-1000.0, 0.0, 0.0])
+    assert torch.equal(code.weight, out.weight)
 
 
-def test_mc_grpo_spec_oracle_continuous() -> None:
-    # A4: [0.2, 0.5, 0.9] -> median 0.5, MAD = median(0.3, 0, 0.4) = 0.3, A = [-0.3/0.301, 0, 0.4/0.301].
-    out = mc_grpo(t([0.2, 0.5, 0.9], D), ids([4, 4, 4]))
-    close(out.advantages, [-0.3 / 0.301, 0.0, 0.4 / 0.301], atol=1e-12, rtol=1e-12)
-    assert torch.equal(out.weight, t([1.0, 0.0, 1.0], D))
-    close(out.metrics["zero_mad_group_frac"], 0.0)
+def test_mc_grpo_continuous_oracle() -> None:
+    # [0.2, 0.5, 0.9] -> median 0.5, MAD = median(0.3, 0, 0.4) = 0.3 > 0: every scale="mad*" gives
+    # A = [-0.3/0.301, 0, 0.4/0.301].
+    for scale in ("mad_or_std", "mad"):
+        out = mc_grpo(t([0.2, 0.5, 0.9], D), ids([4, 4, 4]), scale=scale)  # type: ignore[arg-type]
+        close(out.advantages, [-0.3 / 0.301, 0.0, 0.4 / 0.301], atol=1e-12, rtol=1e-12)
+        assert torch.equal(out.weight, t([1.0, 0.0, 1.0], D))
+        close(out.metrics["zero_mad_group_frac"], 0.0)
+
+
+def test_mc_grpo_pivot_rules_differ_only_among_tied_rows() -> None:
+    # [1, 1, 1, 1, 0] (G = 4): sorted by (reward, row): 0 (row 4), 1 (row 0), 1 (row 1), 1 (row 2), 1 (row 3);
+    # rank (5 - 1) // 2 = 2 is row 1 ("rank", the code's torch.median index); the lowest tied row is row 0.
+    r, g = t([1.0, 1.0, 1.0, 1.0, 0.0]), ids([0] * 5)
+    rank, first = mc_grpo(r, g), mc_grpo(r, g, pivot="first")
+    assert rank.weight.tolist() == [1, 0, 1, 1, 1]
+    assert first.weight.tolist() == [0, 1, 1, 1, 1]
+    assert torch.equal(rank.advantages, first.advantages)
+    # MAD 0 -> std of [1, 1, 1, 1, 0] = sqrt(0.2) = 0.44721: A_4 = -1 / 0.448214 = -2.23108
+    close(rank.advantages, [0, 0, 0, 0, -1 / (math.sqrt(0.2) + 1e-3)])
+    close(rank.advantages[4], -2.23108, atol=1e-5)
+    assert r.median(0).indices.item() == 1  # torch.median on the CPU picks the same row as "rank"
+    # the code: -1 / 0.001 = -1000; the GSM8K trainer's rescale: 1 non-zero of 5 -> x 5 = -5000
+    close(mc_grpo(r, g, scale="mad").advantages, [0, 0, 0, 0, -1000.0])
+    close(mc_grpo(r, g, scale="mad", rescale_nonzero=True).advantages, [0, 0, 0, 0, -5000.0])
+    close(mc_grpo(r, g, rescale_nonzero=True).advantages, [0, 0, 0, 0, -5 / (math.sqrt(0.2) + 1e-3)])
+
+
+def test_mc_grpo_rescale_nonzero_hand_examples() -> None:
+    # [0.1, 0.5, 0.9]: median 0.5, MAD = median(0.4, 0, 0.4) = 0.4 -> A = [-0.4, 0, 0.4] / 0.401; two non-zero
+    # of three -> x 1.5: [-0.6/0.401, 0, 0.6/0.401] = [-1.496259, 0, 1.496259].
+    out = mc_grpo(t([0.1, 0.5, 0.9], D), ids([0, 0, 0]), rescale_nonzero=True)
+    close(out.advantages, [-0.6 / 0.401, 0.0, 0.6 / 0.401], atol=1e-12, rtol=1e-12)
+    close(out.advantages[2], 1.496259, atol=1e-6)
+    # [0.5, 0.2, 0.5, 0.9, 0.5], scale="mad": sorted .2 (row 1), .5 (rows 0, 2, 4), .9 (row 3): median .5, pivot
+    # row 2 (rank 2); |dev| sorted [0, 0, 0, .3, .4] -> MAD 0: A = [0, -300, 0, 400, 0]; 2 of 5 non-zero -> x 2.5.
+    gsm = mc_grpo(t([0.5, 0.2, 0.5, 0.9, 0.5], D), ids([0] * 5), scale="mad", rescale_nonzero=True)
+    close(gsm.advantages, [0.0, -750.0, 0.0, 1000.0, 0.0], atol=1e-9, rtol=1e-9)
+    assert gsm.weight.tolist() == [1, 1, 0, 1, 1]
+    # all-equal groups have no non-zero advantage: left at 0; invalid rows count in neither n nor the non-zeros
+    flat = mc_grpo(t([0.3, 0.3, 0.3]), ids([0, 0, 0]), rescale_nonzero=True)
+    assert torch.equal(flat.advantages, torch.zeros(3))
+    masked = mc_grpo(
+        t([0.1, 0.5, 0.9, 7.0], D), ids([0] * 4), rescale_nonzero=True, valid=torch.tensor([True, True, True, False])
+    )
+    close(masked.advantages, [-0.6 / 0.401, 0.0, 0.6 / 0.401, 0.0], atol=1e-12, rtol=1e-12)
 
 
 def test_mc_grpo_hand_example_ragged() -> None:
-    # group 7, n = 5: [3, -1, 7, 2, 2] sorted [-1, 2, 2, 3, 7] -> median 2 (rows 3 and 4; pivot row 3);
-    #   |dev| = [1, 3, 5, 0, 0] sorted [0, 0, 1, 3, 5] -> MAD 1.
+    # group 7, n = 5: [3, -1, 7, 2, 2] sorted [-1, 2, 2, 3, 7] -> median 2 (rows 3 and 4; rank 2 is row 4, the
+    #   lowest tied row is row 3); |dev| = [1, 3, 5, 0, 0] sorted [0, 0, 1, 3, 5] -> MAD 1.
     # group -2, n = 4 (even): [.4, .1, .3, .8] -> lower median .3 (row 7); |dev| sorted [0, .1, .2, .5] -> MAD .1.
-    # group 9, n = 2: [5, 2] -> lower median 2 (row 10), |dev| sorted [0, 3] -> MAD 0 -> A = 3 / 0.001.
+    # group 9, n = 2: [5, 2] -> lower median 2 (row 10), |dev| sorted [0, 3] -> MAD 0: the default divides by
+    #   the std 3/sqrt(2) = 2.12132 + 0.001, scale="mad" by 0.001.
     r = t([3.0, -1.0, 7.0, 2.0, 2.0, 0.4, 0.1, 0.3, 0.8, 5.0, 2.0], D)
     g = ids([7, 7, 7, 7, 7, -2, -2, -2, -2, 9, 9])
-    out = mc_grpo(r, g)
-    s1, s2, s3 = 1.001, 0.101, 0.001
+    s1, s2, s3 = 1.001, 0.101, 3 / math.sqrt(2) + 0.001
     expected = [1 / s1, -3 / s1, 5 / s1, 0, 0, 0.1 / s2, -0.2 / s2, 0, 0.5 / s2, 3 / s3, 0]
+    out = mc_grpo(r, g)
     close(out.advantages, expected, atol=1e-9, rtol=1e-9)
-    assert out.weight.tolist() == [1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 0]
+    close(out.advantages[9], 1.413547, atol=1e-6)
+    assert out.weight.tolist() == [1, 1, 1, 1, 0, 1, 1, 0, 1, 1, 0]
+    assert mc_grpo(r, g, pivot="first").weight.tolist() == [1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 0]
+    close(mc_grpo(r, g, scale="mad").advantages, [*expected[:9], 3 / 0.001, 0], atol=1e-9, rtol=1e-9)
     close(out.metrics["pivot_frac"], 3 / 11)
     close(out.metrics["zero_mad_group_frac"], 1 / 3)
     close(out.metrics["median_tie_group_frac"], 1 / 3)
@@ -178,33 +246,32 @@ def test_mc_grpo_hand_example_ragged() -> None:
     pop = statistics.pstdev([0.2, 0.5, 0.9])
     std_pop = mc_grpo(t([0.2, 0.5, 0.9], D), ids([0, 0, 0]), scale="std", unbiased=False, eps=0.0)
     close(std_pop.advantages, [-0.3 / pop, 0, 0.4 / pop])
-    # mad_or_std: MAD 0 on [0, 1, 1] falls back to the std
-    sd01 = statistics.stdev([0.0, 1.0, 1.0])
-    close(mc_grpo(t([0.0, 1.0, 1.0], D), ids([0, 0, 0]), scale="mad_or_std").advantages, [-1 / (sd01 + 1e-3), 0, 0])
     close(mc_grpo(t([0.2, 0.5, 0.9], D), ids([0, 0, 0]), scale=None).advantages, [-0.3, 0.0, 0.4])
 
 
-def test_mc_grpo_matches_reference_code_path() -> None:
-    # Continuous rewards (no ties): the documented dense torch.median path, pivot for pivot.
-    gen = torch.Generator().manual_seed(0)
-    for n in (3, 4, 5, 9):
-        r = torch.rand(64 * n, generator=gen)
+@pytest.mark.parametrize("n", [3, 4, 5, 9])
+def test_mc_grpo_matches_reference_code_path(n: int) -> None:
+    # scale="mad" against the transcribed code (CPU torch.median): advantages and dropped rows, pivot for pivot,
+    # on continuous rewards and on binary and few-level rewards with many tied medians; the GSM8K rescale too.
+    gen = torch.Generator().manual_seed(n)
+    levels = torch.tensor([0.0, 1.0, 1.5, 2.0, 3.0])  # the GSM8K accuracy (0, 1.5, 2) + format (0, 1) sums
+    for r in (
+        torch.rand(64 * n, generator=gen),
+        (torch.rand(64 * n, generator=gen) > 0.5).float(),
+        levels[torch.randint(0, 5, (64 * n,), generator=gen)],
+    ):
         g = torch.arange(64).repeat_interleave(n)
-        adv, keep = reference_mc_dense(r, n)
-        out = mc_grpo(r, g)
-        close(out.advantages, adv)
-        assert torch.equal(out.weight.bool(), keep)
+        for gsm in (False, True):
+            adv, keep = reference_mc_dense(r, n, gsm=gsm)
+            out = mc_grpo(r, g, scale="mad", rescale_nonzero=gsm)
+            close(out.advantages, adv)
+            assert torch.equal(out.weight.bool(), keep)
         assert out.weight.view(-1, n).sum(1).eq(n - 1).all()  # G rows per prompt carry gradient
         close(out.metrics["pivot_frac"], 1 / n)
-    # Ties (binary rewards): torch's pivot among tied medians is unspecified; advantages still agree, the pivot
-    # holds the median value, and exactly one row per prompt is dropped.
-    r = (torch.rand(300, generator=gen) > 0.5).float()
-    g = torch.arange(100).repeat_interleave(3)
-    adv, _ = reference_mc_dense(r, 3)
-    out = mc_grpo(r, g)
-    close(out.advantages, adv)
-    assert out.weight.view(-1, 3).sum(1).eq(2).all()
-    assert torch.equal(r[out.weight == 0], r.view(-1, 3).median(dim=1).values)
+        # interleaved groups (each group's rows keep their relative order): the same rows are dropped
+        perm = torch.arange(64 * n).view(64, n).t().reshape(-1)
+        moved = mc_grpo(r[perm], g[perm], scale="mad")
+        assert torch.equal(moved.weight, out.weight[perm])
 
 
 def test_mc_grpo_pivot_leaves_the_loss() -> None:
@@ -224,22 +291,42 @@ def test_mc_grpo_pivot_leaves_the_loss() -> None:
         close(weighted, dropped, atol=1e-12, rtol=1e-12)
 
 
+def test_mc_grpo_default_keeps_a_binary_reward_loss_bounded() -> None:
+    # Tied binary rewards (MAD 0 in every group): the code's scale gives |A| = 1000 and a loss of order 100; the
+    # default keeps |A| <= sqrt(2 (n - 1)) and the loss of the same order as GRPO's.
+    gen = torch.Generator().manual_seed(5)
+    r = (torch.rand(48, generator=gen) < 0.3).float()
+    g = torch.arange(16).repeat_interleave(3)
+    logp = (torch.randn(48, 6, generator=gen) * 0.1 - 1).requires_grad_()
+    mask = torch.ones(48, 6, dtype=torch.bool)
+    losses = {}
+    for scale in ("mad_or_std", "mad"):
+        out = mc_grpo(r, g, scale=scale)  # type: ignore[arg-type]
+        losses[scale] = policy_loss(logp, logp.detach(), out.advantages, mask, seq_weight=out.weight).loss
+    assert float(mc_grpo(r, g).advantages.abs().max()) <= math.sqrt(2 * 2)
+    assert abs(float(losses["mad_or_std"].detach())) < 3.0
+    assert abs(float(losses["mad"].detach())) > 100.0
+
+
 def test_mc_grpo_all_equal_and_singletons() -> None:
     r = t([0.3, 0.3, 0.3, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 2.0])
     g = ids([0, 0, 0, 1, 1, 1, 1, 2, 2, 2])
     out = mc_grpo(r, g)
     assert torch.equal(out.advantages[:7], torch.zeros(7))  # all-equal: exactly 0
-    assert out.weight.tolist() == [0, 1, 1, 0, 1, 1, 1, 1, 0, 1]  # the pivot is still dropped
+    # the pivot is still dropped: rank 1 of each all-equal group, the median 1.0 (row 8) of the last
+    assert out.weight.tolist() == [1, 0, 1, 1, 0, 1, 1, 1, 0, 1]
+    assert mc_grpo(r, g, pivot="first").weight.tolist() == [0, 1, 1, 0, 1, 1, 1, 1, 0, 1]
     close(out.metrics["zero_variance_group_frac"], 2 / 3)
     with pytest.raises(InputError) as err:
         mc_grpo(t([1.0, 0.0, 2.0]), ids([0, 0, 5]))
     assert err.value.argument == "group"
     with pytest.raises(InputError):  # a singleton made by the valid mask
         mc_grpo(t([1.0, 0.0, 2.0]), ids([0, 0, 0]), valid=torch.tensor([True, False, False]))
-    lone = mc_grpo(t([1.0, 0.0, 2.0, 4.0]), ids([0, 0, 0, 5]), singleton="pivot")
-    assert lone.advantages[3].item() == 0.0
-    assert lone.weight[3].item() == 0.0
-    close(lone.metrics["singleton_group_frac"], 0.5)
+    for rule in ("rank", "first"):
+        lone = mc_grpo(t([1.0, 0.0, 2.0, 4.0]), ids([0, 0, 0, 5]), singleton="pivot", pivot=rule)  # type: ignore[arg-type]
+        assert lone.advantages[3].item() == 0.0
+        assert lone.weight[3].item() == 0.0
+        close(lone.metrics["singleton_group_frac"], 0.5)
     with rolloutopt.checks(False):  # no host sync with checks off: a singleton is its own pivot
         assert mc_grpo(t([1.0, 0.0, 2.0, 4.0]), ids([0, 0, 0, 5])).weight[3].item() == 0.0
 
@@ -250,16 +337,56 @@ def test_mc_grpo_invalid_rows(fill: float) -> None:
     g = ids([0, 0, 0, 0, 1, 1, 1, 1])
     valid = torch.tensor([True, True, False, True, True, True, True, False])
     keep = valid.nonzero().squeeze(1)
-    out = mc_grpo(r, g, valid=valid)
-    ref = mc_grpo(r[keep], g[keep])
-    close(out.advantages[keep], ref.advantages)
-    assert torch.equal(out.weight[keep], ref.weight)
-    assert out.advantages[~valid].eq(0).all() and out.weight[~valid].eq(0).all()
-    close(out.metrics["pivot_frac"], 2 / 6)
-    assert all(torch.isfinite(m) and m.ndim == 0 and not m.requires_grad for m in out.metrics.values())
+    for rule in ("rank", "first"):
+        out = mc_grpo(r, g, valid=valid, pivot=rule)  # type: ignore[arg-type]
+        ref = mc_grpo(r[keep], g[keep], pivot=rule)  # type: ignore[arg-type]
+        close(out.advantages[keep], ref.advantages)
+        assert torch.equal(out.weight[keep], ref.weight)
+        assert out.advantages[~valid].eq(0).all() and out.weight[~valid].eq(0).all()
+        close(out.metrics["pivot_frac"], 2 / 6)
+        assert all(torch.isfinite(m) and m.ndim == 0 and not m.requires_grad for m in out.metrics.values())
     nothing = mc_grpo(r.nan_to_num(), g, valid=torch.zeros(8, dtype=torch.bool))
     assert nothing.advantages.eq(0).all() and nothing.weight.eq(0).all()
     assert all(torch.isfinite(m) for m in nothing.metrics.values())
+
+
+def test_nan_reward_message_names_the_valid_keyword() -> None:
+    for fn in (mc_grpo, gapo):
+        with pytest.raises(InputError) as err:
+            fn(t([1.0, math.nan, 0.0]), ids([0, 0, 0]))
+        assert err.value.argument == "rewards"
+        assert "valid=" in err.value.fix and "mask those positions" not in err.value.fix
+        out = fn(t([1.0, math.nan, 0.0, 0.5]), ids([0, 0, 0, 0]), valid=torch.tensor([True, False, True, True]))
+        assert torch.isfinite(out.advantages).all()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda r, g, v: mc_grpo(r, g, valid=v),
+        lambda r, g, v: mc_grpo(r, g, scale="mad", pivot="first", rescale_nonzero=True, valid=v),
+        lambda r, g, v: gapo(r, g, valid=v),
+        lambda r, g, v: gapo(r, g, center="mean", singleton="raw", valid=v),
+    ],
+)
+@pytest.mark.parametrize("masked", [False, True])
+def test_empty_batch_gives_empty_outputs_and_zero_metrics(call: Callable[..., Any], masked: bool) -> None:
+    r = torch.zeros(0, dtype=D, requires_grad=True)
+    v = torch.zeros(0, dtype=torch.bool) if masked else None
+    out = call(r, ids([]), v)
+    assert out.advantages.shape == (0,) and out.weight.shape == (0,) and out.advantages.dtype == D
+    full = call(t([0.0, 1.0, 0.5], D), ids([0, 0, 0]), None if v is None else torch.ones(3, dtype=torch.bool))
+    assert set(out.metrics) == set(full.metrics)
+    assert all(m.ndim == 0 and float(m) == 0.0 and not m.requires_grad for m in out.metrics.values())
+    loss = policy_loss(torch.zeros(0, 4), torch.zeros(0, 4), out.advantages, torch.zeros(0, 4, dtype=torch.bool))
+    assert float(loss.loss.detach()) == 0.0
+    out.advantages.sum().backward()  # still part of the graph of the (empty) rewards
+    assert r.grad is not None and r.grad.shape == (0,)
+    with rolloutopt.checks(False):
+        assert call(r.detach(), ids([]), v).advantages.shape == (0,)
+    with pytest.raises(InputError) as err:  # the shapes are still checked
+        call(t([1.0]), ids([]), v)
+    assert err.value.argument == "group"
 
 
 # ------------------------------------------------------------------------------------------ GAPO oracles
@@ -267,8 +394,8 @@ def test_mc_grpo_invalid_rows(fill: float) -> None:
 GAPO_R = [0.0, 0.1, 0.2, 0.3, 0.9, 1.0, 1.0, 1.0]
 
 
-def test_gapo_spec_oracle() -> None:
-    # A5: tau 0.5 -> k 4; best window [.9, 1, 1, 1] (range .1); Q = 1; d = sqrt(2.95/7).
+def test_gapo_hand_oracle() -> None:
+    # tau 0.5 -> k 4; best window [.9, 1, 1, 1] (range .1); Q = 1; d = sqrt(2.95/7).
     out = gapo(t(GAPO_R), ids([3] * 8))
     close(out.advantages, [-1.5404, -1.3864, -1.2323, -1.0783, -0.1540, 0, 0, 0], atol=1e-4)
     d = math.sqrt(2.95 / 7)
@@ -321,7 +448,10 @@ def test_gapo_singletons_all_equal_and_invalid() -> None:
     r = t([1.0, 0.0, 2.5, 0.7, 0.7, 0.7])
     g = ids([0, 0, 5, 2, 2, 2])
     with pytest.warns(UserWarning, match="size 1"):
-        zero = gapo(r, g)
+        zero = gapo(r, g)  # the implicit default warns ...
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(gapo(r, g, singleton="zero").advantages, zero.advantages)  # ... an explicit "zero" not
     assert zero.advantages[2].item() == 0.0
     assert torch.equal(zero.advantages[3:], torch.zeros(3))  # all-equal: exactly 0
     close(zero.metrics["singleton_group_frac"], 1 / 3)
@@ -350,8 +480,9 @@ def test_gapo_singletons_all_equal_and_invalid() -> None:
 
 
 def test_registry_and_groups_object() -> None:
-    assert get("mc_grpo") is mc_grpo
-    assert get("gapo") is gapo
+    r3, g3 = t([0.0, 1.0, 0.5]), ids([0, 0, 0])
+    for name, fn in (("mc_grpo", mc_grpo), ("gapo", gapo)):  # the registered method computes the function
+        assert torch.equal(get(name)(r3, g3).advantages, fn(r3, g3).advantages)
     assert {"mc_grpo", "gapo"} <= set(names())
     gen = torch.Generator().manual_seed(3)
     r = torch.randn(40, generator=gen)
@@ -384,9 +515,16 @@ R4, G4 = t([1.0, 0.0, 0.5, 1.0]), ids([0, 0, 0, 0])
         ("group", lambda: mc_grpo(R4, ids([0, 0, 0, 1]))),  # a singleton
         ("scale", lambda: mc_grpo(R4, G4, scale="iqr")),
         ("eps", lambda: mc_grpo(R4, G4, eps=-1e-3)),
-        ("eps", lambda: mc_grpo(R4, G4, eps=0.0)),
+        ("eps", lambda: mc_grpo(R4, G4, scale="mad", eps=0.0)),  # a MAD of 0 beside a non-zero deviation
         ("eps", lambda: gapo(R4, G4, eps=math.nan)),
         ("singleton", lambda: mc_grpo(R4, G4, singleton="zero")),
+        ("pivot", lambda: mc_grpo(R4, G4, pivot="lowest")),
+        ("pivot", lambda: mc_grpo(R4, G4, pivot=None)),
+        ("rescale_nonzero", lambda: mc_grpo(R4, G4, rescale_nonzero=1)),
+        ("rewards", lambda: mc_grpo(ids([]), ids([]))),  # an empty batch is still validated
+        ("group", lambda: gapo(t([]), ids([]).float())),
+        ("valid", lambda: mc_grpo(t([]), ids([]), valid=torch.ones(2, dtype=torch.bool))),
+        ("eps", lambda: mc_grpo(t([]), ids([]), scale="mad", eps=0.0)),
         ("singleton", lambda: gapo(R4, G4, singleton="raise")),
         ("tau", lambda: gapo(R4, G4, tau=0.0)),
         ("tau", lambda: gapo(R4, G4, tau=1.5)),
@@ -435,7 +573,14 @@ def _tensors(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return torch.tensor(batch["rewards"], dtype=D), torch.tensor(batch["group"]), v
 
 
-MC_KW: list[dict[str, Any]] = [{}, {"scale": "std"}, {"scale": "mad_or_std", "unbiased": False}, {"scale": None}]
+MC_KW: list[dict[str, Any]] = [
+    {},
+    {"scale": "mad"},
+    {"scale": "mad", "pivot": "first", "rescale_nonzero": True},
+    {"scale": "std", "pivot": "first"},
+    {"scale": "mad_or_std", "unbiased": False, "rescale_nonzero": True},
+    {"scale": None},
+]
 GAPO_KW: list[dict[str, Any]] = [
     {},
     {"center": "mean"},
@@ -638,23 +783,52 @@ def test_median_baseline_flips_fewer_signs(size: int, noise: str) -> None:
 
 
 @given(batch=batches(min_size=2, max_size=5))
-def test_mc_grpo_pivot_is_the_lowest_tied_row(batch: dict[str, Any]) -> None:
+def test_mc_grpo_pivot_rules(batch: dict[str, Any]) -> None:
+    # "first": the lowest tied row; "rank": the row at position (n - 1) // 2 of a stable sort by reward, which
+    # is the tied row number (n - 1) // 2 - #(rows below the median) in row order. Both hold the lower median.
     r, g, v = _tensors(batch)
     groups = Groups(g)
     n = groups.count(v)
     if v is not None and bool((n == 1).any()):
         return
-    out = mc_grpo(r, g, valid=v)
-    pivot = (out.weight == 0) & (v if v is not None else torch.ones_like(out.weight, dtype=torch.bool))
+    ok = v if v is not None else torch.ones(len(r), dtype=torch.bool)
     med = groups.broadcast(groups.median(r, v, mode="lower"))
-    assert torch.equal(r[pivot], med[pivot])
-    assert torch.equal(groups.count(pivot), (n > 0).long())  # one pivot per group with valid rows
+    tied = (r == med) & ok
     rows = torch.arange(len(r))
-    tied = (r == med) & (v if v is not None else True)
-    first = torch.full((groups.num_groups,), len(r)).scatter_reduce(
-        0, groups.inverse, torch.where(tied, rows, len(r)), "amin"
-    )
-    assert sorted(rows[pivot].tolist()) == sorted(first[n > 0].tolist())
+    below = groups.broadcast(groups.count((r < med) & ok))
+    tied_before = torch.zeros(len(r), dtype=torch.long)  # tied rows of the group with a lower row index
+    for i in range(len(r)):
+        tied_before[i] = int((tied & (g == g[i]) & (rows < i)).sum())
+    h = groups.broadcast(torch.div(n - 1, 2, rounding_mode="floor"))
+    expected = {"first": tied & (tied_before == 0), "rank": tied & (tied_before == h - below)}
+    for rule, want in expected.items():
+        out = mc_grpo(r, g, valid=v, pivot=rule)  # type: ignore[arg-type]
+        pivot = (out.weight == 0) & ok
+        assert torch.equal(pivot, want), rule
+        assert torch.equal(groups.count(pivot), (n > 0).long())  # one pivot per group with valid rows
+
+
+@given(
+    sizes=st.lists(st.integers(2, 9), min_size=1, max_size=6),
+    data=st.data(),
+    low=st.floats(-100, 100),
+    gap=st.floats(1e-3, 100),
+    unbiased=st.booleans(),
+)
+def test_mc_grpo_default_is_bounded_on_two_valued_rewards(
+    sizes: list[int], data: st.DataObject, low: float, gap: float, unbiased: bool
+) -> None:
+    # Two-valued rewards (binary correctness, any two levels) always have MAD 0; the default then divides by the
+    # std, so |A| <= range / std <= sqrt(2 (n - 1)) (sqrt(2 n) for the population std), whatever eps.
+    g = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    hi = data.draw(st.lists(st.booleans(), min_size=len(g), max_size=len(g)))
+    r = torch.where(torch.tensor(hi), low + gap, low).to(D)
+    eps = data.draw(st.sampled_from([0.0, 1e-3, 1.0]))
+    out = mc_grpo(r, g, unbiased=unbiased, eps=eps)
+    n = torch.tensor(sizes, dtype=D).repeat_interleave(torch.tensor(sizes))
+    bound = (2 * (n - 1)).sqrt() if unbiased else (2 * n).sqrt()
+    assert bool((out.advantages.abs() <= bound * (1 + 1e-9)).all())
+    assert float(out.metrics["zero_mad_group_frac"]) == 1.0
 
 
 # ------------------------------------------------------------------------- the integer segment sort

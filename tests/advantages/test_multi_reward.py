@@ -1,7 +1,9 @@
-"""Multi-reward estimators GDPO and GD²PO (specs/advantages.md A7, A8).
+"""Multi-reward estimators GDPO (arXiv 2601.05242) and GD²PO (arXiv 2606.16771).
 
-Hand-computed oracles from the spec and our own, singleton / zero-variance / valid conventions, hypothesis
-properties against a float64 per-group Python loop written from the spec's formulas, gradchecks and one test
+Oracles computed by hand following the authors' code (GDPO: ``NVlabs/GDPO@41f74c53``, the ``apply_gdpo``
+branch of ``trl-GDPO/.../grpo_trainer.py``; GD²PO: ``Qwen-Applications/GD2PO@f1ad765``,
+``tool-calling/verl/trainer/ppo/ray_trainer.py``) and our own, singleton / zero-variance / valid conventions,
+hypothesis properties against a float64 per-group Python loop written from those formulas, gradchecks and one test
 per class of bad input. Parity with verl and TRL is in tests/integration/test_gdpo_parity.py.
 """
 
@@ -67,7 +69,8 @@ def naive(
     threshold: float = 0.8,
     filt: str = "snr",
 ) -> tuple[list[float], list[float]]:
-    """Per-group float64 loop from the spec. Returns (per-sequence advantages, weights); token mode when lengths."""
+    """Per-group float64 loop of the codes' formulas. Returns (per-sequence advantages, weights); token mode when
+    lengths."""
     b, k = len(r), len(r[0])
     ok = valid if valid is not None else [[True] * k for _ in range(b)]
     w = weights if weights is not None else [1.0] * k
@@ -110,7 +113,7 @@ def naive(
 
 # ---------------------------------------------------------------------------------------- hand oracles
 
-R = t([[1.0, 1.0], [0.0, 1.0], [1.0, 0.0], [0.0, 0.0]])  # spec A7/A8: r1 = [1,0,1,0], r2 = [1,1,0,0]
+R = t([[1.0, 1.0], [0.0, 1.0], [1.0, 0.0], [0.0, 0.0]])  # r1 = [1,0,1,0], r2 = [1,1,0,0]
 G = torch.tensor([3, 3, 3, 3])
 M = torch.ones(4, 5, dtype=torch.bool)
 
@@ -119,7 +122,7 @@ def test_gdpo_spec_oracle() -> None:
     a1 = 0.5 / (math.sqrt(1 / 3) + 1e-4)  # per-component advantage +-0.866, NVlabs eps
     assert abs(a1 - S3) < 1e-3
     comp = gdpo(R[:, :1], G).advantages  # K = 1: batch z-score of [a, -a, a, -a], unbiased std 2a / sqrt(3)
-    s = [2 * a1, 0.0, 0.0, -2 * a1]  # spec: pre-batch-norm S = [1.732, 0, 0, -1.732]
+    s = [2 * a1, 0.0, 0.0, -2 * a1]  # by hand: pre-batch-norm S = [1.732, 0, 0, -1.732]
     close(t(s), [1.732, 0.0, 0.0, -1.732], atol=1e-3)
     z = a1 / (2 * a1 / math.sqrt(3) + 1e-4)
     close(comp, [z, -z, z, -z])
@@ -128,7 +131,7 @@ def test_gdpo_spec_oracle() -> None:
     out = gdpo(R, G)
     close(out.advantages, [s[0] / (sd + 1e-4), 0.0, 0.0, -s[0] / (sd + 1e-4)])
     close(out.metrics["combined_std"], sd)
-    # spec: plain GRPO on the summed reward [2, 1, 1, 0] gives rollouts 2 and 3 the identical advantage 0
+    # plain GRPO on the summed reward [2, 1, 1, 0] gives rollouts 2 and 3 the identical advantage 0
     close(grpo(R.sum(1), G).advantages[1:3], [0.0, 0.0])
     assert torch.equal(out.weight, torch.ones(4))
 
@@ -198,7 +201,7 @@ def test_gd2po_threshold_oracle() -> None:
     assert torch.equal(gd2po(r3, g, final="sequence").weight, t([0.0, 0.0]))
     assert torch.equal(gd2po(r3, g, final="sequence", threshold=0.2).weight, t([1.0, 1.0]))
     assert torch.equal(gd2po(r3, g, final="sequence", filter="hard", threshold=0.0).weight, t([0.0, 0.0]))
-    # the spec's (+0.9, -0.1): s = 0.8 is kept at tau = 0.8, the test is strict (|s| < tau). The ratio uses
+    # components (+0.9, -0.1): s = 0.8 is kept at tau = 0.8, the test is strict (|s| < tau). The ratio uses
     # unweighted component advantages of equal |A| here, so build s from agreeing / disagreeing counts:
     r10 = t([[1.0] * 9 + [0.0], [0.0] * 9 + [1.0]])  # nine agree, one disagrees: s = 0.8
     assert torch.equal(gd2po(r10, g, final="sequence", threshold=0.79).weight, t([1.0, 1.0]))
@@ -302,8 +305,8 @@ def test_groups_object_and_registry() -> None:
     assert torch.equal(
         gd2po(r, groups, mask, singleton="raw").advantages, gd2po(r, g, mask, singleton="raw").advantages
     )
-    assert REGISTRY.get("gdpo") is gdpo
-    assert REGISTRY.get("gd2po") is gd2po
+    assert REGISTRY.get("gdpo").fn is gdpo
+    assert REGISTRY.get("gd2po").fn is gd2po
 
 
 # ------------------------------------------------------------------------------------------- bad input

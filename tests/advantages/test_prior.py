@@ -1,8 +1,8 @@
-"""V_{0.5} and DARE (specs/advantages.md A10, A13; both reconstructed, no public reference implementation).
+"""V_{0.5} (arXiv 2603.10848) and DARE (arXiv 2601.21804); both reconstructed, no public reference implementation.
 
-Hand-computed oracles (the spec's and our own), an independent float64 per-group loop for each estimator,
-hypothesis properties (permutation, relabelling, ragged = dense, invariances, finiteness), gradchecks and one
-test per class of bad input.
+Hand-computed oracles (our reconstruction, see docs/methods/prior.md), an independent float64 per-group loop for
+each estimator, hypothesis properties (permutation, relabelling, ragged = dense, invariances, finiteness),
+gradchecks and one test per class of bad input.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def naive_v05(
     cost: float = 1e-3,
     max_extra: int = 4,
 ) -> tuple[list[float], dict[int, tuple[float, float, bool, int]]]:
-    """Per-group float64 loop straight from specs/advantages.md A10; returns advantages and (b, w, accepted, k)."""
+    """Per-group float64 loop of our V_{0.5} reconstruction (docs/methods/prior.md); returns advantages and
+    (b, w, accepted, k)."""
     ok = valid if valid is not None else [True] * len(rewards)
     per: dict[int, tuple[float, float, bool, int]] = {}
     for lab in sorted(set(group)):
@@ -98,7 +99,8 @@ def naive_dare(
     bonus_quantile: float = 0.5,
     valid: list[bool] | None = None,
 ) -> list[float]:
-    """Per-group float64 loop straight from specs/advantages.md A13 (no null answer, no renormalisation)."""
+    """Per-group float64 loop of our DARE reconstruction (docs/methods/prior.md; no null answer, no
+    renormalisation)."""
     b = len(answers)
     ok = valid if valid is not None else [True] * b
     c = confidence if confidence is not None else [1.0] * b
@@ -361,8 +363,8 @@ def test_v05_statistic_without_variance() -> None:
 
 
 def test_registry() -> None:
-    assert get("v05") is v05
-    assert get("dare_rewards") is dare_rewards
+    assert get("v05").fn is v05
+    assert rolloutopt.advantages.SHAPERS.get("dare_rewards").fn is dare_rewards
 
 
 # ---------------------------------------------------------------------------------------------- bad input

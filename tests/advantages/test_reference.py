@@ -1,7 +1,10 @@
-"""Reference advantage estimators: GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline (specs/advantages.md A1–A3, II.1).
+"""Reference advantage estimators: GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline.
 
-Hand-computed oracles, singleton and zero-variance conventions, ``valid`` masks, hypothesis properties against a
-float64 per-group loop written independently of the library, gradchecks and one test per class of bad input.
+Oracles computed by hand following verl's estimators (``volcengine/verl@b178a3cd5``
+``verl/trainer/ppo/core_algos.py``: ``compute_grpo_outcome_advantage``, ``compute_rloo_outcome_advantage``,
+``compute_reinforce_plus_plus_baseline_outcome_advantage``), singleton and zero-variance conventions, ``valid``
+masks, hypothesis properties against a float64 per-group loop written independently of the library, gradchecks
+and one test per class of bad input.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import rolloutopt
 from rolloutopt.advantages import dr_grpo, get, grpo, names, reinforce_pp_baseline, rloo, to_tokens
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
+from rolloutopt.losses import policy_loss
 
 from .helpers import SINGLETON_WARNING, D, close, ids, relabel_map, t
 
@@ -37,7 +41,7 @@ def naive(
     unbiased: bool = True,
     eps: float = 1e-6,
 ) -> list[float]:
-    """Per-group Python loop in float64, straight from the formulas of specs/advantages.md."""
+    """Per-group Python loop in float64, straight from the estimators' formulas (see docs/api/advantages.md)."""
     b = len(rewards)
     ok = valid if valid is not None else [True] * b
     members: dict[int, list[int]] = {}
@@ -93,13 +97,13 @@ def test_two_groups_oracles() -> None:
 
 def test_one_group_spec_oracles() -> None:
     g = ids([7, 7, 7, 7])
-    close(grpo(R4, g).advantages, [0.8660, -0.8660, -0.8660, 0.8660], atol=1e-4)  # A1
+    close(grpo(R4, g).advantages, [0.8660, -0.8660, -0.8660, 0.8660], atol=1e-4)  # unbiased std 0.5774
     close(dr_grpo(R4, g).advantages, [0.5, -0.5, -0.5, 0.5])
-    close(rloo(R4, g).advantages, [2 / 3, -2 / 3, -2 / 3, 2 / 3])  # A3
+    close(rloo(R4, g).advantages, [2 / 3, -2 / 3, -2 / 3, 2 / 3])  # G/(G-1) times Dr.GRPO's
 
 
 def test_reinforce_pp_baseline_spec_oracle() -> None:
-    # specs III.1: verl gives [0, 0, -1.354, 1.354] on [1, 1 | 0, 1]; with T = 3 full masks: centred
+    # measured on verl 0.9.1 (CPU): verl gives [0, 0, -1.354, 1.354] on [1, 1 | 0, 1]; with T = 3 full masks: centred
     # [0, 0, -.5, .5], 12 tokens, mean 0, var = 6 * .25 / 11.
     mask = torch.ones(4, 3, dtype=torch.bool)
     out = reinforce_pp_baseline(t([1.0, 1.0, 0.0, 1.0]), G4, mask, singleton="raw")
@@ -191,6 +195,25 @@ def test_reinforce_pp_baseline_singletons() -> None:
     mu = sum(toks) / 6
     sd = math.sqrt(sum((x - mu) ** 2 for x in toks) / 5 + 1e-8)
     close(raw.advantages[:, 0], [(x - mu) / sd for x in toks[::2]])
+
+
+def test_explicit_singleton_zero_does_not_warn() -> None:
+    # Only the implicit default warns (a singleton trains on nothing, usually a bug); "zero" says it is intended.
+    mask = torch.ones(3, 2, dtype=torch.bool)
+    calls: list[tuple[Callable[..., Any], tuple[Any, ...]]] = [
+        (grpo, (R3, G3)),
+        (dr_grpo, (R3, G3)),
+        (rloo, (R3, G3)),
+        (reinforce_pp_baseline, (R3, G3, mask)),
+    ]
+    for fn, args in calls:
+        implicit, caught = _record(lambda fn=fn, args=args: fn(*args))
+        assert len(caught) == 1, fn.__name__
+        explicit, caught = _record(lambda fn=fn, args=args: fn(*args, singleton="zero"))
+        assert caught == [], fn.__name__
+        assert torch.equal(explicit.advantages, implicit.advantages)
+    _, caught = _record(lambda: grpo(R4, G4, singleton="zero", valid=torch.tensor([True, False, True, True])))
+    assert caught == []
 
 
 def test_no_warning_without_singletons() -> None:
@@ -294,13 +317,86 @@ def test_to_tokens() -> None:
     per_token = t([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     assert torch.equal(to_tokens(per_token, mask), t([[1.0, 2.0, 0.0], [4.0, 0.0, 0.0]]))
     assert to_tokens(t([1.0, 2.0]).bfloat16(), mask).dtype == torch.float32
+    assert to_tokens(t([1.0, 2.0], D), mask).dtype == D
+    assert to_tokens(t([]), torch.zeros(0, 3, dtype=torch.bool)).shape == (0, 3)
+
+
+def test_to_tokens_non_finite_advantages() -> None:
+    # NaN/inf outside the mask (a masked-out row, a masked-out token) come out exactly 0; inside it they raise.
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(to_tokens(t([2.0, math.nan]), mask), t([[2.0, 2.0, 0.0], [0.0, 0.0, 0.0]]))
+    per_token = t([[1.0, -3.0, math.inf], [math.nan, -math.inf, 0.5]])
+    assert torch.equal(to_tokens(per_token, mask), t([[1.0, -3.0, 0.0], [0.0, 0.0, 0.0]]))
+    with pytest.raises(InputError) as err:
+        to_tokens(t([math.nan, 1.0]), mask)
+    assert err.value.argument == "advantages" and "(0, 0)" in err.value.got and "mask" in err.value.fix
+    with rolloutopt.checks(False):  # no check, but masked-out positions still 0
+        assert torch.equal(to_tokens(t([2.0, math.nan]), mask), t([[2.0, 2.0, 0.0], [0.0, 0.0, 0.0]]))
+
+
+def test_nan_reward_message_names_the_valid_keyword() -> None:
+    mask = torch.ones(4, 2, dtype=torch.bool)
+    for call in (
+        lambda r: grpo(r, G4),
+        lambda r: rloo(r, G4),
+        lambda r: dr_grpo(r, G4),
+        lambda r: reinforce_pp_baseline(r, G4, mask),
+    ):
+        r = t([1.0, math.nan, 0.0, 1.0])
+        with pytest.raises(InputError) as err:
+            call(r)
+        assert err.value.argument == "rewards"
+        assert "valid=" in err.value.fix and "mask those positions" not in err.value.fix, err.value.fix
+
+
+# ------------------------------------------------------------------------------------------ empty batch
+
+
+EMPTY_CALLS: list[Callable[..., Any]] = [
+    lambda r, g, v: grpo(r, g, valid=v),
+    lambda r, g, v: grpo(r, g, scale="batch", singleton="raw", valid=v),
+    lambda r, g, v: grpo(r, g, scale=None, eps=0.0, valid=v),
+    lambda r, g, v: dr_grpo(r, g, valid=v),
+    lambda r, g, v: rloo(r, g, singleton="raw", valid=v),
+    lambda r, g, v: reinforce_pp_baseline(r, g, torch.zeros(r.shape[0], 5, dtype=torch.bool), valid=v),
+]
+
+
+@pytest.mark.parametrize("call", EMPTY_CALLS)
+@pytest.mark.parametrize("masked", [False, True])
+def test_empty_batch_gives_empty_outputs_and_zero_metrics(call: Callable[..., Any], masked: bool) -> None:
+    # B = 0: as the losses return 0 for it, the estimators return empty outputs and metrics 0 (the same keys).
+    r = torch.zeros(0, requires_grad=True)
+    v = torch.zeros(0, dtype=torch.bool) if masked else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no singleton warning either
+        out = call(r, ids([]), v)
+    assert out.advantages.shape[0] == 0 and out.weight.shape == (0,)
+    assert out.advantages.dtype == torch.float32 and out.weight.dtype == torch.float32
+    full = call(t([0.0, 1.0, 0.5, 1.0]), G4, None if v is None else torch.ones(4, dtype=torch.bool))
+    assert out.advantages.shape[1:] == full.advantages.shape[1:]
+    assert set(out.metrics) == set(full.metrics)
+    assert all(m.ndim == 0 and float(m) == 0.0 and not m.requires_grad for m in out.metrics.values())
+    out.advantages.sum().backward()  # part of the (empty) rewards' graph
+    assert r.grad is not None and r.grad.shape == (0,)
+    with rolloutopt.checks(False):
+        assert call(r.detach(), ids([]), v).advantages.shape[0] == 0
+
+
+def test_empty_batch_feeds_the_loss() -> None:
+    out = grpo(t([]).bfloat16(), ids([]))
+    assert out.advantages.dtype == torch.float32
+    logp = torch.zeros(0, 4, requires_grad=True)
+    mask = torch.zeros(0, 4, dtype=torch.bool)
+    loss = policy_loss(logp, logp.detach(), to_tokens(out.advantages, mask), mask, seq_weight=out.weight).loss
+    assert float(loss.detach()) == 0.0
 
 
 def test_registry() -> None:
-    assert get("grpo") is grpo
-    assert get("dr_grpo") is dr_grpo
-    assert get("rloo") is rloo
-    assert get("reinforce_pp_baseline") is reinforce_pp_baseline
+    r, g, m = t([0.0, 1.0, 0.5, 2.0]), ids([0, 0, 1, 1]), torch.ones(4, 3, dtype=torch.bool)
+    for name, fn in (("grpo", grpo), ("dr_grpo", dr_grpo), ("rloo", rloo)):  # the registered method computes fn
+        assert torch.equal(get(name)(r, g).advantages, fn(r, g).advantages)
+    assert torch.equal(get("reinforce_pp_baseline")(r, g, m).advantages, reinforce_pp_baseline(r, g, m).advantages)
     assert {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"} <= set(names())
     with pytest.raises(InputError) as err:
         get("grpoo")
@@ -337,7 +433,15 @@ MASK = torch.ones(4, 2, dtype=torch.bool)
         ("scale", lambda: grpo(R4, G4, scale="prompt")),
         ("singleton", lambda: grpo(R4, G4, singleton="mean")),
         ("singleton", lambda: rloo(R4, G4, singleton="verl")),
-        ("singleton", lambda: reinforce_pp_baseline(R4, G4, MASK, singleton=None)),
+        ("singleton", lambda: reinforce_pp_baseline(R4, G4, MASK, singleton="pivot")),
+        ("rewards", lambda: grpo(ids([]), ids([]))),  # an empty batch is still validated
+        ("group", lambda: rloo(t([]), ids([]).float())),
+        ("group", lambda: grpo(t([1.0]), ids([]))),
+        ("valid", lambda: dr_grpo(t([]), ids([]), valid=torch.ones(1, dtype=torch.bool))),
+        ("mask", lambda: reinforce_pp_baseline(t([]), ids([]), torch.ones(1, 2, dtype=torch.bool))),
+        ("eps", lambda: grpo(t([]), ids([]), eps=-1.0)),
+        ("advantages", lambda: to_tokens(t([1.0, math.nan]), torch.ones(2, 3, dtype=torch.bool))),
+        ("advantages", lambda: to_tokens(t([[1.0, math.inf, 0.0]]), torch.ones(1, 3, dtype=torch.bool))),
         ("eps", lambda: grpo(R4, G4, eps=-1e-6)),
         ("eps", lambda: grpo(R4, G4, eps=math.nan)),
         ("eps", lambda: reinforce_pp_baseline(R4, G4, MASK, eps=-1.0)),
@@ -544,6 +648,8 @@ def test_to_tokens_properties(b: int, t_: int, data: st.DataObject) -> None:
     assert out.shape == (b, t_)
     assert torch.equal(out[mask], adv[:, None].expand(b, t_)[mask])  # every masked-in token carries A_i
     assert (out[~mask] == 0).all()
+    noisy = torch.where(mask, adv[:, None], math.nan)  # NaN at every masked-out position: never leaks
+    assert torch.equal(to_tokens(noisy, mask), out)
     perm = torch.randperm(b)
     assert torch.equal(to_tokens(adv[perm], mask[perm]), out[perm])
     assert torch.equal(to_tokens(out, mask), out)  # per-token input is returned masked: idempotent

@@ -1,4 +1,4 @@
-"""Selection estimators: D³S (specs/advantages.md A11), NAT token subsampling, Latent-GRPO invalid-sample masking.
+"""Selection estimators: D³S (arXiv 2509.22115), NAT token subsampling, Latent-GRPO invalid-sample masking.
 
 Hand-computed oracles, a brute-force check of the max-variance subset, Monte Carlo unbiasedness of the NAT
 Horvitz–Thompson weights with an explicit generator, parity of ``latent_mask`` with verl's GRPO on the valid rows
@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rolloutopt
-from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
+from rolloutopt.advantages._base import REGISTRY, SELECTORS, AdvantageOutput
 from rolloutopt.advantages.reference import grpo
 from rolloutopt.advantages.selection import D3SOutput, d3s, d3s_schedule, latent_mask, nat_weights
 from rolloutopt.errors import InputError
@@ -49,7 +49,8 @@ H4 = t([[0.1, 0.2, 0.3]] * 4)
 @pytest.mark.parametrize("split", ["balanced", "optimal"])
 @pytest.mark.parametrize("sample_level", ["group", "batch"])
 def test_d3s_spec_oracle(split: str, sample_level: str) -> None:
-    # specs A11: N_s = 2 of [1.5, .5, -.5, -1.5] -> {1.5, -1.5}, variance 2.25, the maximum over all pairs
+    # D³S's selection rule (arXiv 2509.22115, as summarised) by hand: N_s = 2 of [1.5, .5, -.5, -1.5] -> {1.5, -1.5},
+    # variance 2.25, the maximum over all pairs
     out = d3s(A4, G1, H4, ONES, sample_frac=(0.5, 0.5), split=split, sample_level=sample_level)  # type: ignore[arg-type]
     assert isinstance(out, D3SOutput) and isinstance(out, AdvantageOutput)
     assert torch.equal(out.weight, t([1.0, 0.0, 0.0, 1.0]))
@@ -169,9 +170,9 @@ def test_d3s_dtypes_groups_object_and_registry() -> None:
     assert torch.equal(d3s(a.bfloat16(), Groups(g), h.half(), m.int()).weight, base.weight)
     assert base.weight.dtype == torch.float32
     assert d3s(a.double(), g, h.double(), m).weight.dtype == torch.float64
-    assert REGISTRY.get("d3s") is d3s
-    assert REGISTRY.get("nat_weights") is nat_weights
-    assert REGISTRY.get("latent_mask") is latent_mask
+    assert SELECTORS.get("d3s").fn is d3s
+    assert SELECTORS.get("nat_weights").fn is nat_weights
+    assert REGISTRY.get("latent_mask").fn is latent_mask
     with rolloutopt.checks(False):
         assert torch.equal(d3s(a, g, h, m).token_mask, base.token_mask)
 
@@ -572,6 +573,84 @@ def test_latent_mask_all_invalid_group() -> None:
     close(out.advantages[2:], grpo(t([2.0, 3.0]), ids([1, 1])).advantages)
 
 
+def test_latent_mask_singleton_warning_only_for_the_implicit_default() -> None:
+    r, g, invalid = t([1.0, 0.0, 2.0, 3.0]), ids([0, 0, 1, 1]), torch.tensor([0, 0, 1, 0], dtype=torch.bool)
+    with pytest.warns(UserWarning, match="size 1"):
+        implicit = latent_mask(r, g, invalid=invalid)  # group 1 is left with one valid rollout
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        explicit = latent_mask(r, g, invalid=invalid, singleton="zero")
+    assert torch.equal(explicit.advantages, implicit.advantages) and explicit.advantages[3].item() == 0.0
+
+
+def test_latent_mask_nan_reward_message_names_the_invalid_keyword() -> None:
+    with pytest.raises(InputError) as err:
+        latent_mask(t([1.0, math.nan, 0.0, 1.0]), G4, invalid=torch.zeros(4, dtype=torch.bool))
+    assert (
+        err.value.argument == "rewards"
+        and "invalid=" in err.value.fix
+        and "valid=" not in err.value.fix.replace("invalid=", "")
+    )
+    invalid = torch.tensor([False, True, False, False])
+    ok = latent_mask(t([1.0, math.nan, 0.0, 1.0]), G4, invalid=invalid, singleton="zero")
+    assert torch.isfinite(ok.advantages).all() and ok.weight.tolist() == [1.0, 0.0, 1.0, 1.0]
+
+
+def test_d3s_nan_advantage_message_names_the_valid_keyword() -> None:
+    with pytest.raises(InputError) as err:
+        d3s(t([1.0, math.nan, 0.0, 0.0]), G1, H4, ONES)
+    assert err.value.argument == "advantages" and "valid=" in err.value.fix
+    with pytest.raises(InputError) as err:  # per-token advantages: the mask leaves positions out
+        d3s(t([[1.0, math.nan, 0.0]] * 4), G1, H4, ONES)
+    assert err.value.argument == "advantages" and "mask" in err.value.fix
+    out = d3s(t([1.0, math.nan, 0.0, -1.0]), G1, H4, ONES, valid=torch.tensor([True, False, True, True]))
+    assert out.weight[1].item() == 0.0
+
+
+def test_nat_weights_validates_both_fractions_whatever_the_scheme() -> None:
+    for scheme in ("uniform", "prefix"):
+        for kw, arg in (({"min_frac": math.nan}, "min_frac"), ({"keep_prob": math.nan}, "keep_prob")):
+            with pytest.raises(InputError) as err:
+                nat_weights(ONES, generator=gen(0), scheme=scheme, **kw)  # type: ignore[arg-type]
+            assert err.value.argument == arg
+    with pytest.raises(InputError) as err:
+        nat_weights(ONES, generator=gen(0), min_frac=-0.5)  # uniform, unused but out of range
+    assert err.value.argument == "min_frac"
+    out = nat_weights(ONES, generator=gen(0), scheme="prefix", min_frac=1.0, keep_prob=1.0)
+    assert torch.equal(out.mask, ONES) and torch.equal(out.weight, torch.ones(4, 3))
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_d3s_empty_batch(per_token: bool, masked: bool) -> None:
+    a = torch.zeros(0, 3) if per_token else torch.zeros(0)
+    v = torch.zeros(0, dtype=torch.bool) if masked else None
+    out = d3s(a, ids([]), torch.zeros(0, 3), torch.zeros(0, 3, dtype=torch.bool), valid=v, progress=0.5)
+    assert out.advantages.shape == a.shape and out.weight.shape == (0,) and out.token_mask.shape == (0, 3)
+    assert out.token_mask.dtype == torch.bool
+    # the schedule's values are kept; every data metric is 0
+    close(out.metrics["sample_frac"], 0.75)
+    close(out.metrics["token_frac"], 0.6)
+    assert all(float(m) == 0.0 for k, m in out.metrics.items() if k not in ("sample_frac", "token_frac"))
+    full = d3s(A4 if not per_token else A4[:, None].expand(4, 3), G1, H4, ONES, progress=0.5)
+    assert set(out.metrics) == set(full.metrics)
+    with pytest.raises(InputError) as err:
+        d3s(a, ids([]), torch.zeros(1, 3), torch.zeros(1, 3, dtype=torch.bool))
+    assert err.value.argument in ("entropy", "advantages")
+
+
+def test_latent_mask_and_nat_empty_batch() -> None:
+    empty_mask = torch.zeros(0, 4, dtype=torch.bool)
+    for kw in ({"invalid": torch.zeros(0, dtype=torch.bool)}, {"mask": empty_mask, "max_len": 4}):
+        out = latent_mask(t([]), ids([]), **kw)  # type: ignore[arg-type]
+        assert out.advantages.shape == (0,) and out.weight.shape == (0,)
+        assert all(m.ndim == 0 and float(m) == 0.0 for m in out.metrics.values())
+        assert {"invalid_frac", "truncated_frac", "reward_mean"} <= set(out.metrics)
+    for scheme in ("uniform", "prefix"):
+        sub = nat_weights(empty_mask, generator=gen(0), scheme=scheme)  # type: ignore[arg-type]
+        assert sub.mask.shape == (0, 4) and all(torch.isfinite(m) for m in sub.metrics.values())
+
+
 # ======================================================================================== bad input
 
 
@@ -615,6 +694,11 @@ G4 = ids([0, 0, 1, 1])
         ("scheme", lambda: nat_weights(M2, generator=gen(0), scheme="topk")),  # type: ignore[arg-type]
         ("keep_prob", lambda: nat_weights(M2, generator=gen(0), keep_prob=0.0)),
         ("min_frac", lambda: nat_weights(M2, generator=gen(0), scheme="prefix", min_frac=1.5)),
+        ("min_frac", lambda: nat_weights(M2, generator=gen(0), min_frac=math.nan)),
+        ("keep_prob", lambda: nat_weights(M2, generator=gen(0), scheme="prefix", keep_prob=math.inf)),
+        ("group", lambda: d3s(t([]), ids([]).float(), torch.zeros(0, 3), torch.zeros(0, 3, dtype=torch.bool))),
+        ("valid", lambda: d3s(t([]), ids([]), torch.zeros(0, 3), torch.zeros(0, 3, dtype=torch.bool), valid=R4 > 0)),
+        ("sample_frac[0]", lambda: d3s(t([]), ids([]), torch.zeros(0, 3), M2[:0], sample_frac=(0.0, 1.0))),
         ("mask", lambda: nat_weights(torch.ones(4), generator=gen(0))),
         ("mask", lambda: nat_weights(torch.full((2, 2), 0.5), generator=gen(0))),
         ("invalid", lambda: latent_mask(R4, G4)),

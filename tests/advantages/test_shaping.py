@@ -1,6 +1,8 @@
-"""Reward shaping: DRPO (specs/advantages.md A6), FAPO (A12), DLER batch normalisation and truncation penalty.
+"""Reward shaping: DRPO (arXiv 2510.04474), FAPO (arXiv 2510.22543), DLER batch normalisation and truncation penalty.
 
-Hand-computed oracles from the spec and our own, hypothesis properties against float64 per-group loops written
+Oracles computed by hand following the authors' code (DRPO: ``Optimization-AI/DRPO@405f702``
+``verl/verl/trainer/ppo/core_algos.py::compute_policy_loss_drpo``; FAPO: ``volcengine/verl@dfc9b534``
+``recipe/fapo/reward_fn_reasoning.py``) and our own, hypothesis properties against float64 per-group loops written
 from the formulas, DRPO gradient parity with a port of the paper's code (``Optimization-AI/DRPO@405f702``
 ``compute_policy_loss_drpo``), DLER parity with verl's REINFORCE++-baseline on one-token responses, gradchecks
 and one test per class of bad input.
@@ -38,8 +40,8 @@ def mask_of(lengths: list[int], width: int) -> torch.Tensor:
 
 
 def test_registered() -> None:
-    for name in ("drpo", "fapo_penalty", "dler_normalise", "truncation_penalty"):
-        assert name in names()
+    assert {"drpo", "dler_normalise"} <= set(names())
+    assert {"fapo_penalty", "truncation_penalty"} <= set(rolloutopt.advantages.SHAPERS.names())
 
 
 # --------------------------------------------------------------------------------------------------- DRPO
@@ -48,7 +50,7 @@ def test_registered() -> None:
 def naive_drpo(
     correct: list[bool], group: list[int], scores: list[float], lengths: list[int], max_len: int, lam: float, tau: float
 ) -> list[float]:
-    """Per-group loop in float64 from the formulas of A6: A = w on positives, -softmax(s/tau) on negatives."""
+    """Per-group loop in float64 from DRPO's formulas: A = w on positives, -softmax(s/tau) on negatives."""
     out = [0.0] * len(correct)
     for gid in set(group):
         rows = [i for i in range(len(group)) if group[i] == gid and lengths[i] > 0]
@@ -70,7 +72,7 @@ def naive_drpo(
 
 
 def test_drpo_spec_oracle() -> None:
-    # A6: two correct rollouts with L/L_max = 0.2 and 0.4, lambda = 0.1 -> weight ratio e^2: w = [0.8808, 0.1192]
+    # DRPO: two correct rollouts with L/L_max = 0.2 and 0.4, lambda = 0.1 -> weight ratio e^2: w = [0.8808, 0.1192]
     m = mask_of([2, 4, 3], 10)
     lp = torch.full((3, 10), -0.5)
     out = drpo(t([1.0, 1.0, 0.0]), ids([0, 0, 0]), lp, m, max_len=10)
@@ -298,7 +300,7 @@ def test_drpo_bad_input() -> None:
 
 
 def test_fapo_spec_oracle() -> None:
-    # A12: (clean, flawed, wrong, wrong) = [1, 0, -1, -1] -> mean -0.25 -> the flawed Dr.GRPO advantage is +0.25
+    # FAPO: (clean, flawed, wrong, wrong) = [1, 0, -1, -1] -> mean -0.25 -> the flawed Dr.GRPO advantage is +0.25
     out = fapo_penalty(t([1.0, 1.0, -1.0, -1.0]), torch.tensor([False, True, False, False]))
     close(out.rewards, [1.0, 0.0, -1.0, -1.0])
     close(dr_grpo(out.rewards, ids([0] * 4)).advantages[1], 0.25)
@@ -514,6 +516,62 @@ def test_dler_and_truncation_bad_input() -> None:
     for arg, call in cases:
         with pytest.raises(InputError, match=arg):
             call()
+
+
+def test_truncation_penalty_empty_batch_and_nan_message() -> None:
+    # B = 0: empty shaped rewards and every metric 0 (the mean of no reward is reported as 0, not NaN)
+    out = truncation_penalty(t([]), ids([]), budget=4)
+    assert out.rewards.shape == (0,)
+    assert all(m.ndim == 0 and float(m) == 0.0 for m in out.metrics.values())
+    out = truncation_penalty(t([]), ids([]), budget=ids([]))
+    assert all(torch.isfinite(m) for m in out.metrics.values())
+    # truncation_penalty has no row mask: the advice is to fix the rewards, not to mask them
+    with pytest.raises(InputError) as err:
+        truncation_penalty(t([1.0, float("nan")]), ids([1, 2]), budget=4)
+    assert err.value.argument == "rewards" and "mask" not in err.value.fix and "valid" not in err.value.fix
+
+
+def test_nan_reward_messages_name_the_valid_keyword() -> None:
+    m, lp = mask_of([1, 2], 3), -torch.rand(2, 3)
+    for call in (
+        lambda r: fapo_penalty(r, torch.tensor([False, True])),
+        lambda r: dler_normalise(r, ids([0, 0])),
+        lambda r: drpo(r, ids([0, 0]), lp, m, max_len=3, threshold=0.5),
+    ):
+        with pytest.raises(InputError) as err:
+            call(t([1.0, float("nan")]))
+        assert err.value.argument == "rewards"
+        assert "valid=" in err.value.fix and "mask those positions" not in err.value.fix, err.value.fix
+
+
+EMPTY_CALLS: list[Any] = [
+    lambda r, g, v: dler_normalise(r, g, valid=v),
+    lambda r, g, v: dler_normalise(r, g, std_of="rewards", batch="informative", valid=v),
+    lambda r, g, v: drpo(
+        r, g, torch.zeros(r.shape[0], 4), torch.zeros(r.shape[0], 4, dtype=torch.bool), max_len=4, valid=v
+    ),
+    lambda r, g, v: drpo(
+        r > 0, g, torch.zeros(r.shape[0], 4), torch.zeros(r.shape[0], 4, dtype=torch.bool), max_len=4, lam=math.inf
+    ),
+]
+
+
+@pytest.mark.parametrize("call", EMPTY_CALLS)
+@pytest.mark.parametrize("masked", [False, True])
+def test_empty_batch_gives_empty_outputs_and_zero_metrics(call: Any, masked: bool) -> None:
+    r = torch.zeros(0)
+    v = torch.zeros(0, dtype=torch.bool) if masked else None
+    out = call(r, ids([]), v)
+    assert out.advantages.shape == (0,) and out.weight.shape == (0,) and out.advantages.dtype == torch.float32
+    full = call(t([1.0, 0.0, 1.0, 0.0]), ids([0, 0, 1, 1]), None if v is None else torch.ones(4, dtype=torch.bool))
+    assert set(out.metrics) == set(full.metrics)
+    assert all(m.ndim == 0 and float(m) == 0.0 for m in out.metrics.values())  # num_questions too
+    with rolloutopt.checks(False):
+        assert call(r, ids([]), v).advantages.shape == (0,)
+    assert fapo_penalty(r, torch.zeros(0, dtype=torch.bool)).rewards.shape == (0,)
+    with pytest.raises(InputError) as err:  # still validated: logp's B must be 0 too
+        drpo(r, ids([]), torch.zeros(1, 4), torch.zeros(1, 4, dtype=torch.bool), max_len=4)
+    assert err.value.argument == "logp"
 
 
 def test_checks_off_gives_the_same_numbers() -> None:

@@ -1,4 +1,4 @@
-"""AR3PO, AERO and V05Budget: the spec's oracles (specs/allocators.md §A11, §A12; specs/advantages.md §A10),
+"""AR3PO, AERO and V05Budget: hand oracles of our reconstructions (see docs/methods/adaptive_alloc.md),
 hypothesis properties (budget, caps, determinism, permutation), state round trips and bad input."""
 
 from __future__ import annotations

@@ -23,8 +23,50 @@ def test_uniform_hand_example() -> None:
     assert res.group.tolist() == [0, 0, 0, 1, 1, 1, 2, 2]
     assert res.counts.tolist() == [3, 3, 2]
     assert [res.reason_of(p) for p in (5, 3, 9)] == ["remainder", "remainder", "uniform"]
-    assert res.weight.tolist() == [1.0] * 8 and res.rewards.dtype == torch.float64
+    assert res.weight.tolist() == [1.0] * 8 and res.rewards.dtype == torch.float32  # fp32 rewards observed
     assert float(res.metrics["budget_used_frac"]) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("dtypes", "expected"),
+    [
+        ((torch.float32,), torch.float32),
+        ((torch.bfloat16,), torch.float32),
+        ((torch.float16,), torch.float32),
+        ((torch.float64,), torch.float64),
+        ((torch.float64, torch.float32), torch.float32),
+        ((torch.float64, torch.float64), torch.float64),
+        ((), torch.float32),  # nothing observed
+    ],
+)
+def test_result_dtype_is_fp32_unless_every_observe_was_float64(
+    dtypes: tuple[torch.dtype, ...], expected: torch.dtype
+) -> None:
+    """Rewards and weights come back fp32 (float64 only when every observed reward tensor was float64), so the
+    advantages computed from them and the loss stay fp32 with fp32 log-probs; the values are the observed ones."""
+    from rolloutopt.advantages import grpo
+
+    plan = Conversation(torch.tensor([4, 7]), 8)
+    values = [torch.tensor([0.5, 1.0, 0.0, 0.25]), torch.tensor([1.0, 0.0, 0.75, 0.5])]
+    pending = list(dtypes)
+
+    def decide() -> Request | None:
+        if not pending:
+            return None
+        pending.pop(0)
+        return Request(torch.tensor([4, 7]), torch.tensor([2, 2]))
+
+    plan.decide = decide  # type: ignore[method-assign]
+    for dtype, value in zip(dtypes, values, strict=False):
+        req = plan.next()
+        assert req is not None
+        plan.observe(req, value.to(dtype))
+    assert plan.next() is None
+    res = plan.finish()
+    assert res.rewards.dtype == expected and res.weight.dtype == expected
+    assert res.rewards.tolist() == [0.5, 1.0, 0.0, 0.25, 1.0, 0.0, 0.75, 0.5][: 4 * len(dtypes)]
+    if dtypes:
+        assert grpo(res.rewards, res.group).advantages.dtype == expected
 
 
 def test_uniform_fixed_n_and_small_budget() -> None:

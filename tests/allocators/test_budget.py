@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from rolloutopt.allocators._base import AllocationResult, Conversation, Request
 from rolloutopt.allocators.budget import (
-    CoBAAllocator,
+    CoBA,
     Knapsack,
     _top_units,
     _top_units_lazy,
@@ -55,7 +55,7 @@ def fractions(rates: dict[int, tuple[int, int]]) -> Rewards:
     return f
 
 
-def seed_history(alloc: CoBAAllocator | Knapsack, succ: list[int], tot: list[int]) -> torch.Tensor:
+def seed_history(alloc: CoBA | Knapsack, succ: list[int], tot: list[int]) -> torch.Tensor:
     """Write one group per prompt (ids 0..P-1; tot 0 = unseen) into the allocator's history; return the ids."""
     ids, rewards = [], []
     for i, (s, t) in enumerate(zip(succ, tot, strict=True)):
@@ -124,7 +124,7 @@ def test_top_units_equals_heap(rows: list[list[float]], r: int) -> None:
 
 
 def test_coba_gain_closed_form_matches_value_difference() -> None:
-    a = CoBAAllocator()
+    a = CoBA()
     p = torch.tensor([0.05, 0.3, 0.5, 0.77, 0.99], dtype=F64)
     tau = a._tau(p)
     n = torch.arange(a.n_min, a.n_max, dtype=F64)
@@ -136,7 +136,7 @@ def test_coba_gain_closed_form_matches_value_difference() -> None:
 
 
 # -- CoBA: a transcription of BetaAllocator.allocate (with this library's deliberate fixes) ---------------------------
-def coba_reference(a: CoBAAllocator, p_opt: list[float | None], budget: int) -> list[int]:
+def coba_reference(a: CoBA, p_opt: list[float | None], budget: int) -> list[int]:
     m = len(p_opt)
     if all(x is None for x in p_opt) or budget < m * a.n_min:
         return _ref_uniform(budget, m, a.n_min, a.n_max)
@@ -217,7 +217,7 @@ def _ref_uniform(budget: int, m: int, n_min: int, n_max: int) -> list[int]:
 def test_coba_equals_transcription(
     groups: list[tuple[int, int]], budget: int, caps: tuple[int, int], failure: float
 ) -> None:
-    a = CoBAAllocator(n_min=caps[0], n_max=caps[1])
+    a = CoBA(n_min=caps[0], n_max=caps[1])
     a.alpha, a.beta = coba_beta_params(failure)
     tot = [t for _, t in groups]
     succ = [min(s, t) for s, t in groups]
@@ -229,7 +229,7 @@ def test_coba_equals_transcription(
 
 
 def test_coba_identical_p_within_one_rollout() -> None:
-    a = CoBAAllocator()
+    a = CoBA()
     ids = seed_history(a, [3] * 5 + [1, 7], [8] * 7)
     counts = a.plan(ids, 100).counts
     same = counts[:5]
@@ -238,7 +238,7 @@ def test_coba_identical_p_within_one_rollout() -> None:
 
 
 def test_coba_unseen_uniform_and_short_budget() -> None:
-    a = CoBAAllocator()
+    a = CoBA()
     plan = a.plan(torch.tensor([5, 3, 9]), 10)  # nothing seen: 10 // 3 = 3, the smallest id gets one more
     assert plan.counts.tolist() == [3, 4, 3]
     res = run(plan, lambda r: torch.ones(r.total, dtype=F64))
@@ -251,7 +251,7 @@ def test_coba_unseen_uniform_and_short_budget() -> None:
 
 
 def test_coba_beta_update_by_hand() -> None:
-    a = CoBAAllocator(window=2)
+    a = CoBA(window=2)
     assert (a.alpha, a.beta) == (5.0, 2.0)
     # step 1: prompt 0 all correct, prompt 1 half correct: average success 0.75, failure 0.25
     res = run(a.plan(torch.tensor([0, 1]), 8), fractions({0: (1, 1), 1: (1, 2)}))
@@ -271,7 +271,7 @@ def test_coba_beta_update_by_hand() -> None:
 
 
 def test_coba_reward_must_be_exactly_one() -> None:
-    a = CoBAAllocator()
+    a = CoBA()
     res = run(a.plan(torch.tensor([0]), 4), lambda r: torch.full((r.total,), 0.999, dtype=F64))
     a.update(res)
     assert a.alpha == 6.0  # failure 1: no success counted
@@ -372,8 +372,8 @@ def test_knapsack_no_effective_and_short_budget() -> None:
 
 
 # -- properties of both ------------------------------------------------------------------------------------------
-def make(kind: str) -> CoBAAllocator | Knapsack:
-    return CoBAAllocator(n_min=2, n_max=12) if kind == "coba" else Knapsack(n=4, n_min=2, n_max=12)
+def make(kind: str) -> CoBA | Knapsack:
+    return CoBA(n_min=2, n_max=12) if kind == "coba" else Knapsack(n=4, n_min=2, n_max=12)
 
 
 @settings(max_examples=25, deadline=None)
@@ -471,22 +471,22 @@ def test_bad_input(kind: str) -> None:
 
 
 def test_unknown_ids_in_a_request() -> None:
-    plan = CoBAAllocator().plan(torch.tensor([1, 2]), 8)
+    plan = CoBA().plan(torch.tensor([1, 2]), 8)
     with pytest.raises(InputError, match="prompt_ids"):
         plan.positions(torch.tensor([99]))
 
 
 def test_bad_hyper_parameters() -> None:
     with pytest.raises(InputError, match="n_max"):
-        CoBAAllocator(n_min=4, n_max=3)
+        CoBA(n_min=4, n_max=3)
     with pytest.raises(InputError, match="tau_max"):
-        CoBAAllocator(tau_min=5.0, tau_max=4.0)
+        CoBA(tau_min=5.0, tau_max=4.0)
     with pytest.raises(InputError, match="smoothing"):
-        CoBAAllocator(smoothing=0.5)
+        CoBA(smoothing=0.5)
     with pytest.raises(InputError, match="exploration_budget_ratio"):
-        CoBAAllocator(exploration_budget_ratio=1.5)
+        CoBA(exploration_budget_ratio=1.5)
     with pytest.raises(InputError, match="beta_params_sum"):
-        CoBAAllocator(beta_params_sum=2)
+        CoBA(beta_params_sum=2)
     with pytest.raises(InputError, match="no_extra"):
         Knapsack(no_extra="one")  # type: ignore[arg-type]
     with pytest.raises(InputError, match="cost"):
@@ -517,8 +517,8 @@ def test_lazy_columns_equal_the_full_table(rows: int, length: int, r: int, first
     st.integers(0, 300),
 )
 def test_spends_everything_when_caps_do_not_bind(kind: str, groups: list[tuple[int, int]], budget: int) -> None:
-    a: CoBAAllocator | Knapsack = (
-        CoBAAllocator(n_min=2, n_max=10**4) if kind == "coba" else Knapsack(n=4, n_min=2, n_max=10**4)
+    a: CoBA | Knapsack = (
+        CoBA(n_min=2, n_max=10**4) if kind == "coba" else Knapsack(n=4, n_min=2, n_max=10**4)
     )
     ids = seed_history(a, [min(s, t) for s, t in groups], [t for _, t in groups])
     counts = a.plan(ids, budget).counts

@@ -1,5 +1,8 @@
-"""DARS, E3Budget and the E3 temperature schedule: the spec's oracles (specs/allocators.md §A3, §A4), properties,
-state round trips, bad input."""
+"""DARS, E3Budget and the E3 temperature schedule: hand oracles, properties, state round trips, bad input.
+
+Oracles computed by hand following the authors' code: DARS (``yangzhch6/DARS``
+``verl/verl/trainer/ppo/ray_dars_trainer.py``, ``schedule_ET``/``schedule_HW``) and E3 (``LiaoMengqi/E3-RL4LLMs``
+``e3/trainer/ray_trainer.py`` ``get_rollout_n_per_prompt``, ``e3/worker/temperature_scheduler.py``)."""
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ def names(res: AllocationResult) -> list[str]:
     return [res.reason_names[int(i)] for i in res.reasons]
 
 
-# -- DARS: the schedule oracle (spec §A4, n = 8) --------------------------------------------------------------------
+# -- DARS: the schedule oracle (by hand following yangzhch6/DARS, n = 8) --------------------------------------------
 def test_dars_schedule_oracle() -> None:
     acc = torch.tensor([0.0, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0])
     et = dars_extra_rollouts(acc, n=8, n_max=32, schedule="et")
@@ -129,7 +132,7 @@ def test_dars_state_and_update() -> None:
     assert a.counts.tolist() == b.counts.tolist()
 
 
-# -- E3: allocation oracles (spec §A3, n_min = 4, n_max = 12, N_total = 32) ---------------------------------------
+# -- E3: allocation oracles (by hand following E3's code, n_min = 4, n_max = 12, N_total = 32) --------------------
 @pytest.mark.parametrize("cap_share", [True, False])
 def test_e3_counts_oracle(cap_share: bool) -> None:
     kw = {"cap_share": cap_share}
@@ -287,7 +290,7 @@ def test_temperature_state_round_trip() -> None:
 
 
 # -- bad input -----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("alloc", [DARS(), E3Budget()], ids=["dars", "e3"])
+@pytest.mark.parametrize("alloc", [DARS(), E3Budget()], ids=["dars", "e3_budget"])
 def test_bad_protocol_input(alloc: DARS | E3Budget) -> None:
     with pytest.raises(InputError, match="budget"):
         alloc.plan(torch.tensor([1, 2]), -1)

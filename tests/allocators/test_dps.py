@@ -1,4 +1,5 @@
-"""DPS (Dynamics-Predictive Sampling, arXiv 2603.10887): the spec's oracle, hand examples, properties, bad input."""
+"""DPS (Dynamics-Predictive Sampling, arXiv 2603.10887): oracles computed by hand following ``maoyixiu/DPS``
+``recipe/dps/task_sampler.py`` (``BayesianHMMSampler``), hand examples, properties, bad input."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def step(d: DPS, ids: list[int], budget: int, rewards: Rewards) -> AllocationRes
     return res
 
 
-# -- the spec's oracle (uniform prior, all-ones alpha, lambda = 1) ------------------------------------------------
+# -- the code's HMM by hand (uniform prior, all-ones alpha, lambda = 1) -------------------------------------------
 def test_spec_oracle() -> None:
     d = DPS(n=4)
     step(d, [7], 4, const({7: MIXED}))

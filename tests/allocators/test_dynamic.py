@@ -1,4 +1,4 @@
-"""DAPODynamicSampling: the spec's oracle, a replay of verl's filter_groups loop, budget, determinism, bad input."""
+"""DAPODynamicSampling: a hand oracle, a replay of verl's filter_groups loop, budget, determinism, bad input."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def reasons(res: AllocationResult) -> list[str]:
     return [res.reason_names[int(r)] for r in res.reasons]
 
 
-# -- the spec's oracle (specs/allocators.md A8) ------------------------------------------------------------------
+# -- by hand following verl's recipe/dapo/dapo_ray_trainer.py ----------------------------------------------------
 
 
 def test_oracle_keeps_only_the_varied_group() -> None:

@@ -1,4 +1,8 @@
-"""HIVE (arXiv 2603.25184) and DEPO (arXiv 2509.01321): spec oracles, hand examples, properties, bad input."""
+"""HIVE (arXiv 2603.25184) and DEPO (arXiv 2509.01321): oracles, hand examples, properties, bad input.
+
+DEPO's score oracle is computed by hand following ``txy77/DEPO``
+``verl/trainer/rollout_purning/rollout_purning.py`` (``Rollout_Purning.purning_by_entropy``); HIVE's oracles test
+the invariants of our reconstruction (see docs/methods/filters.md)."""
 
 from __future__ import annotations
 
@@ -97,9 +101,9 @@ def depo_history() -> DEPO:
     h = {0: [1.0, 1.0, 0.4, 3.0], 1: [1.0] * 4, 2: [1.0] * 4, 3: [1.0] * 4}
     res, _ = run(d.plan(torch.tensor([0, 1, 2, 3]), 16), table(groups))
     assert res.counts.tolist() == [4, 4, 4, 4] and all(DEPO_REASONS[r] == "epoch_zero" for r in res.reasons)
-    d.update(res, entropies=torch.tensor([x for p in dict.fromkeys(res.prompt_ids.tolist()) for x in h[p]]))
+    d.update(res, entropy=torch.tensor([x for p in dict.fromkeys(res.prompt_ids.tolist()) for x in h[p]]))
     res, _ = run(d.plan(torch.tensor([3]), 4), table(groups))
-    d.update(res, entropies=torch.ones(4, dtype=torch.float64))
+    d.update(res, entropy=torch.ones(4, dtype=torch.float64))
     return d
 
 
@@ -129,7 +133,7 @@ def test_depo_window_is_bounded_and_averages_last_k() -> None:
     groups = [[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]  # scores h (A = +-1, the failure dropped), 0, 0
     for g in groups:
         res, _ = run(d.plan(torch.tensor([7]), 2), table({7: g}))
-        d.update(res, entropies=torch.tensor([0.25, 0.25], dtype=torch.float64))
+        d.update(res, entropy=torch.tensor([0.25, 0.25], dtype=torch.float64))
     st_ = d.state_dict()
     assert st_["scores"].shape == (1, 2) and st_["count"].tolist() == [3]
     score, _ = d.scores(torch.tensor([7]))
@@ -137,7 +141,7 @@ def test_depo_window_is_bounded_and_averages_last_k() -> None:
     d2 = DEPO(n=2, history_k=3)
     for g in groups:
         res, _ = run(d2.plan(torch.tensor([7]), 2), table({7: g}))
-        d2.update(res, entropies=torch.tensor([0.25, 0.25], dtype=torch.float64))
+        d2.update(res, entropy=torch.tensor([0.25, 0.25], dtype=torch.float64))
     # first score: A+ = 0.5 / (0.5 + eps) times the correct entropy 0.25; the failure (0.25 > 0.5 * 0.25) drops
     want = 0.25 * 0.5 / (0.5 + 1e-8) / 3
     assert math.isclose(float(d2.scores(torch.tensor([7]))[0][0]), want, rel_tol=1e-12)
@@ -148,7 +152,7 @@ def test_depo_steps_per_epoch() -> None:
     sizes = []
     for _ in range(3):
         res, _ = run(d.plan(torch.tensor([1, 2]), 4), table({1: [1.0, 0.0], 2: [0.0, 0.0]}))
-        d.update(res, entropies=torch.ones(res.rewards.numel(), dtype=torch.float64))
+        d.update(res, entropy=torch.ones(res.rewards.numel(), dtype=torch.float64))
         sizes.append(int(res.counts.sum()))
     # epochs 0, 0, 1: everything kept twice, then floor(2 * 0.99) = 1 of the two seen prompts
     assert d.epoch == 1 and sizes == [4, 4, 2]
@@ -167,7 +171,7 @@ def hive_history(h: HIVE) -> None:
     ids = torch.tensor([0, 1, 2, 3, 4])
     res, _ = run(h.plan(ids, 10, prompt_entropy=torch.full((5,), 2.0)), table(groups))
     e = {0: 1.0, 1: 9.0, 2: 9.0, 3: 3.0, 4: 2.0}
-    h.update(res, entropies=torch.tensor([e[int(p)] for p in res.prompt_ids], dtype=torch.float64))
+    h.update(res, entropy=torch.tensor([e[int(p)] for p in res.prompt_ids], dtype=torch.float64))
 
 
 def test_hive_stages_by_hand() -> None:
@@ -217,7 +221,7 @@ def test_hive_without_prompt_entropy_skips_stage_two_and_top_mode() -> None:
     stage2=st.sampled_from(["drop", "top"]),
 )
 def test_hive_structure(seed: int, budget: int, p_lo: float, width: float, delta: float, stage2: str) -> None:
-    """Spec oracle: |stage 2| <= |stage 1| <= |pool|, unseen prompts always survive stage 1; budget and caps."""
+    """Invariants: |stage 2| <= |stage 1| <= |pool|, unseen prompts always survive stage 1; budget and caps."""
     h = hive(n=3, n_min=2, n_max=5, p_lo=p_lo, p_hi=p_lo + width, delta=delta, stage2=stage2, seed=seed)
     gen = torch.Generator().manual_seed(seed)
     for s in range(3):
@@ -234,7 +238,7 @@ def test_hive_structure(seed: int, budget: int, p_lo: float, width: float, delta
         nz = res.counts[res.counts > 0]
         assert bool(((nz >= 2) & (nz <= 5)).all())
         assert bool((res.counts[reasons != 0] == 0).all())
-        h.update(res, entropies=ents(res, s))
+        h.update(res, entropy=ents(res, s))
 
 
 # -- both: budget, caps, determinism, permutation, state round trip -----------------------------------------------
@@ -255,7 +259,7 @@ def drive(a: HIVE | DEPO, steps: range, budget: int, pools: list[torch.Tensor]) 
             res, _ = run(a.plan(pool, budget, prompt_entropy=pe), bern(s))
         else:
             res, _ = run(a.plan(pool, budget), bern(s))
-        a.update(res, entropies=ents(res, s))
+        a.update(res, entropy=ents(res, s))
         out.append(res)
     return out
 
@@ -327,7 +331,7 @@ def test_empty_pool_and_zero_budget(kind: str) -> None:
         a = make(kind, 0)
         res, reqs = run(a.plan(ids, budget), lambda r: torch.zeros(r.total, dtype=torch.float64))
         assert reqs == [] and int(res.counts.sum()) == 0
-        a.update(res, entropies=torch.zeros(0, dtype=torch.float64))
+        a.update(res, entropy=torch.zeros(0, dtype=torch.float64))
         assert a.state_dict()["ids"].numel() == 0
 
 
@@ -391,14 +395,14 @@ def test_bad_plan_observe_update_load(kind: str) -> None:
     plan.observe(req, torch.zeros(8))
     res = plan.finish()
     with pytest.raises(InputError, match="result"):
-        a.update(None, entropies=torch.zeros(8))  # type: ignore[arg-type]
-    with pytest.raises(InputError, match="entropies"):
-        a.update(res, entropies=torch.zeros(7))
-    with pytest.raises(InputError, match="entropies"):
-        a.update(res, entropies=torch.full((8,), float("nan")))
+        a.update(None, entropy=torch.zeros(8))  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="entropy"):
+        a.update(res, entropy=torch.zeros(7))
+    with pytest.raises(InputError, match="entropy"):
+        a.update(res, entropy=torch.full((8,), float("nan")))
     with pytest.raises(InputError, match="state"):
         a.load_state_dict({})
-    a.update(res, entropies=torch.zeros(8))
+    a.update(res, entropy=torch.zeros(8))
     bad = a.state_dict()
     bad["ids"] = torch.tensor([2, 1])
     with pytest.raises(InputError, match="ids"):
@@ -415,5 +419,5 @@ def test_bad_plan_observe_update_load(kind: str) -> None:
             depo_group_scores(torch.tensor([0]), torch.tensor([1.0]), torch.ones(1), num_groups=1)
         with pytest.raises(InputError, match="group"):
             depo_group_scores(torch.tensor([3]), torch.tensor([True]), torch.ones(1), num_groups=1)
-        with pytest.raises(InputError, match="entropies"):
+        with pytest.raises(InputError, match="entropy"):
             depo_group_scores(torch.tensor([0]), torch.tensor([True]), torch.ones(2), num_groups=1)

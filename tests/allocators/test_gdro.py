@@ -1,7 +1,8 @@
-"""Multi-Adversary GDRO (specs/allocators.md §A10, reconstructed): oracles, controller convergence, properties.
+"""Multi-Adversary GDRO (arXiv 2601.19280, reconstructed): oracles, controller convergence, properties.
 
-Hand-derived oracles (the spec's three and our own for the classifier's hysteresis, the bin sampler's
-distribution and the budget cut), the shadow-price controller converging to the square-root closed form on
+Hand-derived oracles (three of our reconstruction, see docs/methods/gdro.md, and our own for the classifier's
+hysteresis, the bin sampler's distribution and the budget cut), the shadow-price controller converging to the
+square-root closed form on
 stationary problems, hypothesis properties (budget, caps, determinism, permutation), save/load mid-run and one
 test per class of bad input. No public code exists and neither verl 0.9.1 nor TRL 1.16 ships GDRO, so there is no
 parity test.
@@ -88,11 +89,11 @@ def binary_classifier(**kw: Any) -> DifficultyClassifier:
     return DifficultyClassifier(**{**base, **kw})
 
 
-# ------------------------------------------------------------------------------------------ spec oracles
+# ------------------------------------------------------------------------------------------ hand oracles
 
 
 def test_pass_at_k_spec_oracle_and_hand_values() -> None:
-    # §A10: n = 8, c = 2, k = 4: 1 - C(6,4)/C(8,4) = 1 - 15/70.
+    # unbiased pass@k (arXiv 2107.03374): n = 8, c = 2, k = 4: 1 - C(6,4)/C(8,4) = 1 - 15/70.
     out = pass_at_k(L(8, 8, 8, 3, 3, 5), L(2, 0, 5, 1, 0, 1), 4)
     # c = 0 -> 0; n - c = 3 < k -> 1; n = 3 < k: plug-in 1 - (2/3)^4 and 0; n=5,c=1: 1 - C(4,4)/C(5,4) = 4/5.
     assert out.dtype == F64
@@ -113,7 +114,7 @@ def test_pass_at_k_matches_the_product_formula(n: int, data: st.DataObject, k: i
 
 
 def test_sqrt_allocation_spec_oracles() -> None:
-    # §A10: equal mass, w.v = [1, 4], n_bar = 12 -> sqrt = [1, 2], mean sqrt 1.5 -> n = 12 * [1, 2] / 1.5 = [8, 16].
+    # equal mass, w.v = [1, 4], n_bar = 12 -> sqrt = [1, 2], mean sqrt 1.5 -> n = 12 * [1, 2] / 1.5 = [8, 16].
     torch.testing.assert_close(sqrt_allocation(D(1.0, 4.0), D(0.5, 0.5), 12), D(8.0, 16.0))
     # equal w.v -> n_bar everywhere; masses need not be normalised.
     torch.testing.assert_close(sqrt_allocation(D(0.3, 0.3, 0.3), D(2.0, 1.0, 1.0), 6), D(6.0, 6.0, 6.0))

@@ -1,4 +1,6 @@
-"""GRESO (arXiv 2506.02177): the spec's oracle, the adaptive batch size by hand, properties, bad input."""
+"""GRESO (arXiv 2506.02177): oracles computed by hand following ``Infini-AI-Lab/GRESO``
+(``verl/trainer/ttis/presampling_selector.py``, ``verl/trainer/ppo/ray_trainer.py``), the adaptive batch size by
+hand, properties, bad input."""
 
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ def step(g: GRESO, ids: list[int], budget: int, rewards: Rewards) -> AllocationR
     return res
 
 
-# -- the spec's oracle --------------------------------------------------------------------------------------------
+# -- by hand following the GRESO code -----------------------------------------------------------------------------
 def test_spec_oracle_skip_probabilities() -> None:
     g = small(filter_zero_variance=False, p_easy=1.0, p_hard=1.0)  # p = 1: no skips while the history is built
     ids = [1, 2, 3]

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.allocators._base import AllocationResult, Conversation, Request
-from rolloutopt.allocators.replay import DOTS, XRPOAllocator, t_quantile
+from rolloutopt.allocators.replay import DOTS, XRPO, t_quantile
 from rolloutopt.errors import InputError
 
 Rewards = Callable[[Request], torch.Tensor]
@@ -66,7 +66,7 @@ def table(values: list[float]) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda ids: torch.tensor(values, dtype=F64)[ids]
 
 
-# -- DOTS: the spec's oracles -------------------------------------------------------------------------------------
+# -- DOTS: oracles by hand following ASTRAL-Group/data-efficient-llm-rl -------------------------------------------
 @pytest.mark.parametrize("seed", range(5))
 def test_dots_spec_oracle_tau_to_zero(seed: int) -> None:
     # predicted p = [0.1, 0.45, 0.5, 0.9], budget 2 (one rollout each): the sample is {0.5, 0.45}
@@ -353,12 +353,12 @@ def test_t_quantile_against_tables() -> None:
 
 def test_xrpo_requires_experimental() -> None:
     with pytest.raises(InputError, match="experimental"):
-        XRPOAllocator()
+        XRPO()
 
 
 def test_xrpo_priority_by_hand() -> None:
     # lam = 0: priority = t_{.975,3} s / 2 - t_{.975,4} s / sqrt(5), s = sample sd of [1, 0, 1, 0] = sqrt(1/3)
-    xr = XRPOAllocator(n_base=4, lam=0.0, round_size=1, experimental=True)
+    xr = XRPO(n_base=4, lam=0.0, round_size=1, experimental=True)
     plan = xr.plan(torch.tensor([10, 20]), 9)
     world = const({10: [1.0, 0.0], 20: [1.0]})
     req = plan.next()
@@ -379,14 +379,14 @@ def test_xrpo_priority_by_hand() -> None:
 
 def test_xrpo_bonus_alone_is_round_robin() -> None:
     # all-equal groups: Delta h = 0, the bonus lam sqrt(log(1+T)/n) favours the fewest rollouts, ties to lower ids
-    xr = XRPOAllocator(n_base=2, lam=1.0, round_size=1, experimental=True)
+    xr = XRPO(n_base=2, lam=1.0, round_size=1, experimental=True)
     res, reqs = run(xr.plan(torch.tensor([3, 1, 2]), 6 + 3), const({1: [1.0], 2: [0.0], 3: [1.0]}))
     assert [r.prompt_ids.tolist() for r in reqs[1:]] == [[1], [2], [3]]
     assert res.counts.tolist() == [3, 3, 3]
 
 
 def test_xrpo_targets_uncertain_prompts_caps_and_short_budget() -> None:
-    xr = XRPOAllocator(n_base=4, n_max=12, lam=0.0, experimental=True)
+    xr = XRPO(n_base=4, n_max=12, lam=0.0, experimental=True)
     world = const({0: [1.0, 0.0], 1: [1.0], 2: [0.0], 3: [0.0, 1.0]})
     res, _ = run(xr.plan(torch.arange(4), 32), world)
     assert int(res.counts.sum()) == 32
@@ -413,7 +413,7 @@ def test_xrpo_properties(k: int, budget: int, n_base: int, extra: int, lam: floa
     rate = torch.linspace(0.0, 1.0, 20, dtype=F64)
     ids = torch.randperm(20, generator=torch.Generator().manual_seed(seed))[:k]
     perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed + 1))
-    xr = XRPOAllocator(n_base=n_base, n_max=n_max, lam=lam, experimental=True)
+    xr = XRPO(n_base=n_base, n_max=n_max, lam=lam, experimental=True)
 
     world = keyed(rate, 0)
     ra, _ = run(xr.plan(ids, budget), world)
@@ -431,8 +431,8 @@ def test_xrpo_properties(k: int, budget: int, n_base: int, extra: int, lam: floa
 
 
 def test_xrpo_state_and_bad_input() -> None:
-    xr = XRPOAllocator(experimental=True)
-    other = XRPOAllocator(experimental=True, seed=5)
+    xr = XRPO(experimental=True)
+    other = XRPO(experimental=True, seed=5)
     other.load_state_dict(xr.state_dict())
     assert torch.equal(other.state_dict()["generator"], xr.state_dict()["generator"])
     for kwargs, arg in (
@@ -446,7 +446,7 @@ def test_xrpo_state_and_bad_input() -> None:
         ({"n_min": 0}, "n_min"),
     ):
         with pytest.raises(InputError, match=arg):
-            XRPOAllocator(experimental=True, **kwargs)  # type: ignore[arg-type]
+            XRPO(experimental=True, **kwargs)  # type: ignore[arg-type]
     with pytest.raises(InputError, match="budget"):
         xr.plan(torch.arange(2), -3)
     plan = xr.plan(torch.arange(2), 16)

@@ -1,4 +1,8 @@
-"""VIGOR, vigor_speedup and PilotCommit: the spec's oracles (specs/allocators.md §A6, §A9), properties, bad input."""
+"""VIGOR, vigor_speedup and PilotCommit: hand oracles, properties, bad input.
+
+VIGOR's oracles are our reconstruction (see docs/methods/topup.md); Pilot-Commit's are computed by hand following
+``databricks/pilot-commit`` (``recipe/pc/pc_ray_trainer.py``, ``recipe/pc/utils.py``).
+"""
 
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ def vigor(**kw: object) -> VIGOR:
 # ---------------------------------------------------------------------------------------------------- VIGOR oracles
 @pytest.mark.parametrize("rule", ["variance", "marginal"])
 def test_vigor_oracle_flat_groups_get_nothing(rule: str) -> None:
-    # §A9: budget 16, variances [0, 0, .25, .25] after a 2-each warm start: the 8 extra go to the last two.
+    # VIGOR: budget 16, variances [0, 0, .25, .25] after a 2-each warm start: the 8 extra go to the last two.
     # variance rule: both .25 prompts tie at the cut, so each round's chunk (ceil(8/4) = 2) is shared 1 + 1.
     res, reqs = run(vigor(mode="static", rule=rule).plan(torch.tensor([0, 1, 2, 3]), 16),
                     table({0: [1, 1], 1: [0, 0], 2: [1, 0], 3: [0, 1]}))  # fmt: skip
@@ -40,7 +44,7 @@ def test_vigor_oracle_flat_groups_get_nothing(rule: str) -> None:
 
 
 def test_vigor_oracle_marginal_spreads() -> None:
-    # §A9: variances [.25, .0625] ([1,0] and [0,.5]), warm start 2 each, 4 extra units. Marginal gains
+    # VIGOR: variances [.25, .0625] ([1,0] and [0,.5]), warm start 2 each, 4 extra units. Marginal gains
     # s^2/(n(n+1)): p0 .25/6, .25/12, .25/20 all beat p1's .0625/6 = .0104; then p1's .0104 beats p0's .25/30.
     # Greedy: p0, p0, p0, p1 -> [5, 3].
     res, _ = run(vigor(mode="static", rule="marginal").plan(torch.tensor([0, 1]), 8), table({0: [1, 0], 1: [0, 0.5]}))
@@ -211,7 +215,7 @@ def pilot_table(succ: dict[int, int], commit: float = 1.0) -> Rewards:
 
 
 def test_pilot_commit_oracle_classification() -> None:
-    # §A6 oracle, p_upper .25, p_lower .125, p_solve 1.0 (the defaults), n_pilot 8. Means {0, 1/8, 6/8, 7/8, 1}:
+    # Pilot-Commit, p_upper .25, p_lower .125, p_solve 1.0 (the defaults), n_pilot 8. Means {0, 1/8, 6/8, 7/8, 1}:
     # keep {1/8, 6/8}, too incorrect {0}, too correct {7/8, 1}, evicted {1}.
     pc = PilotCommit(n_pilot=8, n_commit=4)
     res, reqs = run(pc.plan(torch.tensor(list(ORACLE)), 1000), pilot_table(ORACLE))
@@ -228,7 +232,8 @@ def test_pilot_commit_oracle_classification() -> None:
 
 @pytest.mark.parametrize(("succ", "ones"), [(6, 2), (1, 1), (7, 3), (4, 2)])
 def test_pilot_commit_max_variance_downsample(succ: int, ones: int) -> None:
-    # §A6: [1,1,1,1,1,1,0,0] down to 4 keeps two 1s and two 0s; with a single 1 (or 0) it keeps it and fills up.
+    # Pilot-Commit: [1,1,1,1,1,1,0,0] down to 4 keeps two 1s and two 0s; with a single 1 (or 0) it keeps it and
+    # fills up.
     for seed in range(5):
         pc = PilotCommit(n_pilot=8, n_commit=3, n_pilot_eff=4, p_lower=0.1, p_upper=0.1, seed=seed)
         res, _ = run(pc.plan(torch.tensor([5]), 100), pilot_table({5: succ}, commit=0.5))

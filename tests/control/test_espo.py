@@ -1,4 +1,8 @@
-"""ESPO (digest rule and critic-free variant) and absorbing_failure: spec oracles by hand, properties, bad input."""
+"""ESPO (digest rule and critic-free variant) and absorbing_failure: hand oracles, properties, bad input.
+
+The digest rule's oracle is computed by hand from the rule as public summaries of arXiv 2605.29860 describe it;
+the critic-free variant's is our reconstruction (see docs/methods/early_stop.md).
+"""
 
 from __future__ import annotations
 
@@ -28,13 +32,13 @@ def _digest_oracle_rule(**kw: Any) -> ESPO:
 
 
 def test_espo_oracle() -> None:
-    # spec B1: g = -0.1 - (-2.3) = 2.2; (2.2 - 0) / sqrt(1 + 0) = 2.2; z_1 = 0.1 * 2.2 = 0.22 > 1 * max(0.1, 0.2)
+    # digest rule: g = -0.1 - (-2.3) = 2.2; (2.2 - 0) / sqrt(1 + 0) = 2.2; z_1 = 0.1 * 2.2 = 0.22 > 1 * max(0.1, 0.2)
     rule = _digest_oracle_rule()
     state = rule.init(2)
     state, stop = rule.step(
         state,
-        logprobs=torch.tensor([-2.3, -2.3]),
-        topk_logprobs=torch.tensor([[-0.1, -2.3], [-0.1, -2.3]]),
+        logp=torch.tensor([-2.3, -2.3]),
+        topk_logp=torch.tensor([[-0.1, -2.3], [-0.1, -2.3]]),
         values=torch.tensor([0.1, 0.3]),  # row 1: threshold 0.3 > 0.22, keeps running
     )
     assert state.extra["z"].tolist() == pytest.approx([0.22, 0.22])
@@ -42,8 +46,8 @@ def test_espo_oracle() -> None:
     for _ in range(2):  # row 1 runs on with zero regret
         state, stop = rule.step(
             state,
-            logprobs=torch.tensor([-9.0, -0.1]),
-            topk_logprobs=torch.tensor([[-0.1], [-0.1]]),
+            logp=torch.tensor([-9.0, -0.1]),
+            topk_logp=torch.tensor([[-0.1], [-0.1]]),
             values=torch.tensor([0.1, 0.3]),
         )
     res = rule.finalize(state)
@@ -61,12 +65,12 @@ def test_espo_oracle() -> None:
 def test_espo_normalisation_by_hand() -> None:
     rule = ESPO(mu_init=1.0, var_init=4.0, delta=0.0, critic_warmup=False)
     state, _ = rule.step(
-        rule.init(1), logprobs=torch.tensor([-2.3]), topk_logprobs=torch.tensor([[-0.1]]), values=torch.tensor([1.0])
+        rule.init(1), logp=torch.tensor([-2.3]), topk_logp=torch.tensor([[-0.1]]), values=torch.tensor([1.0])
     )
     assert float(state.extra["z"][0]) == pytest.approx(0.1 * (2.2 - 1.0) / 2.0)
     rule = ESPO(clip=0.5, delta=0.0, critic_warmup=False)  # normalised 2.2 clipped to 0.5
     state, _ = rule.step(
-        rule.init(1), logprobs=torch.tensor([-2.3]), topk_logprobs=torch.tensor([[-0.1]]), values=torch.tensor([1.0])
+        rule.init(1), logp=torch.tensor([-2.3]), topk_logp=torch.tensor([[-0.1]]), values=torch.tensor([1.0])
     )
     assert float(state.extra["z"][0]) == pytest.approx(0.05)
 
@@ -76,8 +80,8 @@ def _two_row_batch(rule: ESPO) -> StopState:
     state = rule.init(3)  # row 2 never generates: not counted in the stop rate
     state, _ = rule.step(
         state,
-        logprobs=torch.tensor([-3.0, -1.0, 0.0]),
-        topk_logprobs=torch.tensor([[0.0], [0.0], [0.0]]),
+        logp=torch.tensor([-3.0, -1.0, 0.0]),
+        topk_logp=torch.tensor([[0.0], [0.0], [0.0]]),
         values=torch.tensor([0.0, 0.0, 0.0]),
         active=torch.tensor([True, True, False]),
     )
@@ -134,7 +138,7 @@ def test_espo_warmup_gate() -> None:
     state = forced.init(1)
     forced.training_progress = 0.1
     assert forced.enabled
-    kw = {"logprobs": torch.tensor([-30.0]), "topk_logprobs": torch.tensor([[0.0]]), "values": torch.tensor([0.0])}
+    kw = {"logp": torch.tensor([-30.0]), "topk_logp": torch.tensor([[0.0]]), "values": torch.tensor([0.0])}
     for _ in range(20):
         state, stop = forced.step(state, **kw)
     assert not stop.any()
@@ -144,21 +148,21 @@ def test_espo_warmup_gate() -> None:
 
 
 def test_critic_free_oracle() -> None:
-    # spec B1: constant regret 0.5, rho_bar = s_rho = 0.1, kappa 3, t_min 10: 0.5 t > 0.1 t + 0.3 sqrt(t) for every
-    # t >= 1, so the first t >= t_min, t = 10 (position 9).
+    # our reconstruction: constant regret 0.5, rho_bar = s_rho = 0.1, kappa 3, t_min 10: 0.5 t > 0.1 t + 0.3 sqrt(t)
+    # for every t >= 1, so the first t >= t_min, t = 10 (position 9).
     lp = torch.full((2, 30), -1.0)
     topk = torch.stack([torch.full((2, 30), -0.5), torch.full((2, 30), -3.0)], dim=-1)
     topk[1, :, 0] = -1.0  # row 1: the sampled token is always the argmax, regret 0: never stops
     rule = ESPOCriticFree(rho_bar=0.1, s_rho=0.1, kappa=3.0, t_min=10, smoothing=0.0, **CF)
-    res = replay(rule, logprobs=lp, topk_logprobs=topk)
+    res = replay(rule, logp=lp, topk_logp=topk)
     assert res.position.tolist() == [9, -1] and res.length.tolist() == [10, 30]
     # with the default smoothing a = 0.9: S_10 = 0.05 * sum_k k 0.9^(10-k) = 0.05 * 41.35 = 2.067 > 1 + 0.3 sqrt(10)
     smooth = sum(0.05 * k * 0.9 ** (10 - k) for k in range(1, 11))
     assert smooth > 1.0 + 0.3 * math.sqrt(10)
-    res = replay(ESPOCriticFree(rho_bar=0.1, s_rho=0.1, **CF), logprobs=lp, topk_logprobs=topk)
+    res = replay(ESPOCriticFree(rho_bar=0.1, s_rho=0.1, **CF), logp=lp, topk_logp=topk)
     assert res.position.tolist() == [9, -1]
     # without a reference the rule never fires
-    res = replay(ESPOCriticFree(**CF), logprobs=lp, topk_logprobs=topk)
+    res = replay(ESPOCriticFree(**CF), logp=lp, topk_logp=topk)
     assert not res.stopped.any()
 
 
@@ -168,7 +172,7 @@ def test_critic_free_update_by_hand() -> None:
     topk = torch.zeros(3, 2, 1)
     state = rule.init(3)
     for t in range(2):
-        state, _ = rule.step(state, logprobs=lp[:, t], topk_logprobs=topk[:, t])
+        state, _ = rule.step(state, logp=lp[:, t], topk_logp=topk[:, t])
     # only row 0 is successful: regrets 0.2, 0.4 -> mean 0.3, std 0.1
     rule.update(state, torch.tensor([True, False, False]))
     assert (rule.rho_bar, rule.s_rho) == pytest.approx((0.3, 0.1))
@@ -206,8 +210,8 @@ def _stream(n: int, t: int, seed: int) -> dict[str, torch.Tensor]:
     topk = -3 * torch.rand(n, t, 4, generator=g)
     lp = topk.amax(-1) - 4 * torch.rand(n, t, generator=g) ** 2
     return {
-        "logprobs": lp,
-        "topk_logprobs": topk,
+        "logp": lp,
+        "topk_logp": topk,
         "values": torch.rand(n, t, generator=g) * 0.5,
         "mask": torch.rand(n, t, generator=g) < 0.85,
     }
@@ -221,7 +225,7 @@ def _rules() -> list[StopRule]:
 
 
 def _run(rule: StopRule, s: dict[str, torch.Tensor], state: StopState | None = None, start: int = 0) -> StopState:
-    n, t = s["logprobs"].shape
+    n, t = s["logp"].shape
     state = rule.init(n) if state is None else state
     for k in range(start, t):
         kw = {key: v[:, k] for key, v in s.items() if key != "mask"}
@@ -320,32 +324,32 @@ def test_critic_free_bad_hyper_parameters() -> None:
 def test_bad_step_inputs() -> None:
     rule = ESPO(critic_warmup=False)
     state = rule.init(2)
-    ok = {"logprobs": torch.zeros(2), "topk_logprobs": torch.zeros(2, 3), "values": torch.zeros(2)}
+    ok = {"logp": torch.zeros(2), "topk_logp": torch.zeros(2, 3), "values": torch.zeros(2)}
     with pytest.raises(InputError, match="values"):
         rule.step(state, **{**ok, "values": None})
     with pytest.raises(InputError, match="values"):
         rule.step(state, **{**ok, "values": torch.zeros(3)})
     with pytest.raises(InputError, match="values"):
         rule.step(state, **{**ok, "values": torch.tensor([0.0, float("inf")])})
-    with pytest.raises(InputError, match="topk_logprobs"):
-        rule.step(state, **{**ok, "topk_logprobs": None})
-    with pytest.raises(InputError, match="topk_logprobs"):
-        rule.step(state, **{**ok, "topk_logprobs": torch.zeros(2, 0)})
-    with pytest.raises(InputError, match="topk_logprobs"):
-        rule.step(state, **{**ok, "topk_logprobs": torch.full((2, 3), float("nan"))})
-    with pytest.raises(InputError, match="logprobs"):
-        rule.step(state, **{**ok, "logprobs": torch.zeros(2, dtype=torch.long)})
+    with pytest.raises(InputError, match="topk_logp"):
+        rule.step(state, **{**ok, "topk_logp": None})
+    with pytest.raises(InputError, match="topk_logp"):
+        rule.step(state, **{**ok, "topk_logp": torch.zeros(2, 0)})
+    with pytest.raises(InputError, match="topk_logp"):
+        rule.step(state, **{**ok, "topk_logp": torch.full((2, 3), float("nan"))})
+    with pytest.raises(InputError, match="logp"):
+        rule.step(state, **{**ok, "logp": torch.zeros(2, dtype=torch.long)})
     with pytest.raises(InputError, match="group"):
         rule.init(2, group=torch.zeros(2))
-    with pytest.raises(InputError, match="topk_logprobs"):
+    with pytest.raises(InputError, match="topk_logp"):
         surrogate_regret(torch.zeros(2), torch.zeros(3, 2))
-    with pytest.raises(InputError, match="topk_logprobs"):
+    with pytest.raises(InputError, match="topk_logp"):
         surrogate_regret(torch.zeros(2), torch.zeros(2, 0))
-    with pytest.raises(InputError, match="logprobs"):
+    with pytest.raises(InputError, match="logp"):
         surrogate_regret(torch.tensor([float("nan"), 0.0]), torch.zeros(2, 2))
     cf = ESPOCriticFree(**CF)
-    with pytest.raises(InputError, match="topk_logprobs"):
-        cf.step(cf.init(2), logprobs=torch.zeros(2))
+    with pytest.raises(InputError, match="topk_logp"):
+        cf.step(cf.init(2), logp=torch.zeros(2))
 
 
 def test_bad_state_and_update_inputs() -> None:
@@ -377,8 +381,8 @@ def test_absorbing_failure_bad_input() -> None:
     rule = _digest_oracle_rule()
     state, _ = rule.step(
         rule.init(2),
-        logprobs=torch.tensor([-2.3, 0.0]),
-        topk_logprobs=torch.tensor([[-0.1], [0.0]]),
+        logp=torch.tensor([-2.3, 0.0]),
+        topk_logp=torch.tensor([[-0.1], [0.0]]),
         values=torch.zeros(2),
     )
     res = rule.finalize(state)

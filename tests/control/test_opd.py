@@ -51,7 +51,13 @@ def _prune(**kw: Any) -> PruneOPD:
     return PruneOPD(experimental=True, **kw)
 
 
-# ============================================================================================ PruneOPD (B3)
+def _overlaps(rule: PruneOPD, student: torch.Tensor, teacher: torch.Tensor) -> dict[str, torch.Tensor]:
+    """PruneOPD's ``step`` input over a recorded generation: ``overlap`` [N, T] from top-k ids [N, T, K]."""
+    t = student.shape[1]
+    return {"overlap": torch.stack([rule.overlap(student[:, j], teacher[:, j]) for j in range(t)], 1)}
+
+
+# ================================================================================================= PruneOPD
 
 
 def test_prune_opd_hand_example() -> None:
@@ -62,8 +68,9 @@ def test_prune_opd_hand_example() -> None:
     # w       = [1, 1, 1, .5, .25, .125]           -> .125 < .2: stop at t=5 (low_weight), keeps 6 tokens
     hits = torch.tensor([[2, 1, 0, 0, 1, 2, 2, 2]])
     student = torch.tensor([7, 9]).expand(1, 8, 2)
-    inputs = {"student_topk": student, "teacher_topk": _teacher_for(student, hits)}
     rule = _prune(k=2, window=2, tau_drift=0.5, m=2, rho=0.5, w_min=0.2, tau_hard=0.0)
+    inputs = _overlaps(rule, student, _teacher_for(student, hits))
+    assert inputs["overlap"].tolist() == [[1.0, 0.5, 0.0, 0.0, 0.5, 1.0, 1.0, 1.0]]
     state = _run(rule, inputs)
     res = rule.finalize(state)
     assert res.reasons() == ["low_weight"] and res.position.tolist() == [5] and res.length.tolist() == [6]
@@ -95,7 +102,7 @@ def test_prop_prune_opd_identical_student_never_truncated(n: int, t: int, seed: 
     ids = torch.rand(n, t, 50, generator=g).argsort(-1)[..., :8]  # distinct ids per row, any order
     shuffled = ids[..., torch.randperm(8, generator=g)]  # same set, other ranking
     rule = _prune(tau_hard=1.0, tau_drift=1.0)  # the strictest thresholds: o = 1 is still not below them
-    state = _run(rule, {"student_topk": ids, "teacher_topk": shuffled})
+    state = _run(rule, _overlaps(rule, ids, shuffled))
     assert not state.stopped.any()
     assert bool((rule.token_weights(state, t) == 1).all())
 
@@ -106,9 +113,9 @@ def test_prop_prune_opd_properties(n: int, t: int, chunk: int, seed: int) -> Non
     g = torch.Generator().manual_seed(seed)
     student = torch.rand(n, t, 20, generator=g).argsort(-1)[..., :4]
     hits = torch.randint(0, 5, (n, t), generator=g)
-    inputs = {"student_topk": student, "teacher_topk": _teacher_for(student, hits)}
     active = torch.rand(n, t, generator=g) < 0.85
     rule = _prune(k=4, window=3, m=2, rho=0.7, w_min=0.3, tau_hard=0.2, chunk=chunk)
+    inputs = _overlaps(rule, student, _teacher_for(student, hits))
     # never un-stops; a stopped row's weight state no longer changes
     state = rule.init(n)
     for j in range(t):
@@ -200,18 +207,22 @@ def test_prune_opd_bad_input() -> None:
     rule = _prune(k=4)
     state = rule.init(2)
     ids = torch.arange(8).reshape(2, 4)
+    with pytest.raises(InputError, match="overlap"):
+        rule.step(state)  # the one required input
+    with pytest.raises(InputError, match="overlap"):
+        rule.step(state, overlap=torch.ones(3))
+    with pytest.raises(InputError, match="overlap"):
+        rule.step(state, overlap=torch.tensor([1.0, float("nan")]))
     with pytest.raises(InputError, match="student_topk"):
-        rule.step(state, teacher_topk=ids)
-    with pytest.raises(InputError, match="teacher_topk"):
-        rule.step(state, student_topk=ids)
+        rule.step(state, student_topk=ids, overlap=torch.ones(2))  # not a PruneOPD input
     with pytest.raises(InputError, match="student_topk"):
-        rule.step(state, student_topk=ids[:, :3], teacher_topk=ids[:, :3])  # K < k
+        rule.overlap(ids[:, :3], ids[:, :3])  # K < k
     with pytest.raises(InputError, match="teacher_topk"):
-        rule.step(state, student_topk=ids, teacher_topk=ids[:, :3])
+        rule.overlap(ids, ids[:, :3])
     with pytest.raises(InputError, match="student_topk"):
-        rule.step(state, student_topk=ids.float(), teacher_topk=ids)
+        rule.overlap(ids.float(), ids)
     with pytest.raises(InputError, match="teacher_topk"):
-        rule.step(state, student_topk=ids, teacher_topk=ids[:1])
+        rule.overlap(ids, ids[:1])
     with pytest.raises(InputError, match="state"):
         rule.token_weights(ESR().init(2), 3)
     with pytest.raises(InputError, match="length"):
@@ -225,7 +236,7 @@ def test_prune_opd_bad_input() -> None:
         ctl.load_state_dict({"length": 2})
 
 
-# ========================================================================================== StableOPD (B4)
+# =============================================================================================== StableOPD
 
 
 def _stable(**kw: Any) -> StableOPD:
@@ -369,7 +380,7 @@ def test_stable_opd_bad_input() -> None:
         repeated_ngram_share(torch.zeros(2, 4, dtype=torch.long), n=0)
 
 
-# ============================================================================================== ADWIN (B5)
+# =================================================================================================== ADWIN
 
 
 def _adwin(**kw: Any) -> ADWINHorizon:
@@ -378,23 +389,23 @@ def _adwin(**kw: Any) -> ADWINHorizon:
 
 def test_adwin_oracle() -> None:
     ctl = _adwin(h0=512, h_max=1500, tau_lo=0.5, tau_hi=0.9, beta_up=2.0, beta_down=0.5, staleness=2)
-    assert ctl.observe_probe(0.3, version=4, current_version=5) == 1024  # a < tau_lo: doubled
-    assert ctl.observe_probe(torch.tensor(0.3), version=5, current_version=5) == 1500  # 2048 capped at h_max
-    assert ctl.observe_probe(0.0, version=1, current_version=5) == 1500  # 4 > S=2 versions old: ignored
-    assert ctl.observe_probe(0.7, version=5, current_version=6) == 1500  # between thresholds: keep
+    assert ctl.observe(0.3, version=4, current_version=5) == 1024  # a < tau_lo: doubled
+    assert ctl.observe(torch.tensor(0.3), version=5, current_version=5) == 1500  # 2048 capped at h_max
+    assert ctl.observe(0.0, version=1, current_version=5) == 1500  # 4 > S=2 versions old: ignored
+    assert ctl.observe(0.7, version=5, current_version=6) == 1500  # between thresholds: keep
     saved = ctl.state_dict()
-    assert ctl.observe_probe(0.95, version=6, current_version=6) == 750  # a >= tau_hi: shrink
+    assert ctl.observe(0.95, version=6, current_version=6) == 750  # a >= tau_hi: shrink
     assert ctl.n_stale == 1 and ctl.n_probes == 5
     assert ctl.probes[2] == (1, 0.0, False, 1500) and ctl.probes[-1] == (6, 0.95, True, 750)
     fresh = _adwin(h0=512, h_max=1500, tau_lo=0.5, tau_hi=0.9, beta_up=2.0, beta_down=0.5, staleness=2)
     fresh.load_state_dict(saved)
     assert fresh.state_dict() == saved
-    assert fresh.observe_probe(0.95, version=6, current_version=6) == 750
+    assert fresh.observe(0.95, version=6, current_version=6) == 750
     assert fresh.state_dict() == ctl.state_dict()
     # shrinking stops at h_min; the probe log is bounded
     small = _adwin(h0=100, h_min=64, history=2)
     for _ in range(3):
-        small.observe_probe(1.0, version=0, current_version=0)
+        small.observe(1.0, version=0, current_version=0)
     assert small.horizon == 64 and len(small.probes) == 2
     assert [_adwin(probe_every=10).probe_due(s) for s in (0, 5, 10, 20)] == [True, False, True, True]
 
@@ -405,7 +416,7 @@ def test_prop_adwin_bounds_and_staleness(probes: list[tuple[float, int]]) -> Non
     ctl = _adwin(h0=256, h_min=64, h_max=4096, staleness=1)
     for step, (a, age) in enumerate(probes):
         before = ctl.horizon
-        after = ctl.observe_probe(a, version=step, current_version=step + age)
+        after = ctl.observe(a, version=step, current_version=step + age)
         assert ctl.h_min <= after <= ctl.h_max
         if age > 1:
             assert after == before
@@ -457,15 +468,15 @@ def test_adwin_bad_input() -> None:
             _adwin(**kw)
     ctl = _adwin()
     with pytest.raises(InputError, match="alignment"):
-        ctl.observe_probe(1.5, version=0, current_version=0)
+        ctl.observe(1.5, version=0, current_version=0)
     with pytest.raises(InputError, match="alignment"):
-        ctl.observe_probe(float("nan"), version=0, current_version=0)
+        ctl.observe(float("nan"), version=0, current_version=0)
     with pytest.raises(InputError, match="alignment"):
-        ctl.observe_probe(torch.zeros(2), version=0, current_version=0)
+        ctl.observe(torch.zeros(2), version=0, current_version=0)
     with pytest.raises(InputError, match="current_version"):
-        ctl.observe_probe(0.5, version=3, current_version=2)
+        ctl.observe(0.5, version=3, current_version=2)
     with pytest.raises(InputError, match="version"):
-        ctl.observe_probe(0.5, version=-1, current_version=2)
+        ctl.observe(0.5, version=-1, current_version=2)
     with pytest.raises(InputError, match="step"):
         ctl.probe_due(-1)
     with pytest.raises(InputError, match="state"):
@@ -488,7 +499,7 @@ def test_adwin_bad_input() -> None:
         gradient_cosine(torch.ones(2), torch.tensor([1.0, float("nan")]))
 
 
-# ================================================================================================ ESR (B6)
+# ===================================================================================================== ESR
 
 
 @settings(max_examples=30, deadline=None)
@@ -533,7 +544,7 @@ def test_esr_hand_and_bad_input() -> None:
         esr_mask(mask, n=0)
 
 
-# ========================================================================================== POPD/TOPD (B7)
+# =============================================================================================== POPD/TOPD
 
 
 def test_popd_topd_oracle() -> None:
@@ -592,16 +603,17 @@ def test_popd_topd_bad_input() -> None:
         topd_horizon(100, frac=1.5)
 
 
-def test_prune_opd_precomputed_overlap_equals_ids() -> None:
-    """``overlap=`` (computed by the engine) drives the rule exactly as the top-k ids it summarises."""
+def test_prune_opd_overlap_of_ids_drives_the_rule() -> None:
+    """``overlap=rule.overlap(student_topk, teacher_topk)`` per step: rows whose top-k agree never stop."""
     g = torch.Generator().manual_seed(3)
     n, t_len, k = 6, 24, 8
     student = torch.stack([torch.randperm(40, generator=g)[:k] for _ in range(n * t_len)]).view(n, t_len, k)
     teacher = torch.stack([torch.randperm(40, generator=g)[:k] for _ in range(n * t_len)]).view(n, t_len, k)
     teacher[:3] = student[:3]  # three rows agree fully
     rule = PruneOPD(experimental=True)
-    by_ids = replay(rule, student_topk=student, teacher_topk=teacher)
-    o = torch.stack([rule.overlap(student[:, i], teacher[:, i]) for i in range(t_len)], dim=1)
-    by_overlap = replay(rule, overlap=o)
-    assert torch.equal(by_ids.position, by_overlap.position) and torch.equal(by_ids.reason, by_overlap.reason)
-    assert by_ids.stopped[3:].any() and not by_ids.stopped[:3].any()
+    o = _overlaps(rule, student, teacher)["overlap"]
+    assert bool((o[:3] == 1).all())
+    # by hand for row 3 at t = 0: the shared ids of two random top-8 sets out of 40
+    assert float(o[3, 0]) == len(set(student[3, 0].tolist()) & set(teacher[3, 0].tolist())) / k
+    res = replay(rule, overlap=o)
+    assert res.stopped[3:].any() and not res.stopped[:3].any()

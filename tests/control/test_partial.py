@@ -1,5 +1,11 @@
-"""Partial-rollout scheduling (APRIL C1, CoPRIS C2): spec oracles by hand, the no-rollout-lost property, the
-state_dict round trip mid-run, the CoPRIS loss end to end, bad input."""
+"""Partial-rollout scheduling (APRIL, CoPRIS): hand oracles, the no-rollout-lost property, the
+state_dict round trip mid-run, the CoPRIS loss end to end, bad input.
+
+Oracles and defaults follow the authors' code, traced by hand on a simulated engine: APRIL
+(``RLsys-Foundation/APRIL``: ``slime/rollout/sglang_example.py``, ``slime/ray/buffer.py``,
+``scripts/partial_rollout/qwen/grpo/run-qwen3-4B-dapo-partial.sh``) and CoPRIS (``777pomingzi/CoPRIS@43ee8c7``:
+``verl/experimental/agent_loop/agent_loop.py``, ``verl/trainer/ppo/ray_trainer.py``, ``CoPRIS_scripts/run_CoPRIS.sh``).
+"""
 
 from __future__ import annotations
 
@@ -46,7 +52,7 @@ def ids(x: torch.Tensor) -> set[int]:
 
 
 def test_april_spec_oracle() -> None:
-    # C1 oracle: target 2 groups, over-sampling 4, group finish times [1, 2, 5, 9]; n = 2 samples per group
+    # APRIL by hand: target 2 groups, over-sampling 4, group finish times [1, 2, 5, 9]; n = 2 samples per group
     buf = APRILBuffer(rollout_batch_size=2, over_sampling_batch_size=4, n_samples_per_prompt=2, max_new_tokens=100)
     buf.begin_round(torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]), policy_version=0)
     reqs = buf.next_requests()
@@ -326,7 +332,7 @@ def test_eviction_by_capacity_and_staleness_is_reported() -> None:
     assert res.removed.reason.tolist() == [REMOVAL_REASONS.index("evicted_stale")]
 
 
-def test_defaults_are_the_specs() -> None:
+def test_defaults_are_the_reference_codes() -> None:
     a = APRILBuffer()
     assert (a.rollout_batch_size, a.over_sampling_batch_size, a.n_samples_per_prompt) == (32, 64, 8)
     assert a.max_new_tokens == 16384 and a.partial_rollout

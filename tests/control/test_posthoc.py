@@ -1,6 +1,10 @@
-"""Post-hoc truncation and length rules (specs/rollout_control.md B2, B9, B12, B13; DLER and soft compression
-from their abstracts): the spec's oracles by hand, hypothesis properties against per-group float64/numpy loops
-written from the formulas, and one test per class of bad input."""
+"""Post-hoc truncation and length rules (DOT, T-PPO's EGAE, JET, SIRI; DLER and soft compression from their
+abstracts): hand oracles, hypothesis properties against per-group float64/numpy loops written from the formulas,
+and one test per class of bad input.
+
+JET's oracles are computed by hand following ``JinyiHan99/Just-Enough-Think``
+(``EasyR1/examples/reward_function/math.py``, ``EasyR1/verl/workers/rollout/vllm_rollout_spmd.py``); the other
+rules' oracles are our reconstruction (see docs/methods/length_rules.md)."""
 
 from __future__ import annotations
 
@@ -80,8 +84,8 @@ def assert_same(a: TruncationOutput, b: TruncationOutput) -> None:
 
 
 def test_dot_oracle_iqr() -> None:
-    # spec B2: numpy linear quantiles Q1 = 107.5, Q3 = 340, fence 340 + 1.5 * 232.5 = 688.75; only 1000 is cut,
-    # at floor(688.75) = 688 tokens. The second group has an incorrect response: untouched.
+    # our DOT reconstruction: numpy linear quantiles Q1 = 107.5, Q3 = 340, fence 340 + 1.5 * 232.5 = 688.75; only
+    # 1000 is cut, at floor(688.75) = 688 tokens. The second group has an incorrect response: untouched.
     rewards = t([1, 1, 1, 1, 1, 0, 1, 1])
     lengths = ids([100, 110, 120, 1000, 100, 110, 120, 1000])
     group = ids([0, 0, 0, 0, 1, 1, 1, 1])
@@ -94,7 +98,7 @@ def test_dot_oracle_iqr() -> None:
     assert float(out.metrics["truncated_frac"]) == pytest.approx(1 / 8)
     assert float(out.metrics["eligible_group_frac"]) == pytest.approx(0.5)
     assert float(out.metrics["tokens_removed"]) == pytest.approx(312.0)
-    assert np.quantile([100, 110, 120, 1000], [0.25, 0.75]).tolist() == [107.5, 340.0]  # the spec's numbers
+    assert np.quantile([100, 110, 120, 1000], [0.25, 0.75]).tolist() == [107.5, 340.0]  # the numbers used above
 
 
 def test_dot_mode_mask_keeps_reward_and_cuts_loss() -> None:
@@ -133,7 +137,7 @@ def test_dot_skips_small_groups_and_threshold() -> None:
 def naive_dot(
     rewards: list[float], lengths: list[int], group: list[int], rule: str, k: float, z: float
 ) -> tuple[list[int], list[bool]]:
-    """Per-group loop with numpy from B2: the new length of every row, and which rows were cut."""
+    """Per-group loop with numpy of our DOT rule: the new length of every row, and which rows were cut."""
     out = list(lengths)
     cut = [False] * len(lengths)
     for gid in set(group):
@@ -217,7 +221,7 @@ def test_empty_batches() -> None:
 
 
 def test_jet_reward_oracle() -> None:
-    # spec B12: three correct responses of lengths 100, 200, 300 -> bonuses 0.05 + 0.95 * 1.2 * (1, 0.5, 0)
+    # JET's reward code: three correct responses of lengths 100, 200, 300 -> bonuses 0.05 + 0.95 * 1.2 * (1, 0.5, 0)
     out = jet_reward(t([1, 1, 1, 0]), torch.tensor([True, True, True, False]), ids([100, 200, 300, 50]), ids([0] * 4))
     base = [0.9 + 0.1, 0.9 + 0.1, 0.9 + 0.1, 0.0]
     bonus = [1.19, 0.62, 0.05, 0.0]
@@ -256,7 +260,7 @@ def test_jet_reward_bounds_and_permutation(data: tuple[list[float], list[int], l
 
 
 def test_jet_layout_and_points() -> None:
-    lay = jet_group_layout(12)  # spec: 2 full responses and 10 truncated variants
+    lay = jet_group_layout(12)  # JET's rollout code: 2 full responses and 10 truncated variants
     assert (lay.n_full, lay.n_truncated) == (2, 10)
     assert lay.source.tolist() == [0, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1]
     assert lay.ratio_index.tolist() == [-1, -1, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
@@ -395,7 +399,7 @@ def test_siri_bounded_periodic_monotone(lo: int, extra: int, period: int) -> Non
 def naive_egae(
     values: np.ndarray, rewards: list[float], lengths: list[int], finished: list[bool], gamma: float, lam: float
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row backward loop of B9 in float64; outcome rewards on finished rows' last token."""
+    """Per-row backward loop of EGAE (our reconstruction) in float64; outcome rewards on finished rows' last token."""
     b, t1 = values.shape
     adv = np.zeros((b, t1 - 1))
     ret = np.zeros((b, t1 - 1))

@@ -1,6 +1,6 @@
 """Confidence- and marker-gated truncation: Step-GRPO, DEER self-truncation, DUET abort, ECHO pruning.
 
-Hand oracles, the spec's B8 oracle (a correct response with the group's minimum step count gets the maximum
+Hand oracles, the step-aware reward's invariant (a correct response with the group's minimum step count gets the maximum
 reward), the stop-rule properties (never un-stops, all-inactive no-op, row permutation, determinism, state
 round trip) and bad input.
 """
@@ -17,10 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.control import (
-    ConfidencePruning,
-    MarkerGatedAbort,
-    SelfTruncation,
-    StepConfidenceTruncation,
+    ECHOPruning,
+    DUETAbort,
+    DEER,
+    StepGRPOTruncation,
     StopRule,
     StopState,
     count_steps,
@@ -35,7 +35,7 @@ MARK = 1  # the marker token id of the random tests (vocabulary 0..4)
 
 # ----------------------------------------------------------------------------------------- hand oracles
 def test_step_confidence_truncation_by_hand() -> None:
-    rule = StepConfidenceTruncation(markers=[7], threshold=0.9, min_steps=2, experimental=True)
+    rule = StepGRPOTruncation(markers=[7], threshold=0.9, min_steps=2, experimental=True)
     tokens = torch.tensor(
         [[1, 7, 2, 7, 3, 7], [7, 7, 1, 1, 7, 1], [7, 1, 7, 1, 1, 1], [7, 7, 7, 7, 7, 7]],
     )
@@ -57,7 +57,7 @@ def test_step_confidence_truncation_by_hand() -> None:
 
 
 def test_probe_rows_and_confidence_read_only_at_probes() -> None:
-    rule = StepConfidenceTruncation(markers=(7, 8), threshold=0.5, min_steps=1, experimental=True)
+    rule = StepGRPOTruncation(markers=(7, 8), threshold=0.5, min_steps=1, experimental=True)
     state = rule.init(3)
     tok = torch.tensor([7, 2, 8])
     probe = rule.probe_rows(state, tokens=tok, active=torch.tensor([True, True, False]))
@@ -76,7 +76,7 @@ def test_probe_rows_and_confidence_read_only_at_probes() -> None:
 
 
 def test_self_truncation_by_hand() -> None:
-    rule = SelfTruncation(markers=[9], threshold=0.8, min_tokens=3, experimental=True)
+    rule = DEER(markers=[9], threshold=0.8, min_tokens=3, experimental=True)
     tokens = torch.tensor([[9, 1, 9, 1], [1, 9, 1, 9], [9, 9, 9, 9]])
     conf = torch.tensor([[0.99, 0.0, 0.85, 0.0], [0.0, 0.99, 0.0, 0.5], [0.99, 0.2, 0.8, 0.99]])
     res = replay(rule, tokens=tokens, confidence=conf)
@@ -146,7 +146,7 @@ def test_prop_step_reward_oracle(b: int, seed: int) -> None:
             assert torch.equal(out.rewards[rows], rewards[rows])
             continue
         shortest = correct & (steps == steps[correct].min())
-        # spec B8 oracle: the shortest correct responses get the maximum reward of their group
+        # the shortest correct responses get the maximum reward of their group
         assert bool((out.rewards[shortest] == out.rewards[rows].max()).all())
         assert bool((out.rewards[rows & ~correct] == rewards[rows & ~correct]).all())  # no length term
         assert bool((out.rewards[correct] >= 1 - 0.7 - 1e-6).all())
@@ -161,7 +161,7 @@ def test_marker_gated_abort_by_hand() -> None:
     active[3] = False
     kw: dict[str, Any] = {"markers": [4], "horizon": 3, "answer_tail": 1, "experimental": True}
     # keep_prob = 1: the gate keeps every marker-less row (survivor, weight 1/1); row 1 then answers at t=3
-    rule = MarkerGatedAbort(keep_prob=1.0, **kw)
+    rule = DUETAbort(keep_prob=1.0, **kw)
     state = rule.init(4)
     for t in range(5):
         state, _ = rule.step(state, tokens=tokens[:, t], active=active[:, t])
@@ -171,7 +171,7 @@ def test_marker_gated_abort_by_hand() -> None:
     assert rule.weights(state).tolist() == [1.0, 1.0, 1.0, 1.0]
     assert float(res.metrics["survived_frac"]) == pytest.approx(0.25)
     # keep_prob tiny: row 1 (no marker in its first 3 tokens) is aborted at its 3rd token, weight 0
-    rule = MarkerGatedAbort(keep_prob=1e-9, **kw)
+    rule = DUETAbort(keep_prob=1e-9, **kw)
     state = rule.init(4)
     assert bool((state.extra["u"] >= 1e-9).all())  # the draws (multiples of 2**-24) are not 0 for this seed
     for t in range(5):
@@ -181,13 +181,13 @@ def test_marker_gated_abort_by_hand() -> None:
     assert res.reasons() == ["answered", "aborted", "answered", "running"]
     assert rule.weights(state).tolist() == [1.0, 0.0, 1.0, 1.0]
     # answer_tail=None: markers never stop a row; only the gate does
-    rule = MarkerGatedAbort(keep_prob=1e-9, markers=[4], horizon=3, answer_tail=None, experimental=True)
+    rule = DUETAbort(keep_prob=1e-9, markers=[4], horizon=3, answer_tail=None, experimental=True)
     res = replay(rule, tokens=tokens, mask=active)
     assert res.position.tolist() == [-1, 2, -1, -1]
 
 
 def test_marker_gated_abort_weights_self_normalised_by_hand() -> None:
-    rule = MarkerGatedAbort(markers=[4], keep_prob=0.25, self_normalize=True, aborted_weight=0.0, experimental=True)
+    rule = DUETAbort(markers=[4], keep_prob=0.25, self_normalize=True, aborted_weight=0.0, experimental=True)
     n = 6
     state = StopState(
         stopped=torch.tensor([False, True, False, False, True, True]),
@@ -203,13 +203,13 @@ def test_marker_gated_abort_weights_self_normalised_by_hand() -> None:
     # raw weights [1, 0, 4, 1, 0, 0]; groups {0, 1}, {2, 3}, {4, 5}: sums 1, 5, 0
     w = rule.weights(state, group=torch.tensor([0, 0, 1, 1, 2, 2]))
     assert w.tolist() == pytest.approx([2.0, 0.0, 8 / 5, 2 / 5, 0.0, 0.0])
-    raw = MarkerGatedAbort(markers=[4], keep_prob=0.25, aborted_weight=0.5, experimental=True).weights(state)
+    raw = DUETAbort(markers=[4], keep_prob=0.25, aborted_weight=0.5, experimental=True).weights(state)
     assert raw.tolist() == [1.0, 0.5, 4.0, 1.0, 0.5, 0.5]
 
 
 def test_marker_gated_abort_survival_rate_and_unbiased_weights() -> None:
     n, p = 20_000, 0.2
-    rule = MarkerGatedAbort(markers=[4], horizon=2, keep_prob=p, seed=123, experimental=True)
+    rule = DUETAbort(markers=[4], horizon=2, keep_prob=p, seed=123, experimental=True)
     state = rule.init(n)
     for _ in range(3):
         state, _ = rule.step(state, tokens=torch.zeros(n, dtype=torch.long))
@@ -221,7 +221,7 @@ def test_marker_gated_abort_survival_rate_and_unbiased_weights() -> None:
 
 
 def test_confidence_pruning_by_hand() -> None:
-    rule = ConfidencePruning(threshold=0.5, window=2, min_tokens=2, min_branches=1, experimental=True)
+    rule = ECHOPruning(threshold=0.5, window=2, min_tokens=2, min_branches=1, experimental=True)
     probs = torch.tensor(
         [
             [0.3, 0.3, 0.3, 0.3],  # tree 0
@@ -233,21 +233,21 @@ def test_confidence_pruning_by_hand() -> None:
         ]
     )
     group = torch.tensor([0, 0, 0, 1, 1, 2])
-    res = replay(rule, logprobs=probs.log(), init={"group": group})
+    res = replay(rule, logp=probs.log(), init={"group": group})
     # t=1: tree 0 has 3 candidates and 3 branches, 2 may go: the two lowest (rows 1, 0); row 2 is the last branch
     assert res.position.tolist() == [1, 1, -1, -1, 3, -1]
     assert res.reasons() == ["low_confidence", "low_confidence", "running", "running", "low_confidence", "running"]
     # min_branches=2: only the lowest of tree 0 goes, row 4 stays (its tree would drop to 1)
-    rule2 = ConfidencePruning(threshold=0.5, window=2, min_tokens=2, min_branches=2, experimental=True)
-    res2 = replay(rule2, logprobs=probs.log(), init={"group": group})
+    rule2 = ECHOPruning(threshold=0.5, window=2, min_tokens=2, min_branches=2, experimental=True)
+    res2 = replay(rule2, logp=probs.log(), init={"group": group})
     assert res2.position.tolist() == [-1, 1, -1, -1, -1, -1]
     # patience=3: candidates only once 3 consecutive window means are low (t=2)
-    rule3 = ConfidencePruning(threshold=0.5, window=2, min_tokens=2, patience=3, experimental=True)
-    res3 = replay(rule3, logprobs=probs.log(), init={"group": group})
+    rule3 = ECHOPruning(threshold=0.5, window=2, min_tokens=2, patience=3, experimental=True)
+    res3 = replay(rule3, logp=probs.log(), init={"group": group})
     assert res3.position.tolist() == [2, 2, -1, -1, -1, -1]
     # min_tokens defaults to the window: with window=4 nothing can go before t=3
-    rule4 = ConfidencePruning(threshold=0.5, window=4, experimental=True)
-    res4 = replay(rule4, logprobs=probs.log(), init={"group": group})
+    rule4 = ECHOPruning(threshold=0.5, window=4, experimental=True)
+    res4 = replay(rule4, logp=probs.log(), init={"group": group})
     assert res4.position.tolist() == [3, 3, -1, -1, -1, -1]
 
 
@@ -255,23 +255,23 @@ def test_confidence_pruning_ties_signals_and_readout() -> None:
     lp = torch.full((2, 3), math.log(0.2))
     group = torch.tensor([5, 5])
     kw: dict[str, Any] = {"threshold": 0.5, "window": 1, "experimental": True}
-    res = replay(ConfidencePruning(**kw), logprobs=lp, init={"group": group})
+    res = replay(ECHOPruning(**kw), logp=lp, init={"group": group})
     assert res.position.tolist() == [0, -1]  # equal confidence: the smaller row_id (row index) goes
-    res = replay(ConfidencePruning(**kw), logprobs=lp, init={"group": group, "row_id": torch.tensor([9, 3])})
+    res = replay(ECHOPruning(**kw), logp=lp, init={"group": group, "row_id": torch.tensor([9, 3])})
     assert res.position.tolist() == [-1, 0]
     # exp(-entropy) and the mean top-k probability
     ent = torch.tensor([[2.0], [0.1]])  # exp(-2) = 0.135 < 0.5 < exp(-0.1)
-    res = replay(ConfidencePruning(signal="exp_neg_entropy", min_branches=0, **kw), entropy=ent, init={"group": group})
+    res = replay(ECHOPruning(signal="exp_neg_entropy", min_branches=0, **kw), entropy=ent, init={"group": group})
     assert res.stopped.tolist() == [True, False]
     topk = torch.tensor([[[math.log(0.9), math.log(0.05)]], [[math.log(0.5), math.log(0.4)]]])  # means .475, .45
-    rule = ConfidencePruning(signal="topk_mean_prob", min_branches=0, **{**kw, "threshold": 0.46})
-    res = replay(rule, topk_logprobs=topk, init={"group": group})
+    rule = ECHOPruning(signal="topk_mean_prob", min_branches=0, **{**kw, "threshold": 0.46})
+    res = replay(rule, topk_logp=topk, init={"group": group})
     assert res.stopped.tolist() == [False, True]
-    rule = ConfidencePruning(threshold=0.1, window=2, experimental=True)
+    rule = ECHOPruning(threshold=0.1, window=2, experimental=True)
     state = rule.init(2, group=group)
     assert rule.confidence(state).tolist() == [1.0, 1.0]
-    state, _ = rule.step(state, logprobs=torch.log(torch.tensor([0.5, 0.25])))
-    state, _ = rule.step(state, logprobs=torch.log(torch.tensor([0.25, 0.25])), active=torch.tensor([True, False]))
+    state, _ = rule.step(state, logp=torch.log(torch.tensor([0.5, 0.25])))
+    state, _ = rule.step(state, logp=torch.log(torch.tensor([0.25, 0.25])), active=torch.tensor([True, False]))
     assert rule.confidence(state).tolist() == pytest.approx([0.375, 0.25])
 
 
@@ -281,7 +281,7 @@ def _inputs(n: int, t: int, seed: int) -> tuple[dict[str, torch.Tensor], torch.T
     per_token = {
         "tokens": torch.randint(0, 5, (n, t), generator=g),
         "confidence": torch.rand(n, t, generator=g),
-        "logprobs": torch.log(torch.rand(n, t, generator=g).clamp(min=1e-3)),
+        "logp": torch.log(torch.rand(n, t, generator=g).clamp(min=1e-3)),
     }
     active = torch.rand(n, t, generator=g) < 0.85
     group = torch.randint(0, 3, (n,), generator=g)
@@ -291,23 +291,23 @@ def _inputs(n: int, t: int, seed: int) -> tuple[dict[str, torch.Tensor], torch.T
 _RULES: dict[str, tuple[Callable[[], StopRule], tuple[str, ...], bool]] = {
     # name: (factory, per-token inputs it reads, whether init takes group/row_id)
     "step_grpo": (
-        lambda: StepConfidenceTruncation(markers=[MARK], threshold=0.6, min_steps=2, experimental=True),
+        lambda: StepGRPOTruncation(markers=[MARK], threshold=0.6, min_steps=2, experimental=True),
         ("tokens", "confidence"),
         False,
     ),
     "self_trunc": (
-        lambda: SelfTruncation(markers=[MARK, 3], threshold=0.7, min_tokens=2, experimental=True),
+        lambda: DEER(markers=[MARK, 3], threshold=0.7, min_tokens=2, experimental=True),
         ("tokens", "confidence"),
         False,
     ),
     "duet": (
-        lambda: MarkerGatedAbort(markers=[MARK], horizon=3, keep_prob=0.4, answer_tail=1, seed=7, experimental=True),
+        lambda: DUETAbort(markers=[MARK], horizon=3, keep_prob=0.4, answer_tail=1, seed=7, experimental=True),
         ("tokens",),
         True,
     ),
     "echo": (
-        lambda: ConfidencePruning(threshold=0.4, window=3, min_tokens=2, min_branches=1, experimental=True),
-        ("logprobs",),
+        lambda: ECHOPruning(threshold=0.4, window=3, min_tokens=2, min_branches=1, experimental=True),
+        ("logp",),
         True,
     ),
 }
@@ -388,8 +388,8 @@ def test_prop_state_round_trip(name: str, n: int, t: int, seed: int) -> None:
 
 
 def test_duet_seed_and_generation_change_draws() -> None:
-    a = MarkerGatedAbort(markers=[4], seed=1, experimental=True)
-    b = MarkerGatedAbort(markers=[4], seed=2, experimental=True)
+    a = DUETAbort(markers=[4], seed=1, experimental=True)
+    b = DUETAbort(markers=[4], seed=2, experimental=True)
     ua, ub = a.init(64).extra["u"], b.init(64).extra["u"]
     assert not torch.equal(ua, ub)
     assert not torch.equal(ua, a.init(64).extra["u"])  # a new generation, new draws
@@ -405,7 +405,7 @@ def test_empty_batch() -> None:
         x = {
             "tokens": torch.zeros(0, 3, dtype=torch.long),
             "confidence": torch.zeros(0, 3),
-            "logprobs": torch.zeros(0, 3),
+            "logp": torch.zeros(0, 3),
         }
         res = replay(factory(), init=init, **{k: x[k] for k in reads})
         assert res.stopped.shape == (0,), name
@@ -414,13 +414,13 @@ def test_empty_batch() -> None:
 # ------------------------------------------------------------------------------------------------ bad input
 def test_experimental_flag_required() -> None:
     with pytest.raises(InputError, match="experimental"):
-        StepConfidenceTruncation(markers=[1])
+        StepGRPOTruncation(markers=[1])
     with pytest.raises(InputError, match="experimental"):
-        SelfTruncation(markers=[1], experimental="yes")  # type: ignore[arg-type]
+        DEER(markers=[1], experimental="yes")  # type: ignore[arg-type]
     with pytest.raises(InputError, match="experimental"):
-        MarkerGatedAbort(markers=[1])
+        DUETAbort(markers=[1])
     with pytest.raises(InputError, match="experimental"):
-        ConfidencePruning()
+        ECHOPruning()
     with pytest.raises(InputError, match="experimental"):
         step_aware_reward(torch.ones(2), torch.ones(2), torch.zeros(2, dtype=torch.long))
 
@@ -428,28 +428,28 @@ def test_experimental_flag_required() -> None:
 @pytest.mark.parametrize(
     ("cls", "kwargs", "arg"),
     [
-        (StepConfidenceTruncation, {"markers": []}, "markers"),
-        (StepConfidenceTruncation, {"markers": "Wait"}, "markers"),
-        (StepConfidenceTruncation, {"markers": [1, -2]}, "markers"),
-        (StepConfidenceTruncation, {"markers": [1.0]}, "markers"),
-        (StepConfidenceTruncation, {"markers": torch.tensor([1.0])}, "markers"),
-        (StepConfidenceTruncation, {"markers": [1], "threshold": 0.0}, "threshold"),
-        (StepConfidenceTruncation, {"markers": [1], "threshold": 1.5}, "threshold"),
-        (StepConfidenceTruncation, {"markers": [1], "min_steps": 0}, "min_steps"),
-        (SelfTruncation, {"markers": [1], "threshold": float("nan")}, "threshold"),
-        (SelfTruncation, {"markers": [1], "min_tokens": -1}, "min_tokens"),
-        (MarkerGatedAbort, {"markers": [1], "horizon": 0}, "horizon"),
-        (MarkerGatedAbort, {"markers": [1], "keep_prob": 0.0}, "keep_prob"),
-        (MarkerGatedAbort, {"markers": [1], "answer_tail": -1}, "answer_tail"),
-        (MarkerGatedAbort, {"markers": [1], "aborted_weight": 2.0}, "aborted_weight"),
-        (MarkerGatedAbort, {"markers": [1], "self_normalize": 1}, "self_normalize"),
-        (MarkerGatedAbort, {"markers": [1], "seed": 1.5}, "seed"),
-        (ConfidencePruning, {"threshold": -0.1}, "threshold"),
-        (ConfidencePruning, {"window": 0}, "window"),
-        (ConfidencePruning, {"patience": 0}, "patience"),
-        (ConfidencePruning, {"min_tokens": -1}, "min_tokens"),
-        (ConfidencePruning, {"min_branches": -1}, "min_branches"),
-        (ConfidencePruning, {"signal": "margin"}, "signal"),
+        (StepGRPOTruncation, {"markers": []}, "markers"),
+        (StepGRPOTruncation, {"markers": "Wait"}, "markers"),
+        (StepGRPOTruncation, {"markers": [1, -2]}, "markers"),
+        (StepGRPOTruncation, {"markers": [1.0]}, "markers"),
+        (StepGRPOTruncation, {"markers": torch.tensor([1.0])}, "markers"),
+        (StepGRPOTruncation, {"markers": [1], "threshold": 0.0}, "threshold"),
+        (StepGRPOTruncation, {"markers": [1], "threshold": 1.5}, "threshold"),
+        (StepGRPOTruncation, {"markers": [1], "min_steps": 0}, "min_steps"),
+        (DEER, {"markers": [1], "threshold": float("nan")}, "threshold"),
+        (DEER, {"markers": [1], "min_tokens": -1}, "min_tokens"),
+        (DUETAbort, {"markers": [1], "horizon": 0}, "horizon"),
+        (DUETAbort, {"markers": [1], "keep_prob": 0.0}, "keep_prob"),
+        (DUETAbort, {"markers": [1], "answer_tail": -1}, "answer_tail"),
+        (DUETAbort, {"markers": [1], "aborted_weight": 2.0}, "aborted_weight"),
+        (DUETAbort, {"markers": [1], "self_normalize": 1}, "self_normalize"),
+        (DUETAbort, {"markers": [1], "seed": 1.5}, "seed"),
+        (ECHOPruning, {"threshold": -0.1}, "threshold"),
+        (ECHOPruning, {"window": 0}, "window"),
+        (ECHOPruning, {"patience": 0}, "patience"),
+        (ECHOPruning, {"min_tokens": -1}, "min_tokens"),
+        (ECHOPruning, {"min_branches": -1}, "min_branches"),
+        (ECHOPruning, {"signal": "margin"}, "signal"),
     ],
 )
 def test_bad_hyper_parameters(cls: type, kwargs: dict[str, Any], arg: str) -> None:
@@ -458,7 +458,7 @@ def test_bad_hyper_parameters(cls: type, kwargs: dict[str, Any], arg: str) -> No
 
 
 def test_bad_step_and_init_inputs() -> None:
-    rule = StepConfidenceTruncation(markers=[1], experimental=True)
+    rule = StepGRPOTruncation(markers=[1], experimental=True)
     state = rule.init(2)
     with pytest.raises(InputError, match="tokens"):
         rule.step(state, confidence=torch.zeros(2))
@@ -475,7 +475,7 @@ def test_bad_step_and_init_inputs() -> None:
     with pytest.raises(InputError, match="group"):
         rule.init(2, group=torch.zeros(2, dtype=torch.long))
 
-    duet = MarkerGatedAbort(markers=[1], experimental=True)
+    duet = DUETAbort(markers=[1], experimental=True)
     with pytest.raises(InputError, match="row_id"):
         duet.init(2, row_id=torch.zeros(3, dtype=torch.long))
     with pytest.raises(InputError, match="row_id"):
@@ -488,13 +488,13 @@ def test_bad_step_and_init_inputs() -> None:
         duet.load_state_dict({"seed": 1})
     with pytest.raises(InputError, match="state"):
         duet.load_state_dict([1, 2])  # type: ignore[arg-type]
-    norm = MarkerGatedAbort(markers=[1], self_normalize=True, experimental=True)
+    norm = DUETAbort(markers=[1], self_normalize=True, experimental=True)
     with pytest.raises(InputError, match="group"):
         norm.weights(norm.init(2))
     with pytest.raises(InputError, match="group"):
         norm.weights(norm.init(2), group=torch.zeros(3, dtype=torch.long))
 
-    echo = ConfidencePruning(experimental=True)
+    echo = ECHOPruning(experimental=True)
     with pytest.raises(InputError, match="group"):
         echo.init(2)
     with pytest.raises(InputError, match="group"):
@@ -504,10 +504,10 @@ def test_bad_step_and_init_inputs() -> None:
     with pytest.raises(InputError, match="parent"):
         echo.init(2, group=torch.zeros(2, dtype=torch.long), parent=torch.zeros(2, dtype=torch.long))
     state = echo.init(2, group=torch.zeros(2, dtype=torch.long))
-    with pytest.raises(InputError, match="logprobs"):
+    with pytest.raises(InputError, match="logp"):
         echo.step(state, entropy=torch.zeros(2))
-    with pytest.raises(InputError, match="logprobs"):
-        echo.step(state, logprobs=torch.tensor([0.0, float("-inf")]))
+    with pytest.raises(InputError, match="logp"):
+        echo.step(state, logp=torch.tensor([0.0, float("-inf")]))
     with pytest.raises(InputError, match="state"):
         echo.confidence("state")  # type: ignore[arg-type]
 
@@ -545,16 +545,16 @@ def test_bad_reward_inputs() -> None:
 def test_checks_off_and_extreme_inputs() -> None:
     import rolloutopt
 
-    rule = StepConfidenceTruncation(markers=[1], min_steps=1, experimental=True)
+    rule = StepGRPOTruncation(markers=[1], min_steps=1, experimental=True)
     with rolloutopt.checks(False):
         # a probe point without confidence: validation off, the row simply does not stop
         state, stop = rule.step(rule.init(2), tokens=torch.tensor([1, 1]))
         assert stop.tolist() == [False, False] and state.extra["probes"].tolist() == [1, 1]
     # huge negative log-probs and entropies give confidence 0, finite state
-    echo = ConfidencePruning(window=2, min_tokens=1, min_branches=0, experimental=True)
-    res = replay(echo, logprobs=torch.full((2, 3), -1e30), init={"group": torch.tensor([0, 1])})
+    echo = ECHOPruning(window=2, min_tokens=1, min_branches=0, experimental=True)
+    res = replay(echo, logp=torch.full((2, 3), -1e30), init={"group": torch.tensor([0, 1])})
     assert res.position.tolist() == [0, 0]
-    echo = ConfidencePruning(signal="exp_neg_entropy", window=2, experimental=True)
+    echo = ECHOPruning(signal="exp_neg_entropy", window=2, experimental=True)
     state = echo.init(1, group=torch.tensor([0]))
     state, _ = echo.step(state, entropy=torch.tensor([1e30]))
     assert torch.isfinite(state.extra["buf"]).all() and echo.confidence(state).tolist() == [0.0]

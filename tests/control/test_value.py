@@ -1,4 +1,5 @@
-"""Abstention (B11) and QualityHeadPruner (ARRoL, B10): spec oracles by hand, properties, bad input."""
+"""Abstention (arXiv 2604.18419) and ARRoL (arXiv 2603.24840): hand oracles of our reconstructions (see
+docs/methods/early_stop.md), properties, bad input."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rolloutopt.control import Abstention, QualityHeadPruner, SoftValue, StepInputs, StopState, replay, soft_value
+from rolloutopt.control import Abstention, ARRoL, SoftValue, StepInputs, StopState, replay, soft_value
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 
@@ -28,7 +29,7 @@ def test_soft_value_by_hand() -> None:
 
 
 def test_abstention_oracle_values() -> None:
-    # spec B11: r_abs 0.3, V at the checkpoints [0.6, 0.5, 0.25, 0.7]: abstain at the third (t = 6 with K = 2,
+    # our reconstruction: r_abs 0.3, V at the checkpoints [0.6, 0.5, 0.25, 0.7]: abstain at the third (t = 6 with K = 2,
     # position 5); the fourth is never read (NaN there and between checkpoints raises nothing)
     rule = Abstention(r_abs=0.3, every=2, **EXP)
     v = torch.tensor([[NAN, 0.6, NAN, 0.5, NAN, 0.25, NAN, NAN, NAN, NAN]])
@@ -91,8 +92,8 @@ def _oracle_scores() -> torch.Tensor:
 
 
 def test_quality_head_oracle() -> None:
-    # spec B10: n' = 8, n = 4, rho 0.5: classes 4 positive / 4 negative; keep the two least confident of each
-    rule = QualityHeadPruner(dim=2, keep_frac=0.5, checkpoint=3, **EXP)
+    # our reconstruction: n' = 8, n = 4, rho 0.5: classes 4 positive / 4 negative; keep the two least confident of each
+    rule = ARRoL(dim=2, keep_frac=0.5, checkpoint=3, **EXP)
     scores = _oracle_scores()[:, None].expand(8, 5).clone()
     scores[:, :2] = NAN  # not read before the checkpoint
     res = replay(rule, scores=scores, init={"group": torch.full((8,), 7)})
@@ -110,7 +111,7 @@ def test_quality_head_oracle() -> None:
 
 
 def test_quality_head_ragged_and_early_finishers() -> None:
-    rule = QualityHeadPruner(dim=2, keep_frac=0.5, checkpoint=1, **EXP)
+    rule = ARRoL(dim=2, keep_frac=0.5, checkpoint=1, **EXP)
     # group 0 (size 2, keep 1): one positive .9, one negative .3; k = 1, k+ = floor(0.5 + 0.5) = 1: keep .9
     # group 1 (size 1): keep ceil(0.5) = 1; group 2 (size 3, keep 2): all positive, k+ clipped up to 2: keep
     # .7 and .8 (least confident), prune .9
@@ -120,18 +121,18 @@ def test_quality_head_ragged_and_early_finishers() -> None:
     assert res.stopped.tolist() == [False, True, False, True, False, False]
     # a row that finished before L_c counts as a survivor: group of 4 (keep 2), row 3 inactive; candidates
     # .9, .2, .3: k = 2 - 1 = 1; k+ = floor(0.5 + 0.5) = 1: keep .9
-    rule = QualityHeadPruner(dim=2, keep_frac=0.5, checkpoint=2, **EXP)
+    rule = ARRoL(dim=2, keep_frac=0.5, checkpoint=2, **EXP)
     mask = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 0]], dtype=torch.bool)
     s = torch.tensor([0.9, 0.2, 0.3, 0.5])[:, None].expand(4, 2).clone()
     res = replay(rule, scores=s, mask=mask, init={"group": torch.zeros(4, dtype=torch.long)})
     assert res.stopped.tolist() == [False, True, True, False]
     # keep_frac = 1 never prunes
-    full = QualityHeadPruner(dim=2, keep_frac=1.0, checkpoint=1, **EXP)
+    full = ARRoL(dim=2, keep_frac=1.0, checkpoint=1, **EXP)
     assert not replay(full, scores=torch.rand(5, 2), init={"group": torch.zeros(5, dtype=torch.long)}).stopped.any()
 
 
 def test_quality_head_training_by_hand() -> None:
-    rule = QualityHeadPruner(dim=2, lr=0.1, train_steps=1, train_batch=1, buffer_size=2, min_labels=1, **EXP)
+    rule = ARRoL(dim=2, lr=0.1, train_steps=1, train_batch=1, buffer_size=2, min_labels=1, **EXP)
     assert not rule.ready
     # one label, y = 1, w = b = 0: q = 0.5, err = -0.5: w = 0.1 * 0.5 * [1, 2], b = 0.1 * 0.5
     m = rule.train_head(torch.tensor([[1.0, 2.0]]), torch.tensor([True]))
@@ -146,7 +147,7 @@ def test_quality_head_training_by_hand() -> None:
     # once ready, the head scores the features at L_c: w = [1, 0] favours row 0
     rule.weight = torch.tensor([1.0, 0.0])
     rule.bias = torch.tensor(0.0)
-    pruner = QualityHeadPruner(dim=2, keep_frac=0.5, checkpoint=1, buffer_size=2, **EXP)
+    pruner = ARRoL(dim=2, keep_frac=0.5, checkpoint=1, buffer_size=2, **EXP)
     pruner.load_state_dict(rule.state_dict())
     assert pruner.ready is False  # 2 labels < min_labels = 64
     pruner.min_labels = 2
@@ -160,7 +161,7 @@ def test_quality_head_learns_separable_labels() -> None:
     g = torch.Generator().manual_seed(3)
     f = torch.randn(200, 4, generator=g)
     y = f[:, 0] > 0
-    rule = QualityHeadPruner(dim=4, lr=0.5, train_steps=200, min_labels=100, **EXP)
+    rule = ARRoL(dim=4, lr=0.5, train_steps=200, min_labels=100, **EXP)
     before = rule.train_head(f[:0], y[:0])["loss"]
     assert float(before) == 0.0
     loss = rule.train_head(f, y)["loss"]
@@ -184,8 +185,8 @@ def _abst() -> Abstention:
     return Abstention(r_abs=0.35, every=2, **EXP)
 
 
-def _qhp() -> QualityHeadPruner:
-    return QualityHeadPruner(dim=3, keep_frac=0.5, checkpoint=2, seed=5, **EXP)
+def _qhp() -> ARRoL:
+    return ARRoL(dim=3, keep_frac=0.5, checkpoint=2, seed=5, **EXP)
 
 
 def _replay(rule: Any, d: dict[str, torch.Tensor], use_scores: bool = True) -> Any:
@@ -232,7 +233,7 @@ def test_prop_determinism_and_round_trip(n: int, t: int, seed: int) -> None:
     feats = torch.randn(n, t, 3, generator=g)
     for make in (_abst, _qhp):
         rule = make()
-        if isinstance(rule, QualityHeadPruner):
+        if isinstance(rule, ARRoL):
             rule.train_head(torch.randn(80, 3, generator=g), torch.rand(80, generator=g) < 0.5)
             assert rule.ready
         init = {} if isinstance(rule, Abstention) else {"group": d["group"]}
@@ -251,8 +252,8 @@ def test_prop_determinism_and_round_trip(n: int, t: int, seed: int) -> None:
         fresh.load_state_dict(saved_rule)
         end2 = fresh.finalize(run(fresh, StopState.from_state_dict(saved_state), cut, t))
         assert torch.equal(end.position, end2.position) and torch.equal(end.reason, end2.reason)
-        if isinstance(rule, QualityHeadPruner):
-            assert isinstance(fresh, QualityHeadPruner)
+        if isinstance(rule, ARRoL):
+            assert isinstance(fresh, ARRoL)
             assert torch.equal(rule.init(n, **init).extra["noise"], fresh.init(n, **init).extra["noise"])
 
 
@@ -299,7 +300,7 @@ def test_abstention_bad_input() -> None:
 
 def test_quality_head_bad_input() -> None:
     with pytest.raises(InputError, match="experimental"):
-        QualityHeadPruner(dim=2)
+        ARRoL(dim=2)
     for kwargs, name in (
         ({"dim": 0}, "dim"),
         ({"dim": 2, "keep_frac": 0.0}, "keep_frac"),
@@ -311,8 +312,8 @@ def test_quality_head_bad_input() -> None:
         ({"dim": 2, "seed": -1}, "seed"),
     ):
         with pytest.raises(InputError, match=name):
-            QualityHeadPruner(**kwargs, **EXP)
-    rule = QualityHeadPruner(dim=2, checkpoint=1, min_labels=0, **EXP)
+            ARRoL(**kwargs, **EXP)
+    rule = ARRoL(dim=2, checkpoint=1, min_labels=0, **EXP)
     with pytest.raises(InputError, match="features"):  # even before the head is ready: the checkpoint needs inputs
         rule.step(rule.init(2, group=torch.zeros(2, dtype=torch.long)))
     with pytest.raises(InputError, match="group"):
@@ -353,7 +354,7 @@ def test_checks_off_missing_checkpoint_inputs_do_not_stop() -> None:
     import rolloutopt
 
     abst = Abstention(r_abs=0.3, every=1, **EXP)
-    qhp = QualityHeadPruner(dim=2, checkpoint=1, **EXP)
+    qhp = ARRoL(dim=2, checkpoint=1, **EXP)
     with rolloutopt.checks(False):
         state, stop = abst.step(abst.init(2))
         assert not stop.any() and state.extra["checks"].tolist() == [0, 0]

@@ -164,7 +164,7 @@ def test_default_truncation_differs_from_verl(name: str) -> None:
 
 
 def test_binary_tv_oracle_through_verl() -> None:
-    """Spec B13 oracle, δ = 0.15: p_θ = 0.6, p_old = 0.4, A > 0 → masked; p_θ = 0.3, p_old = 0.4, A > 0 → kept."""
+    """By hand (Binary-TV), δ = 0.15: p_θ = 0.6, p_old = 0.4, A > 0 → masked; p_θ = 0.3, p_old = 0.4, A > 0 → kept."""
     logp = torch.tensor([[0.6, 0.3]], dtype=F64).log()
     old = torch.tensor([[0.4, 0.4]], dtype=F64).log()
     b = {"logp": logp, "old": old, "mask": torch.ones(1, 2, dtype=torch.bool), "w": torch.ones(1, 2, dtype=F64)}

@@ -254,7 +254,8 @@ def test_vanilla_default_dual_clip(preset: str, low: float, high: float, agg: st
 
 
 def test_dual_clip_oracle() -> None:
-    """verl's check from specs §5.1: A = -1 with r = e^3 gives loss 3.0 and pg_clipfrac_lower 1.0."""
+    """verl's own check (``compute_policy_loss_vanilla``): A = -1 with r = e^3 gives loss 3.0 and pg_clipfrac_lower
+    1.0."""
     old = torch.zeros(1, 1, dtype=torch.float64)
     batch = Batch(
         old + 3.0, old, old, -torch.ones(1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool), old, old
@@ -326,7 +327,8 @@ def test_aggregate_matches_agg_loss(mode: str, global_info: bool) -> None:
 
 
 def test_agg_loss_golden() -> None:
-    """specs §1.2 golden example: [[1,2,3],[4,0,0]] with mask [[1,1,1],[1,0,0]] → 2.5 / 10 / 5 / 3 / 1.667."""
+    """verl's ``agg_loss`` golden example: [[1,2,3],[4,0,0]] with mask [[1,1,1],[1,0,0]] → 2.5 / 10 / 5 / 3 /
+    1.667."""
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]], dtype=torch.float64)
     m = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
     expected = dict(

@@ -786,7 +786,7 @@ def test_hydra_instantiate_from_the_trainer_yaml() -> None:
 
 
 def test_plain_policy_loss_config_rejects_the_extra_key() -> None:
-    """Why the subclass exists (specs §1.5): verl's own PolicyLossConfig refuses m2po_tau."""
+    """Why the subclass exists (docs/integrations/verl.md): verl's own PolicyLossConfig refuses m2po_tau."""
     from hydra.errors import InstantiationException
     from verl.utils.config import omega_conf_to_dataclass
 

@@ -2,7 +2,7 @@
 
 Both backends (torch; Triton under ``TRITON_INTERPRET=1``, set by ``conftest.py``) are compared in value,
 metrics and gradient with respect to the logits, for every fused preset, every stage option, fp32/fp16/bf16
-logits and the edge cases of issue 8 (all-masked rows, |x| > 1e4, temperature != 1, odd V and N, V = 151,936 and
+logits and the kernel's edge cases (all-masked rows, |x| > 1e4, temperature != 1, odd V and N, V = 151,936 and
 256,000, strided views, int64 row offsets). Shapes stay small: the interpreter runs ~200x slower than torch.
 """
 

@@ -1,4 +1,5 @@
-"""Loss aggregation: verl golden values (specs §1.2), prompt-mean, explicit denominators, edge cases."""
+"""Loss aggregation: verl golden values (``agg_loss``, measured on verl 0.9.1), prompt-mean, explicit denominators,
+edge cases."""
 
 from __future__ import annotations
 

@@ -26,15 +26,15 @@ def t(x: object, dtype: torch.dtype = D) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------- hand-computed example
 
-# ratios r = exp(logp - old) with old = 0; the last column is padding holding garbage
+# ratios r = exp(logp - old) with old = -3 (log-probs are <= 0); the last column is padding holding garbage
 R = [[1.5, 0.5, 1.0, 9.0], [0.7, 2.0, 5.0, 9.0]]
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]], dtype=torch.bool)
 ADV = t([1.0, -1.0])
 
 
 def _hand_inputs() -> tuple[torch.Tensor, torch.Tensor]:
-    logp = t(R).log().requires_grad_()
-    return logp, torch.zeros(2, 4, dtype=D)
+    logp = (t(R).log() - 3.0).requires_grad_()
+    return logp, torch.full((2, 4), -3.0, dtype=D)
 
 
 def test_hand_example_ppo_clip_token_mean() -> None:
@@ -68,9 +68,10 @@ def test_hand_example_seq_mean_token_mean_and_defaults() -> None:
     logp, old = _hand_inputs()
     out = policy_loss(logp, old, ADV, MASK, trust=PPOClip(low=0.2, high=0.2, dual=3.0), agg="seq-mean-token-mean")
     torch.testing.assert_close(out.loss.detach(), t(((-2.7 / 3) + (5.8 / 3)) / 2))
-    # defaults: TokenRatio + PPOClip(0.2, 0.28, dual 3) + token-mean; r=1.5 is clipped at 1.28 now
+    # defaults are GRPO's: TokenRatio + PPOClip(0.2, 0.2), no dual clip, seq-mean-token-mean; r=5 with A=-1 is no
+    # longer capped at 3: row 1 sums 0.8 + 2 + 5
     out = policy_loss(logp, old, ADV, MASK)
-    torch.testing.assert_close(out.loss.detach(), t((-1.28 - 0.5 - 1.0 + 0.8 + 2.0 + 3.0) / 6))
+    torch.testing.assert_close(out.loss.detach(), t(((-2.7 / 3) + (7.8 / 3)) / 2))
 
 
 def test_trust_none_is_plain_surrogate() -> None:
@@ -88,7 +89,7 @@ def test_on_policy_old_logp_none() -> None:
     logp = (-torch.rand(3, 4, dtype=D)).requires_grad_()
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
     adv = t([0.5, -2.0, 1.0])
-    out = policy_loss(logp, None, adv, mask)
+    out = policy_loss(logp, None, adv, mask, agg="token-mean")
     n = 7
     torch.testing.assert_close(out.metrics["ratio_mean"], t(1.0))
     torch.testing.assert_close(out.metrics["approx_kl"], t(0.0))
@@ -135,8 +136,9 @@ def test_seq_weight_zero_removes_row_from_loss_and_denominators() -> None:
     adv = t([0.5, -2.0, 1.0])
     keep = [0, 2]
     for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
-        w = policy_loss(logp, old, adv, mask, agg=agg, max_len=4, seq_weight=t([1.0, 0.0, 1.0]))  # type: ignore[arg-type]
-        ref = policy_loss(logp[keep], old[keep], adv[keep], mask[keep], agg=agg, max_len=4)  # type: ignore[arg-type]
+        ml = 4 if agg == "seq-mean-token-sum-norm" else None
+        w = policy_loss(logp, old, adv, mask, agg=agg, max_len=ml, seq_weight=t([1.0, 0.0, 1.0]))  # type: ignore[arg-type]
+        ref = policy_loss(logp[keep], old[keep], adv[keep], mask[keep], agg=agg, max_len=ml)  # type: ignore[arg-type]
         torch.testing.assert_close(w.loss, ref.loss)
         assert torch.equal(w.per_token[1], torch.zeros(4, dtype=D))
     # non-zero weights scale the row
@@ -150,7 +152,9 @@ def test_seq_weight_zero_removes_row_from_loss_and_denominators() -> None:
 
 
 class KeepCorrection:
-    """A tiny off-policy correction: constant weight, fixed keep mask."""
+    """A tiny off-policy correction: constant weight, fixed keep mask; reads behav_logp when given."""
+
+    accepts = ("behav_logp",)
 
     def __init__(self, keep: torch.Tensor, weight: float = 1.0) -> None:
         self.keep = keep
@@ -209,8 +213,8 @@ def test_correction_receives_behav_logp_and_combines_with_trust_keep() -> None:
             return TrustOutput(-adv * ratio, keep, {})
 
     corr = KeepCorrection(torch.tensor([[True, True, True, True], [False, True, True, True]]))
-    out = policy_loss(logp, old, ADV, MASK, behav_logp=behav.float(), trust=KeepTrust(), correction=corr)
-    assert torch.equal(corr.calls[0]["behav_logp"], behav.float())
+    out = policy_loss(logp, old, ADV, MASK, behav_logp=behav, trust=KeepTrust(), correction=corr)
+    assert torch.equal(corr.calls[0]["behav_logp"], behav)
     assert corr.calls[0]["old_logp"] is not None
     kept = MASK & torch.tensor([[True, True, False, True], [False, True, True, True]])
     torch.testing.assert_close(out.per_token.detach(), (-(ADV[:, None]) * t(R)) * kept)
@@ -223,12 +227,14 @@ def test_correction_receives_behav_logp_and_combines_with_trust_keep() -> None:
 
 def test_kl_and_entropy_terms() -> None:
     logp, old = _hand_inputs()
-    ref = t([[0.1, -0.2, 0.0, math.nan], [0.3, 0.0, 0.2, math.nan]])
+    ref = t([[0.1, -0.2, 0.0, math.nan], [0.3, 0.0, 0.2, math.nan]]) - 3.0
     ent = t([[1.0, 2.0, 3.0, math.inf], [4.0, 5.0, 6.0, math.nan]])
     kl = KL(estimator="k2", coef=0.5)
-    base = policy_loss(logp, old, ADV, MASK, trust=None)
-    out = policy_loss(logp, old, ADV, MASK, trust=None, ref_logp=ref, kl=kl, entropy=ent, entropy_coef=0.1)
-    kl_tok = kl_penalty(t(R).log(), ref, "k2")
+    base = policy_loss(logp, old, ADV, MASK, trust=None, agg="token-mean")
+    out = policy_loss(
+        logp, old, ADV, MASK, trust=None, ref_logp=ref, kl=kl, entropy=ent, entropy_coef=0.1, agg="token-mean"
+    )
+    kl_tok = kl_penalty(t(R).log() - 3.0, ref, "k2")
     expected = base.per_token.detach() + (0.5 * kl_tok - 0.1 * ent) * MASK
     expected = torch.where(MASK, expected, torch.zeros_like(expected))
     torch.testing.assert_close(out.per_token.detach(), expected)
@@ -239,7 +245,7 @@ def test_kl_and_entropy_terms() -> None:
     out.loss.backward()
     assert logp.grad is not None and torch.isfinite(logp.grad).all()
     # entropy is reported even when its coefficient is 0 and does not change the loss then
-    o2 = policy_loss(logp, old, ADV, MASK, trust=None, entropy=ent)
+    o2 = policy_loss(logp, old, ADV, MASK, trust=None, entropy=ent, agg="token-mean")
     torch.testing.assert_close(o2.loss, base.loss)
     torch.testing.assert_close(o2.metrics["entropy"], t(21.0 / 6))
 
@@ -265,7 +271,7 @@ def test_entropy_coef_not_a_number(coef: object) -> None:
 def _random_inputs(seed: int, B: int = 3, T: int = 5, dtype: torch.dtype = D) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     old = -3 * torch.rand(B, T, generator=g, dtype=D)
-    logp = old + 0.4 * torch.randn(B, T, generator=g, dtype=D)
+    logp = (old + 0.4 * torch.randn(B, T, generator=g, dtype=D)).clamp(max=0.0)
     mask = torch.rand(B, T, generator=g) > 0.3
     mask[:, 0] = True
     adv = torch.randn(B, generator=g, dtype=D)
@@ -411,8 +417,8 @@ def test_masked_out_garbage_does_not_change_loss_or_gradient(
 
 @settings(max_examples=30)
 @given(
-    logp=st.lists(st.floats(-1e3, 1e3), min_size=8, max_size=8),
-    old=st.lists(st.floats(-1e3, 1e3), min_size=8, max_size=8),
+    logp=st.lists(st.floats(-1e3, 0.0), min_size=8, max_size=8),
+    old=st.lists(st.floats(-1e3, 0.0), min_size=8, max_size=8),
     adv=st.lists(st.floats(-100, 100), min_size=2, max_size=2),
     mask=st.lists(st.booleans(), min_size=8, max_size=8),
     name=st.sampled_from(PRESETS),
@@ -441,6 +447,7 @@ def test_gradcheck_every_preset(seed: int, name: str, per_token_adv: bool) -> No
     if name == "cispo":
         # CISPO's weight is a stop-gradient: its gradient is the derivative of the loss only where the weight
         # is constant, i.e. clipped (r > 1 + high everywhere)
+        old = old - 1.5  # keeps the log-probs below 0
         logp = old + 0.3 + torch.rand(3, 4, dtype=D, generator=torch.Generator().manual_seed(seed))
     if per_token_adv and name != "gspo":  # GSPO-token equals GSPO's gradient for per-sequence advantages
         adv = adv[:, None] + 0.1 * torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(seed))
@@ -474,7 +481,7 @@ def test_gspo_and_cispo_stages_wire_through() -> None:
     out = policy_loss(lp, old, adv, mask, ratio=GSPORatio(), trust=None, agg="seq-mean-token-mean")
     seq = ((lp - old) * mask).sum(-1) / mask.sum(-1)
     torch.testing.assert_close(out.loss, (-adv * seq.exp()).mean())
-    out = policy_loss(lp, old, adv, mask, ratio=TokenRatio(), trust=CISPO(high=0.2))
+    out = policy_loss(lp, old, adv, mask, ratio=TokenRatio(), trust=CISPO(high=0.2), agg="token-mean")
     w = (lp - old).exp().clamp(max=1.2)
     torch.testing.assert_close(out.loss, (-(w * adv[:, None] * lp) * mask).sum() / mask.sum())
 

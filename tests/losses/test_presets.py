@@ -10,9 +10,9 @@ import torch
 import rolloutopt.losses as L
 from rolloutopt.errors import InputError
 from rolloutopt.losses import Preset, policy_loss
-from rolloutopt.ratios import CISPO, SAPO, GSPORatio, PPOClip, TokenRatio
+from rolloutopt.ratios import CISPO, SAPO, CoPRISProximal, GSPORatio, PPOClip, TokenRatio
 
-# the documented configurations (specs/ratios_and_losses.md §2, §5; the docstring of each preset)
+# the documented configurations (docs/conventions.md; the docstring of each preset)
 DOCUMENTED: dict[str, dict[str, Any]] = {
     "grpo": {"ratio": TokenRatio(), "trust": PPOClip(low=0.2, high=0.2, dual=None), "agg": "seq-mean-token-mean"},
     "dapo": {"ratio": TokenRatio(), "trust": PPOClip(low=0.2, high=0.28, dual=None), "agg": "token-mean"},
@@ -34,7 +34,7 @@ DOCUMENTED: dict[str, dict[str, Any]] = {
 def _inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     old = -2 * torch.rand(4, 6, generator=g, dtype=torch.float64)
-    logp = old + 0.3 * torch.randn(4, 6, generator=g, dtype=torch.float64)
+    logp = (old + 0.3 * torch.randn(4, 6, generator=g, dtype=torch.float64)).clamp(max=0.0)
     mask = torch.rand(4, 6, generator=g) > 0.25
     mask[:, 0] = True
     adv = torch.randn(4, generator=g, dtype=torch.float64)
@@ -65,7 +65,9 @@ def test_get_returns_preset_equal_to_documented_policy_loss(name: str) -> None:
 
 def test_presets_differ_from_each_other() -> None:
     logp, old, adv, mask = _inputs(1)
-    losses = {n: float(L.get(n)(logp, old, adv, mask, max_len=6).loss) for n in DOCUMENTED}
+    losses = {
+        n: float(L.get(n)(logp, old, adv, mask, **({"max_len": 6} if n == "dr_grpo" else {})).loss) for n in DOCUMENTED
+    }
     assert len(set(losses.values())) == len(losses), losses
 
 
@@ -125,10 +127,9 @@ def test_register_builtin_name_twice_raises() -> None:
 
 
 def test_experimental_preset_needs_acknowledgement_and_required_inputs_are_named() -> None:
-    preset = Preset(
-        "test_presets_exp", "arXiv 0000.00000 (test)", {"trust": None}, requires=("behav_logp", "versions"),
-        experimental="its form is reconstructed",
-    )  # fmt: skip
+    config = {"trust": None, "proximal": CoPRISProximal()}
+    preset = Preset("test_presets_exp", "arXiv 0000.00000 (test)", config, experimental="its form is reconstructed")
+    assert preset.requires == ("behav_logp", "versions")  # derived from CoPRISProximal's declaration
     logp, old, adv, mask = _inputs()
     with pytest.raises(InputError, match="reconstructed") as e:
         preset(logp, old, adv, mask, behav_logp=old, versions=torch.zeros(4, 6, dtype=torch.long))
@@ -136,10 +137,12 @@ def test_experimental_preset_needs_acknowledgement_and_required_inputs_are_named
     with pytest.raises(InputError, match="versions") as e:
         preset(logp, old, adv, mask, behav_logp=old, experimental=True)
     assert e.value.argument == "versions"
-    with pytest.raises(InputError, match="behav_logp, versions"):
+    with pytest.raises(InputError, match="behav_logp"):
         preset(logp, old, adv, mask, experimental=True)
-    got = preset(logp, old, adv, mask, behav_logp=old, versions=torch.zeros(4, 6, dtype=torch.long), experimental=True)
-    torch.testing.assert_close(got.loss, policy_loss(logp, old, adv, mask, trust=None).loss)
+    versions = torch.zeros(4, 6, dtype=torch.long)
+    got = preset(logp, old, adv, mask, behav_logp=old, versions=versions, experimental=True)
+    want = policy_loss(logp, old, adv, mask, **config, behav_logp=old, versions=versions)
+    torch.testing.assert_close(got.loss, want.loss)
 
 
 def _all_inputs(seed: int = 3) -> dict[str, Any]:
@@ -151,11 +154,11 @@ def _all_inputs(seed: int = 3) -> dict[str, Any]:
     mask = torch.arange(t)[None, :] < torch.tensor([7, 5, 1, 0, 3, 6])[:, None]
     topk_behav = torch.log_softmax(torch.randn(b, t, k, generator=g, dtype=f64), -1)
     return {
-        "logp": old + 0.3 * torch.randn(b, t, generator=g, dtype=f64),
+        "logp": (old + 0.3 * torch.randn(b, t, generator=g, dtype=f64)).clamp(max=0.0),
         "old_logp": old,
         "advantages": torch.randn(b, generator=g, dtype=f64),
         "mask": mask,
-        "behav_logp": old + 0.2 * torch.randn(b, t, generator=g, dtype=f64),
+        "behav_logp": (old + 0.2 * torch.randn(b, t, generator=g, dtype=f64)).clamp(max=0.0),
         "versions": 5 - torch.randint(0, 3, (b, t), generator=g),
         "policy_version": 5,
         "topk_behav_logp": topk_behav,
@@ -165,12 +168,18 @@ def _all_inputs(seed: int = 3) -> dict[str, Any]:
     }
 
 
+def _consumed(preset: Preset, x: dict[str, Any]) -> dict[str, Any]:
+    """The inputs of ``x`` that the preset consumes (it refuses the others)."""
+    return {k: v for k, v in x.items() if k in preset.requires or k in preset.accepts}
+
+
 @pytest.mark.parametrize("name", L.names())
 def test_every_preset_runs_with_its_inputs_and_names_missing_ones(name: str) -> None:
     preset = L.get(name)
     x = _all_inputs()
     lp = x.pop("logp").requires_grad_()
     old, adv, mask = x.pop("old_logp"), x.pop("advantages"), x.pop("mask")
+    x = _consumed(preset, x)
     ack = {"experimental": True} if preset.experimental is not None else {}
     out = preset(lp, old, adv, mask, **x, **ack)
     (grad,) = torch.autograd.grad(out.loss, lp)
@@ -197,6 +206,7 @@ def test_every_preset_on_policy_gives_ratio_one(name: str) -> None:
     x["behav_logp"] = old
     x["topk_logp"] = x["topk_behav_logp"]
     x["versions"] = torch.full_like(x["versions"], 5)
+    x = _consumed(preset, x)
     ack = {"experimental": True} if preset.experimental is not None else {}
     out = preset(old.clone().requires_grad_(), old, adv, mask, **x, **ack)
     m = out.metrics

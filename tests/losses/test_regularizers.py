@@ -1,4 +1,4 @@
-"""KL estimators (specs §7.1, verl ``kl_penalty``): oracles, aliases, straight-through "+", clamps, KL stage."""
+"""KL estimators (verl ``kl_penalty_forward``): oracles, aliases, straight-through "+", clamps, KL stage."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def test_k3_clamp() -> None:
 def test_k3_clamp_keeps_large_inputs_finite() -> None:
     lp = torch.tensor([[-200.0]], requires_grad=True)
     out = kl_penalty(lp, torch.tensor([[0.0]]), "k3")
-    assert float(out) == 10.0
+    assert float(out.detach()) == 10.0
     out.sum().backward()
     assert lp.grad is not None and torch.isfinite(lp.grad).all()
     assert torch.isinf(kl_penalty(lp.detach(), torch.tensor([[0.0]]), "k3", clamp=False)).all()
@@ -332,3 +332,98 @@ def test_prop_kl_stage_matches_function(
     mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=logp.numel(), max_size=logp.numel()))).view_as(logp)
     stage = KL(estimator=estimator, coef=0.5, clamp=clamp)
     assert torch.equal(stage.per_token(logp, ref, mask), kl_penalty(logp, ref, estimator, clamp=clamp))
+
+
+# ------------------------------------------------------------------------------ NeMo-RL's clamped k3 term
+
+
+def nemo_k3_term(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """NeMo-RL's per-token KL term as ``NVIDIA-NeMo/RL@7ea279ab`` computes it, written out for the test:
+    ``nemo_rl/algorithms/utils.py::calculate_kl(kl_type="k3", input_clamp_value=20, output_clamp_value=10,
+    importance_sampling_weights=w)`` with ``ClippedPGLossFn``'s on-policy weight ``w = exp(logp - sg(logp))``
+    (``nemo_rl/algorithms/loss/loss_functions.py``, ``use_on_policy_kl_approximation=False``): the log-ratio
+    ``ref - logp`` is clamped to ±20 (where it is clamped, ``w`` is detached), ``w · (e^x - 1 - x)`` is formed
+    and clamped to ±10."""
+    w = torch.exp(logp - logp.detach())
+    x = ref - logp
+    xc = x.clamp(-20.0, 20.0)
+    w = torch.where(x == xc, w, w.detach())
+    return (w * (torch.exp(xc) - 1 - xc)).clamp(-10.0, 10.0)
+
+
+# d = ref - logp (logp = 0): inside the clamps, k3 just above 10 (d = 2.7 and -12), |d| > 20 on either side
+NEMO_D = [-0.5, 0.0, 1.0, 2.6, 2.7, -10.5, -12.0, 25.0, -25.0]
+
+
+def test_k3_plus_clamp_grad_is_nemo_rl_on_hand_values() -> None:
+    # values: k3 = e^d - d - 1, clamped to 10: [0.10653, 0, 0.71828, 9.86374, 10, 9.50003, 10, 10, 10]
+    # gradient wrt logp: logp - ref = -d inside both clamps (k3 <= 10 and |d| <= 20), 0 outside:
+    #   [0.5, 0, -1, -2.6, 0, 10.5, 0, 0, 0]; verl's k3+ (clamp_grad=False) has -d everywhere.
+    ref = torch.tensor([NEMO_D], dtype=D)
+    values = [k3(-0.5), 0.0, k3(1.0), k3(2.6), 10.0, k3(-10.5), 10.0, 10.0, 10.0]
+    torch.testing.assert_close(
+        torch.tensor(values[:6]), torch.tensor([0.10653, 0, 0.71828, 9.86374, 10, 9.50003]), atol=1e-5, rtol=0
+    )
+    grads = {}
+    for clamp_grad in (True, False):
+        lp = torch.zeros(1, len(NEMO_D), dtype=D, requires_grad=True)
+        out = kl_penalty(lp, ref, "k3+", clamp_grad=clamp_grad)
+        torch.testing.assert_close(out.detach(), torch.tensor([values], dtype=D))
+        out.sum().backward()
+        assert lp.grad is not None
+        grads[clamp_grad] = lp.grad[0].tolist()
+    assert grads[True] == pytest.approx([0.5, 0.0, -1.0, -2.6, 0.0, 10.5, 0.0, 0.0, 0.0], abs=1e-12)
+    assert grads[False] == pytest.approx([-d for d in NEMO_D], abs=1e-12)
+    # NeMo-RL's term, by autograd on its own formula, gives the same value and gradient
+    lp = torch.zeros(1, len(NEMO_D), dtype=D, requires_grad=True)
+    theirs = nemo_k3_term(lp, ref)
+    theirs.sum().backward()
+    assert lp.grad is not None
+    torch.testing.assert_close(theirs.detach(), torch.tensor([values], dtype=D))
+    assert lp.grad[0].tolist() == pytest.approx(grads[True], abs=1e-12)
+    # the KL stage, with a coefficient
+    stage = KL("k3+", coef=0.04, clamp_grad=True)
+    lp = torch.zeros(1, len(NEMO_D), dtype=D, requires_grad=True)
+    (stage.coef * stage.per_token(lp, ref, torch.ones(1, len(NEMO_D), dtype=torch.bool))).sum().backward()
+    assert lp.grad is not None
+    assert lp.grad[0].tolist() == pytest.approx([0.04 * x for x in grads[True]], abs=1e-12)
+
+
+@settings(max_examples=60)
+@given(kl_pairs(lo=-60.0), st.sampled_from(["k3+", "low_var_kl+"]))
+def test_prop_clamp_grad_matches_nemo_rl(pair: tuple[torch.Tensor, ...], estimator: str) -> None:
+    logp, ref = pair
+    ours, g_ours, _ = _grad(logp, ref, estimator, clamp_grad=True)
+    lp = logp.clone().requires_grad_(True)
+    theirs = nemo_k3_term(lp, ref)
+    theirs.sum().backward()
+    assert lp.grad is not None
+    torch.testing.assert_close(ours, theirs.detach(), atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(g_ours, lp.grad, atol=1e-8, rtol=1e-8)
+    # inside the clamps it is verl's k3+ gradient; the value never changes
+    plain, g_plain, _ = _grad(logp, ref, estimator)
+    assert torch.equal(plain, ours)
+    d = ref - logp
+    inside = (d.abs() <= 20) & (torch.expm1(d.clamp(-20, 20)) - d.clamp(-20, 20) <= 10)
+    assert torch.equal(g_ours[inside], g_plain[inside]) and bool((g_ours[~inside] == 0).all())
+
+
+def test_clamp_grad_bad_input() -> None:
+    for kw, arg in (
+        ({"estimator": "k2+", "clamp_grad": True}, "clamp_grad"),
+        ({"estimator": "k1", "clamp_grad": True}, "clamp_grad"),
+        ({"estimator": "k3+", "clamp": False, "clamp_grad": True}, "clamp_grad"),
+        ({"estimator": "k3+", "clamp_grad": 1}, "clamp_grad"),
+        ({"estimator": "k3", "clamp": "yes"}, "clamp"),
+    ):
+        with pytest.raises(InputError) as e:
+            kl_penalty(LOGP, REF, **kw)  # type: ignore[arg-type]
+        assert e.value.argument == arg, kw
+        with pytest.raises(InputError) as e:
+            KL(**kw)  # type: ignore[arg-type]
+        assert e.value.argument == f"KL.{arg}", kw
+    # plain k3 with its clamp already has NeMo-RL's zero gradient where clamped: clamp_grad is accepted, same output
+    lp = torch.zeros(1, len(NEMO_D), dtype=D)
+    ref = torch.tensor([NEMO_D], dtype=D)
+    assert torch.equal(kl_penalty(lp, ref, "k3", clamp_grad=True), kl_penalty(lp, ref, "k3"))
+    assert KL().clamp_grad is False

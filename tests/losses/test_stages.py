@@ -39,7 +39,7 @@ def test_chained_corrections_multiply_weights_and_and_keeps() -> None:
     old = torch.zeros(2, 4, dtype=D)
     a = Weight(t([[2.0, 2.0, 2.0, 2.0], [1.0, 1.0, 1.0, 1.0]]), torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]]).bool(), "a")
     b = Weight(t([[0.5, 3.0, 1.0, 1.0], [4.0, 1.0, 1.0, 1.0]]), torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]]).bool(), "b")
-    out = policy_loss(logp, old, ADV, MASK, trust=None, correction=(a, b), is_weights=t([1.0, 0.5]))
+    out = policy_loss(logp, old, ADV, MASK, trust=None, correction=(a, b), is_weights=t([1.0, 0.5]), agg="token-mean")
     # r = 1, loss = -A * w_a * w_b * is_w on kept tokens: row 0 tokens 0, 2 (1.0, 2.0); row 1 token 1 (0.5)
     expected = t([[-1.0, 0.0, -2.0, 0.0], [0.0, 0.5, 0.0, 0.0]])
     torch.testing.assert_close(out.per_token.detach(), expected)
@@ -57,10 +57,11 @@ def test_chained_corrections_multiply_weights_and_and_keeps() -> None:
 
 
 def test_single_correction_equals_one_element_chain() -> None:
-    logp = (0.1 * torch.randn(2, 4, dtype=D, generator=torch.Generator().manual_seed(0))).requires_grad_()
+    logp = (0.1 * torch.randn(2, 4, dtype=D, generator=torch.Generator().manual_seed(0)) - 1).requires_grad_()
     c = Weight(t([[2.0, 1.0, 0.5, 1.0], [1.5, 1.0, 1.0, 1.0]]))
-    one = policy_loss(logp, torch.zeros(2, 4, dtype=D), ADV, MASK, correction=c)
-    chain = policy_loss(logp, torch.zeros(2, 4, dtype=D), ADV, MASK, correction=[c])
+    old = torch.full((2, 4), -1.0, dtype=D)
+    one = policy_loss(logp, old, ADV, MASK, correction=c)
+    chain = policy_loss(logp, old, ADV, MASK, correction=[c])
     torch.testing.assert_close(one.loss, chain.loss)
 
 
@@ -72,6 +73,7 @@ def test_proximal_stage_builds_old_logp_and_the_ratio_uses_it() -> None:
         assert ctx.old_logp is None  # old_logp=None with a proximal stage: nothing is invented
         return ctx.need("behav_logp", "the test stage")
 
+    behaviour_as_proximal.requires = ("behav_logp",)  # type: ignore[attr-defined]
     out = policy_loss(logp, None, ADV, MASK, behav_logp=behav, proximal=behaviour_as_proximal, trust=None)
     direct = policy_loss(logp, behav, ADV, MASK, trust=None)
     torch.testing.assert_close(out.loss, direct.loss)
@@ -85,11 +87,15 @@ def test_missing_stage_input_names_argument_and_stage() -> None:
         ctx.need("versions", "CoPRISProximal")
         return ctx.logp
 
-    with pytest.raises(InputError, match=r"versions.*CoPRISProximal"):
+    needs_versions.requires = ("versions",)  # type: ignore[attr-defined]
+
+    with pytest.raises(InputError, match=r"versions=\.\.\., required by"):
         policy_loss(torch.zeros(2, 4), None, ADV.float(), MASK, proximal=needs_versions)
 
     def needs_extra(ctx: StageContext) -> CorrectionOutput:
         return CorrectionOutput(ctx.need("my_weights", "MyCorrection"))
+
+    needs_extra.requires = ("my_weights",)  # type: ignore[attr-defined]
 
     with pytest.raises(InputError, match=r"my_weights.*stage_inputs"):
         policy_loss(torch.zeros(2, 4), None, ADV.float(), MASK, correction=needs_extra)
@@ -113,6 +119,7 @@ def test_trust_stage_receives_context() -> None:
         seen.append(ctx)
         return TrustOutput(-a * r, None, {})
 
+    trust.accepts = ("confidence", "topk_logp")  # type: ignore[attr-defined]
     conf = torch.tensor([0.2, 1.0])
     topk = torch.zeros(2, 4, 3)
     policy_loss(torch.zeros(2, 4), None, ADV.float(), MASK, trust=trust, confidence=conf, topk_logp=topk)
@@ -121,15 +128,29 @@ def test_trust_stage_receives_context() -> None:
     assert ctx.topk_behav_logp is None and ctx.versions is None
 
 
+def _reads_versions(
+    r: torch.Tensor, lr: torch.Tensor, a: torch.Tensor, lp: torch.Tensor, *, ctx: StageContext | None = None
+) -> TrustOutput:
+    return TrustOutput(-a * r, None, {})
+
+
+_reads_versions.accepts = ("versions", "policy_version")  # type: ignore[attr-defined]
+
+
 def test_staleness_metrics() -> None:
+    """Reported whenever a configured stage reads ``versions`` (here a plain surrogate that declares it)."""
     versions = torch.tensor([[5, 5, 7, 0], [6, 7, 0, 0]])
-    out = policy_loss(torch.zeros(2, 4), None, ADV.float(), MASK, versions=versions, policy_version=8)
+    kw = {"trust": _reads_versions}
+    with pytest.raises(InputError) as err:  # a stage that does not read versions refuses them
+        policy_loss(torch.zeros(2, 4), None, ADV.float(), MASK, versions=versions)
+    assert err.value.argument == "versions"
+    out = policy_loss(torch.zeros(2, 4), None, ADV.float(), MASK, versions=versions, policy_version=8, **kw)
     lags = [3, 3, 1, 2, 1]
     torch.testing.assert_close(out.metrics["staleness_mean"], torch.tensor(sum(lags) / 5))
     torch.testing.assert_close(out.metrics["staleness_max"], torch.tensor(3.0))
     torch.testing.assert_close(out.metrics["stale_frac"], torch.tensor(1.0))
     # without policy_version, lag is measured against the newest version among the loss tokens (7)
-    out = policy_loss(torch.zeros(2, 4), None, ADV.float(), MASK, versions=versions)
+    out = policy_loss(torch.zeros(2, 4), None, ADV.float(), MASK, versions=versions, **kw)
     torch.testing.assert_close(out.metrics["staleness_mean"], torch.tensor((2 + 2 + 0 + 1 + 0) / 5))
     torch.testing.assert_close(out.metrics["stale_frac"], torch.tensor(3 / 5))
 
@@ -137,7 +158,7 @@ def test_staleness_metrics() -> None:
 def test_ratio_quantiles_and_log_ratio_max() -> None:
     # 5 loss tokens with ratios 0.5, 1, 2, 4, 0.25 (sorted 0.25 0.5 1 2 4); padding holds a huge ratio
     lr = t([[math.log(0.5), 0.0, math.log(2.0), 9.0], [math.log(4.0), math.log(0.25), 9.0, 9.0]])
-    out = policy_loss(lr, torch.zeros(2, 4, dtype=D), ADV, MASK, trust=None)
+    out = policy_loss(lr - 3.0, torch.full((2, 4), -3.0, dtype=D), ADV, MASK, trust=None)
     # lower order statistic at floor(q * (n - 1)): q10 -> 0, q50 -> 2, q90 -> 3
     torch.testing.assert_close(out.metrics["ratio_q10"], t(0.25))
     torch.testing.assert_close(out.metrics["ratio_q50"], t(1.0))
@@ -155,6 +176,7 @@ def test_empty_batch_metrics_are_finite() -> None:
         mask,
         is_weights=torch.ones(2),
         versions=torch.zeros(2, 4, dtype=torch.long),
+        trust=_reads_versions,
     )
     for k, v in out.metrics.items():
         assert torch.isfinite(v), k

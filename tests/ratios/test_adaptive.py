@@ -1,4 +1,4 @@
-"""SAT and TBPO (specs/ratios_and_losses.md B11, B14; both reconstructed, experimental)."""
+"""SAT (arXiv 2607.18722) and TBPO (arXiv 2604.07853): both reconstructed (docs/methods/trust_regions.md)."""
 
 from __future__ import annotations
 
@@ -166,7 +166,7 @@ def test_sat_gradcheck() -> None:
 
 
 def test_tbpo_hand_oracle() -> None:
-    # token log-ratios [0.2, -0.4, 0.5] -> r = e^0.1 = 1.10517 (spec B2); prox - behav mean log 1.5 -> w = 1.5
+    # token log-ratios [0.2, -0.4, 0.5] -> r = e^0.1 = 1.10517 (GSPO's ratio); prox - behav mean log 1.5 -> w = 1.5
     old = t([[-1.0, -1.0, -1.0, 0.0]])
     logp = (old + t([[0.2, -0.4, 0.5, 0.0]])).requires_grad_()
     behav = old - math.log(1.5)

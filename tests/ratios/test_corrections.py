@@ -1,4 +1,10 @@
-"""Behaviour-policy corrections: oracles from specs/ratios_and_losses.md §3 B4–B6, §5.2, §6.1, properties, bad input."""
+"""Behaviour-policy corrections: hand oracles, properties, bad input.
+
+Oracles computed by hand following verl's rollout correction (``volcengine/verl@b178a3cd5``
+``verl/trainer/ppo/rollout_corr_helper.py``: ``compute_rollout_correction_weights``,
+``compute_rollout_rejection_mask``) and TRL's vLLM importance-sampling modes (``huggingface/trl@f2cd577``
+``trl/trainer/grpo_trainer.py``); see docs/methods/corrections.md.
+"""
 
 from __future__ import annotations
 
@@ -53,7 +59,7 @@ def ctx_of(old: torch.Tensor, behav: torch.Tensor | None, mask: torch.Tensor | N
 
 # ----------------------------------------------------------------------------------------------- TIS oracles
 
-ORACLE_LR = t([[LN(3.0), 0.0, LN(0.5)]])  # spec §3 B4: token weights [2, 1, 0.5]; sequence min(1.5, 2) = 1.5
+ORACLE_LR = t([[LN(3.0), 0.0, LN(0.5)]])  # TIS: token weights [2, 1, 0.5]; sequence min(1.5, 2) = 1.5
 
 
 def test_tis_token_and_sequence_oracle() -> None:
@@ -126,7 +132,7 @@ def test_tis_clamps_before_exp() -> None:
 
 
 def test_icepop_oracle() -> None:
-    lr = torch.log(t([[0.4, 1.2, 6.0]]))  # spec §3 B5: IcePop (0.5, 5) -> [0, 1.2, 0]
+    lr = torch.log(t([[0.4, 1.2, 6.0]]))  # IcePop (0.5, 5), in-band weight = ratio as in verl -> [0, 1.2, 0]
     w, keep = mis_weight(lr, ones_mask(1, 3))
     torch.testing.assert_close(w, t([[0.0, 1.2, 0.0]]))
     assert keep.tolist() == [[False, True, False]]
@@ -138,7 +144,7 @@ def test_icepop_oracle() -> None:
 
 
 def test_sequence_and_geometric_mis_oracle() -> None:
-    lr = t([[0.3, 0.3, 0.3]])  # spec §3 B5: product e^0.9 = 2.46 rejected by [0.5, 2]; geometric e^0.3 kept
+    lr = t([[0.3, 0.3, 0.3]])  # MIS: product e^0.9 = 2.46 rejected by [0.5, 2]; geometric e^0.3 kept
     w, keep = mis_weight(lr, ones_mask(1, 3), low=0.5, high=2.0, level="sequence")
     assert not keep.any() and (w == 0).all()
     w, keep = mis_weight(lr, ones_mask(1, 3), low=0.5, high=2.0, level="geometric")
@@ -198,7 +204,8 @@ def test_fp8_constructors() -> None:
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_rho_one_leaves_the_loss_bit_identical(agg: str) -> None:
-    """Spec §3 B6 oracle: no mismatch (behav = old) leaves the loss and its gradient bit-identical."""
+    """The FP8-RL invariant (arXiv 2601.18150): no mismatch (behav = old) leaves the loss and its gradient
+    bit-identical."""
     gen = torch.Generator().manual_seed(0)
     old = -torch.rand(4, 6, generator=gen, dtype=torch.float32) * 3
     logp0 = old + 0.3 * torch.randn(4, 6, generator=gen, dtype=torch.float32)

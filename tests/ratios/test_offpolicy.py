@@ -1,4 +1,10 @@
-"""Proximal policies: A-3PO (B7), PPO-EWMA (B8), CoPRIS (B9, rollout_control C2), and the decoupled PPO loss."""
+"""Proximal policies: A-3PO, PPO-EWMA (reconstructed), CoPRIS, and the decoupled PPO loss.
+
+Oracles computed by hand following AReaL (``inclusionAI/AReaL@4aef98d8d``
+``areal/utils/functional/functional.py::ppo_actor_loss_fn``, ``areal/trainer/ppo/actor.py``) and CoPRIS
+(``777pomingzi/CoPRIS@43ee8c7`` ``verl/trainer/ppo/ray_trainer.py``); PPO-EWMA's is our reconstruction (see
+docs/methods/offpolicy.md).
+"""
 
 from __future__ import annotations
 
@@ -267,7 +273,7 @@ def test_decoupled_loss_with_a3po_proximal_equals_areal_formula() -> None:
 
 
 def test_decoupled_spec_oracle_prox_equals_behaviour_is_plain_ppo() -> None:
-    # B7: l_prox = l_beh => w = 1 and the loss equals plain PPO against l_beh
+    # decoupled PPO: l_prox = l_beh => w = 1 and the loss equals plain PPO against l_beh
     logp, _, behav, adv, mask = _decoupled_batch(4)
     trust = PPOClip(low=0.2, high=0.2, dual=None)
     a = policy_loss(logp, behav, adv, mask, behav_logp=behav, trust=trust, correction=_BehaviourWeight())
@@ -311,7 +317,7 @@ def test_copris_old_logp_spec_oracle() -> None:
 
 
 def test_copris_two_stages_100_plus_50_tokens() -> None:
-    # rollout_control C2: tokens 1-100 generated under v1, 101-150 under v2
+    # CoPRIS: tokens 1-100 generated under v1, 101-150 under v2
     g = torch.Generator().manual_seed(0)
     rec_v1 = -torch.rand(1, 150, generator=g, dtype=D)  # v1's recompute after stage 1 (first 100 valid)
     rec_v2 = -torch.rand(1, 150, generator=g, dtype=D)  # v2's recompute of all 150 after stage 2
@@ -398,7 +404,7 @@ def test_copris_bad_inputs() -> None:
 
 
 def test_ewma_beta_zero_is_current_logp_and_ratio_one() -> None:
-    # B8 oracle: beta = 0 => the average is the current policy => u = 1
+    # PPO-EWMA: beta = 0 => the average is the current policy => u = 1
     ewma = EWMAProximal(beta=0.0, experimental=True)
     ids = torch.tensor([3, 1])
     m = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)

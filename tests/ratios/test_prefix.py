@@ -1,4 +1,4 @@
-"""Prefix ratios: cumulative and PNPO (specs/ratios_and_losses.md B12): oracle, gradients, length behaviour."""
+"""Prefix ratios: cumulative and PNPO (arXiv 2608.01418): oracle, gradients, length behaviour."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def ones(b: int, n: int) -> torch.Tensor:
 
 
 def test_spec_oracle_pnpo_cumulative_gspo() -> None:
-    # specs B12: lambda = [0.2, -0.4, 0.5]
+    # by hand from PNPO's prefix weight (arXiv 2608.01418, as a digest quotes it): lambda = [0.2, -0.4, 0.5]
     lam = t([[0.2, -0.4, 0.5]])
     z = torch.zeros_like(lam)
     m = ones(1, 3)

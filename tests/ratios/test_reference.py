@@ -1,4 +1,9 @@
-"""Reference ratio constructions and trust regions: oracles from specs/ratios_and_losses.md §2 (B1–B3), SAPO."""
+"""Reference ratio constructions and trust regions (PPO dual clip, GSPO, CISPO, SAPO).
+
+Oracles computed by hand following verl's losses (``volcengine/verl@b178a3cd5``
+``verl/trainer/ppo/core_algos.py``: ``compute_policy_loss_vanilla``, ``compute_policy_loss_gspo``,
+``compute_policy_loss_cispo``).
+"""
 
 from __future__ import annotations
 
@@ -85,7 +90,7 @@ def test_log_ratio_bad_clamp_and_shape() -> None:
 
 
 def test_sequence_log_ratio_spec_oracle() -> None:
-    # specs B2: token log-ratios [0.2, -0.4, 0.5] -> log s = 0.1, s = 1.10517
+    # GSPO: token log-ratios [0.2, -0.4, 0.5] -> log s = 0.1, s = 1.10517
     logp = t([[0.2, -0.4, 0.5, 7.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
     out = sequence_log_ratio(logp, torch.zeros_like(logp), mask)

@@ -28,17 +28,17 @@ def test_determinism_for_a_seed_and_no_global_rng() -> None:
     b, c = batch(3), batch(4)
     for name in SimulatedGeneration.__dataclass_fields__:
         assert torch.equal(getattr(a, name), getattr(b, name)), name
-    assert not torch.equal(a.logprobs, c.logprobs)
+    assert not torch.equal(a.logp, c.logp)
 
 
 def test_shapes_dtypes_and_ranges() -> None:
     b = batch(0, prompts=5, group_size=4)
     n, t, k = 20, 128, 8
     assert (b.num_rows, b.max_tokens) == (n, t)
-    for name in ("logprobs", "entropy", "values", "confidence"):
+    for name in ("logp", "entropy", "values", "confidence"):
         x = getattr(b, name)
         assert x.shape == (n, t) and x.dtype == torch.float32 and bool(torch.isfinite(x).all()), name
-    assert b.topk_logprobs.shape == (n, t, k) and b.topk_logprobs.dtype == torch.float32
+    assert b.topk_logp.shape == (n, t, k) and b.topk_logp.dtype == torch.float32
     for name in ("topk_ids", "teacher_topk_ids"):
         assert getattr(b, name).shape == (n, t, k) and getattr(b, name).dtype == torch.int64
     assert b.tokens.shape == (n, t) and b.tokens.dtype == torch.int64
@@ -55,16 +55,16 @@ def test_shapes_dtypes_and_ranges() -> None:
 
 def test_distribution_is_consistent() -> None:
     b = batch(1)
-    lp = b.topk_logprobs
+    lp = b.topk_logp
     assert bool((lp.diff(dim=-1) <= 0).all())  # sorted descending
     assert bool((lp.exp().sum(-1) <= 1 + 1e-5).all())  # top-k mass at most 1
-    assert bool((b.logprobs <= lp[..., 0] + 1e-6).all())  # the sampled token is never above the max
+    assert bool((b.logp <= lp[..., 0] + 1e-6).all())  # the sampled token is never above the max
     assert bool((b.entropy >= 0).all())
     # the sampled token's log-prob is one of the top-k values, or below the k-th (a tail token)
-    in_top = (lp == b.logprobs[..., None]).any(-1)
-    assert bool((in_top | (b.logprobs < lp[..., -1])).all())
+    in_top = (lp == b.logp[..., None]).any(-1)
+    assert bool((in_top | (b.logp < lp[..., -1])).all())
     # where the sampled token is in the top-k (and not a special token), its id is at that rank
-    rank = (lp == b.logprobs[..., None]).float().argmax(-1)
+    rank = (lp == b.logp[..., None]).float().argmax(-1)
     at = b.topk_ids.gather(-1, rank[..., None])[..., 0]
     assert bool((~in_top | (at == b.tokens)).all())
     # ids are distinct per step, student and teacher alike
@@ -117,14 +117,14 @@ def test_signals_degrade_after_the_failure_point() -> None:
     before, after = ~b.degraded & b.mask, b.degraded & b.mask
     rows = (before.sum(-1) >= 10) & (after.sum(-1) >= 10)
     assert int(rows.sum()) > 100
-    regret = b.topk_logprobs[..., 0] - b.logprobs
+    regret = b.topk_logp[..., 0] - b.logp
     overlap = (b.topk_ids[..., :, None] == b.teacher_topk_ids[..., None, :]).flatten(-2).sum(-1).float()
     marker = (b.tokens == 1).float()
     for name, x, sign in (
         ("regret", regret, 1),
         ("entropy", b.entropy, 1),
-        ("sampled prob", b.logprobs.exp(), -1),
-        ("top-1 prob", b.topk_logprobs[..., 0].exp(), -1),
+        ("sampled prob", b.logp.exp(), -1),
+        ("top-1 prob", b.topk_logp[..., 0].exp(), -1),
         ("values", b.values, -1),
         ("teacher overlap", overlap, -1),
         ("markers", marker, 1),
@@ -184,7 +184,7 @@ def test_replay_with_a_rule_gives_the_expected_savings() -> None:
 
 def test_empty_batch() -> None:
     b = batch(0, prompts=0)
-    assert b.num_rows == 0 and b.mask.shape == (0, 128) and b.topk_logprobs.shape == (0, 128, 8)
+    assert b.num_rows == 0 and b.mask.shape == (0, 128) and b.topk_logp.shape == (0, 128, 8)
     assert b.premature(torch.zeros(0, dtype=torch.bool), torch.zeros(0, dtype=torch.long)).shape == (0,)
 
 

@@ -1,16 +1,16 @@
-"""The result type shared by every advantage estimator, and the estimator registry."""
+"""The result type shared by every advantage estimator, and the registries of estimators, shapers and selectors."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from torch import Tensor
 
-from rolloutopt.registry import Registry
+from rolloutopt.errors import InputError
+from rolloutopt.registry import Method, MethodRegistry
 
-__all__ = ["REGISTRY", "AdvantageOutput"]
+__all__ = ["REGISTRY", "SELECTORS", "SHAPERS", "AdvantageOutput", "Estimator"]
 
 
 @dataclass(frozen=True)
@@ -32,4 +32,57 @@ class AdvantageOutput:
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
-REGISTRY: Registry[Callable[..., Any]] = Registry("advantage estimator")
+@dataclass(frozen=True)
+class Estimator(Method):
+    """A registered advantage estimator: ``est(rewards, group, **inputs) -> AdvantageOutput``.
+
+    What :func:`rolloutopt.advantages.get` returns: a :class:`~rolloutopt.registry.Method` (the inputs are
+    checked against ``requires`` and ``accepts``, hyper-parameters pass through, ``experimental=True`` is
+    required where ``experimental`` gives a reason) whose function maps rewards and groups to an
+    :class:`AdvantageOutput`. ``est.fn`` is the plain function.
+
+    Attributes:
+        reward_dims: ``"B"`` for one reward per rollout ``[B]``, ``"B K"`` for estimators of ``K`` reward
+            components per rollout ``[B, K]`` (``gdpo``, ``gd2po``).
+    """
+
+    reward_dims: Literal["B", "B K"] = "B"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.reward_dims not in ("B", "B K"):
+            raise InputError(
+                "reward_dims",
+                '"B" (one reward per rollout) or "B K" (K reward components)',
+                repr(self.reward_dims),
+                f'declare reward_dims="B" or "B K" for the estimator {self.name!r}',
+            )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> AdvantageOutput:
+        """Check the inputs against the declarations, then return ``fn(rewards, group, ...)``."""
+        out = super().__call__(*args, **kwargs)
+        if not isinstance(out, AdvantageOutput):
+            raise InputError(
+                "fn",
+                f"an advantage estimator returning AdvantageOutput (the {self.name!r} estimator)",
+                type(out).__name__,
+                "register a function that returns an AdvantageOutput (reward shapers and selectors have their own "
+                "registries: rolloutopt.advantages.SHAPERS, rolloutopt.advantages.SELECTORS)",
+            )
+        return out
+
+
+REGISTRY: MethodRegistry[Estimator] = MethodRegistry(
+    "advantage estimator", Estimator, common=("rewards", "group"), result=AdvantageOutput
+)
+"""Advantage estimators only: every entry is called as ``get(name)(rewards, group, **inputs)``."""
+
+SHAPERS: MethodRegistry[Method] = MethodRegistry("reward shaper", Method)
+"""Reward shapers: functions that return shaped rewards (``.rewards [B]``) to feed an estimator."""
+
+SELECTORS: MethodRegistry[Method] = MethodRegistry("selector", Method)
+"""Token and sample selectors: functions that return loss weights or masks."""
+
+_FAMILIES: tuple[MethodRegistry[Any], ...] = (REGISTRY, SHAPERS, SELECTORS)
+for _reg in _FAMILIES:
+    _reg.related = [r for r in _FAMILIES if r is not _reg]

@@ -160,7 +160,7 @@ def ace(
     through :math:`A_i` only. An error the policy has made *more* likely than the reference did (:math:`c_i > 0`)
     is pushed down harder; correct (non-negative-advantage) rollouts are untouched.
 
-    Reference: ACE, arXiv 2602.21420. Provenance (``specs/advantages.md`` §A9): only the definition of
+    Reference: ACE, arXiv 2602.21420 (``docs/methods/confidence.md``). Provenance: only the definition of
     :math:`c_i` is from the abstract; "a softplus of :math:`c_i` scales the negative advantage, softplus beats
     ReLU" is from public summaries; the multiplicative, detached form above, the :math:`\alpha` default and the
     reduction of :math:`c_i` are **reconstructed** (no public code). Hence ``experimental=True`` is required.
@@ -176,7 +176,7 @@ def ace(
         mask: response mask ``[B, T]``; required with per-token log-probs.
         advantages: precomputed base advantages ``[B]`` (then ``rewards`` must be None).
         alpha: penalty strength :math:`\alpha \ge 0`; ``alpha=0`` reproduces the base advantages exactly. The
-            paper's value is unknown; 1.0 (the spec's oracle) is our default.
+            paper's value is unknown; 1.0 (the value of our worked example) is our default.
         confidence: ``"sum"`` (default; the paper's definition, the log-ratio of whole sequences) or ``"mean"``
             (per-token mean shift), for per-token inputs; ``[B]`` inputs are used as given. Summed :math:`c_i` can reach O(100) nats on long chains of thought, where
             softplus is linear and the penalty large; ``"mean"``, a larger ``tau`` or ``max_scale`` tame it.
@@ -207,7 +207,7 @@ def ace(
         experimental,
         "ACE's exact form (multiplicative softplus of the detached confidence shift, the alpha default, summed vs "
         "mean c_i, from the abstract and summaries of arXiv 2602.21420)",
-        "specs/advantages.md §A9",
+        "docs/methods/confidence.md",
     )
     choice(confidence, "confidence", ("sum", "mean"))
     choice(penalty, "penalty", ("softplus", "softplus_shifted", "relu"))
@@ -380,5 +380,19 @@ def xrpo_sharpen(
     return AdvantageOutput(advantages=adv, weight=w, metrics=metrics)
 
 
-REGISTRY.register("ace", ace)
-REGISTRY.register("xrpo_sharpen", xrpo_sharpen)
+REGISTRY.register(
+    "ace",
+    ace,
+    requires=("logp", "ref_logp"),
+    accepts=("mask", "advantages", "valid"),
+    reference="ACE arXiv 2602.21420 (no public code)",
+    experimental="the multiplicative softplus of the detached confidence shift, the alpha default and the reduction "
+    "of c_i are reconstructed from the abstract and public summaries (no public code)",
+)
+REGISTRY.register(
+    "xrpo_sharpen",
+    xrpo_sharpen,
+    requires=("logp",),
+    accepts=("mask", "advantages", "correct", "valid"),
+    reference="XRPO arXiv 2510.06672, Eq. (6), the exploitation component (code UIUC-MLSys/XRPO, not checked)",
+)

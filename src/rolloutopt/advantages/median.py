@@ -4,8 +4,8 @@ Both replace GRPO's group mean by a robust location, so that one outlying reward
 or format term, a mis-scored rollout) cannot flip the sign of its siblings' advantages:
 
 - :func:`mc_grpo` (arXiv 2601.22582) samples G + 1 rollouts per prompt, centres on the group median and scales
-  by the median absolute deviation; the rollout at the median (the *pivot*) gets weight 0, so G rollouts per
-  prompt carry gradient.
+  by the median absolute deviation (by default the group std where the MAD is 0, as for binary rewards); the
+  rollout at the median (the *pivot*) gets weight 0, so G rollouts per prompt carry gradient.
 - :func:`gapo` (arXiv 2510.21830) centres each group on the median of its shortest interval covering a fraction
   ``tau`` of the rewards (the highest-density interval), and scales by the root-mean-square deviation around it.
 
@@ -23,9 +23,16 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import checks_enabled, choice, positive
+from rolloutopt._validation import check_bool, checks_enabled, choice, positive
 from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
-from rolloutopt.advantages.reference import _prepare, _warn_singletons, _weight
+from rolloutopt.advantages.reference import (
+    _emptied,
+    _empty_batch,
+    _prepare,
+    _singleton,
+    _warn_singletons,
+    _weight,
+)
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 from rolloutopt.typing import FloatB, IntB
@@ -102,71 +109,96 @@ def mc_grpo(
     rewards: FloatB,
     group: Groups | IntB,
     *,
-    scale: MCScale | None = "mad",
+    scale: MCScale | None = "mad_or_std",
     eps: float = 1e-3,
     unbiased: bool = True,
+    pivot: Literal["rank", "first"] = "rank",
+    rescale_nonzero: bool = False,
     singleton: Literal["raise", "pivot"] = "raise",
     valid: Any = None,
 ) -> AdvantageOutput:
     r"""MC-GRPO advantage: median-centred, MAD-scaled, with the median rollout (the pivot) excluded.
 
-    .. math::  A_i = \frac{r_i - \dot m_g}{\operatorname{MAD}_g + \varepsilon}, \qquad
+    .. math::  A_i = \frac{r_i - \dot m_g}{s_g + \varepsilon}, \qquad
                \dot m_g = \operatorname{median}^{\downarrow}_{j\in g} r_j, \quad
-               \operatorname{MAD}_g = \operatorname{median}^{\downarrow}_{j\in g} |r_j - \dot m_g|
+               \operatorname{MAD}_g = \operatorname{median}^{\downarrow}_{j\in g} |r_j - \dot m_g|, \quad
+               s_g = \begin{cases} \operatorname{MAD}_g & \operatorname{MAD}_g > 0 \\
+                     \sigma_g & \operatorname{MAD}_g = 0 \end{cases}
 
     where :math:`\operatorname{median}^{\downarrow}` is the lower median (``torch.median``'s convention: rank
-    :math:`\lfloor (n-1)/2 \rfloor` of :math:`n` sorted values). Sample G + 1 rollouts per prompt; the pivot
-    (the rollout at the median, :math:`A = 0` by construction) gets ``weight`` 0, so
-    ``policy_loss(seq_weight=out.weight)`` trains on G rollouts per prompt, as the reference code does by
-    deleting the pivot's rows. The GRPO std division is skipped (the reference's training mode).
+    :math:`\lfloor (n-1)/2 \rfloor` of :math:`n` sorted values) and :math:`\sigma_g` the group std. Sample
+    G + 1 rollouts per prompt; the pivot (the rollout at the median, :math:`A = 0` by construction) gets
+    ``weight`` 0, so ``policy_loss(seq_weight=out.weight)`` trains on G rollouts per prompt, as the reference
+    code does by deleting the pivot's rows. The GRPO std division is skipped (the reference's training mode).
 
     Reference: MC-GRPO, arXiv 2601.22582; code ``lotusroot-kim/MC-GRPO@da07745``
-    (``grpo_trainer_math.py::_generate_and_score_completions``).
+    (``src/open_r1/grpo_trainer_math.py`` and ``grpo_trainer_gsm.py``, ``_generate_and_score_completions``).
+    The code scales by :math:`\operatorname{MAD}_g + 10^{-3}` in every group: ``scale="mad"`` reproduces it
+    exactly (with the default ``pivot="rank"``; add ``rescale_nonzero=True`` for the GSM8K trainer). The
+    default ``scale="mad_or_std"`` differs from the code only where the MAD is 0, which is every group of
+    binary (two-valued) rewards: there the code gives advantages :math:`\pm 1/\varepsilon = \pm 1000` (a
+    loss of order 100 and gradient norms in the hundreds at the first step), and the default divides by the
+    std instead, which bounds :math:`|A_i|` by :math:`\sqrt{2(n-1)}` in such a group.
 
     Args:
         rewards: scalar reward per rollout ``[B]``, G + 1 rollouts per prompt.
         group: group ids ``[B]`` (any int64 values, any order) or a prebuilt :class:`~rolloutopt.groups.Groups`.
             Groups may be ragged.
-        scale: ``"mad"`` (default, the paper's code): divide by MAD + ``eps``. ``"std"``: divide by the group
-            std over all G + 1 rollouts (pivot included) + ``eps``. ``"mad_or_std"``: the MAD, or the std where
-            the MAD is 0 (avoids the ±1/eps advantages of binary rewards; not in the paper). ``None``: no
-            scaling, :math:`A_i = r_i - \dot m_g`.
+        scale: ``"mad_or_std"`` (default): the MAD, or the group std (over all G + 1 rollouts) where the MAD is
+            0, plus ``eps``; bounded on tied rewards. ``"mad"`` (the paper's code): MAD + ``eps``, which is
+            :math:`\pm|r_i - \dot m|/\varepsilon` where the MAD is 0. ``"std"``: the group std (pivot
+            included) + ``eps``. ``None``: no scaling, :math:`A_i = r_i - \dot m_g`.
         eps: added to the scale. Default 1e-3 is the paper code's MAD epsilon (additive, not a floor); it must
             be positive with ``scale="mad"`` (a MAD of 0 beside a non-zero deviation), may be 0 otherwise.
         unbiased: Bessel-corrected std (n - 1) for ``scale="std"``/``"mad_or_std"``, as ``torch.std``.
+        pivot: which row is the pivot when several rows tie with the median (advantages do not depend on it,
+            every tied row has :math:`A = 0`; it decides which tied row leaves the loss, and so the loss's
+            token and sequence denominators). ``"rank"`` (default, the authors' code): the row at position
+            :math:`\lfloor (n-1)/2 \rfloor` of the group's valid rows stably sorted by reward (ties in row
+            order), which is the index ``torch.median(dim=1)`` returns on the CPU (it orders by value, then
+            index); on CUDA torch leaves the index among tied medians unspecified. ``"first"``: the tied row
+            with the lowest row index.
+        rescale_nonzero: multiply each group's non-zero advantages (:math:`|A_i| > 10^{-6}`, the code's
+            ``isclose(A, 0, atol=1e-6)``) by :math:`n_g / \#\{i : |A_i| > 10^{-6}\}`, with :math:`n_g` the
+            group's valid rollouts, pivot included (``grpo_trainer_gsm.py``: it compensates for the rollouts that
+            carry no signal). Default False (``grpo_trainer_math.py`` does not rescale).
         singleton: a group with one valid rollout (G = 0) has no baseline. ``"raise"`` (default) raises
             :class:`~rolloutopt.errors.InputError` (the paper's method needs G ≥ 1; the check runs while
             :func:`rolloutopt.checks` is on); ``"pivot"`` makes the lone rollout its own pivot (advantage 0,
             weight 0), which is also what happens with checks off.
         valid: optional mask ``[B]`` of the rows that enter the group statistics; other rows get advantage 0
-            and weight 0 and are never the pivot.
+            and weight 0 and are never the pivot. This is the keyword that leaves out rows with NaN rewards.
 
     Returns:
         :class:`AdvantageOutput` with ``advantages [B]`` and ``weight [B]`` (0 for the pivot and invalid rows).
         Metrics: ``pivot_frac`` (pivots over valid rows: the fraction this estimator excludes),
-        ``zero_mad_group_frac`` (groups of two or more whose MAD is 0: their non-zero advantages are
-        :math:`\pm|r_i - \dot m|/\varepsilon`), ``median_tie_group_frac`` (groups where more than one rollout
-        equals the median), ``zero_variance_group_frac``, ``singleton_group_frac``, ``reward_mean``.
-
-    Pivot rule (deterministic; torch leaves the index of tied medians unspecified): the pivot is the valid
-    row with the **lowest row index** among the rows of its group equal to the median. Advantages do not
-    depend on the rule (every row tied with the median has :math:`A = 0`); only which tied row gets weight 0.
+        ``zero_mad_group_frac`` (groups of two or more whose MAD is 0: the groups where ``"mad_or_std"``
+        falls back to the std, and where ``"mad"`` gives :math:`\pm|r_i - \dot m|/\varepsilon`),
+        ``median_tie_group_frac`` (groups where more than one rollout equals the median),
+        ``zero_variance_group_frac``, ``singleton_group_frac``, ``reward_mean``.
 
     Edge cases:
-        - Binary rewards: for 3 binary values the MAD is 0, so with ``scale="mad"`` non-zero advantages are
-          :math:`\pm 1/\varepsilon = \pm 1000`; with Adam and gradient clipping this acts like a sign update.
-          This reproduces the paper's code; ``scale="mad_or_std"`` or ``"std"`` avoids it. For continuous
-          rewards the MAD is usually positive.
+        - Binary rewards: the MAD of two-valued rewards is always 0 (the lower median of the deviations is a
+          deviation of the median's majority), so the default uses the group std, e.g. [0, 1, 1] gives
+          :math:`A = [-1/(0.5774 + 10^{-3}), 0, 0]`; ``scale="mad"`` gives [−1000, 0, 0] as the paper's code.
         - All-equal rewards: every advantage is exactly 0 and the pivot still gets weight 0.
         - Even group sizes (G odd, or ragged groups): the lower middle value is the median and the pivot, as
-          in ``torch.median``; the MAD is also the lower median of the deviations. A group of two gives the
-          larger reward :math:`(r_{max} - r_{min})/\varepsilon` (its MAD is 0) and the smaller one is the pivot.
+          in ``torch.median``; the MAD is also the lower median of the deviations. A group of two has MAD 0: it
+          gives the larger reward :math:`(r_{max} - r_{min})/(\sigma + \varepsilon)` (``"mad"``:
+          :math:`/\varepsilon`) and the smaller one is the pivot.
         - All-masked groups contribute nothing (advantage 0, weight 0) and are left out of the metrics.
+        - An empty batch (B = 0) gives empty ``advantages``/``weight`` and metrics 0.
     """
     if scale is not None:
         choice(scale, "scale", ("mad", "std", "mad_or_std"))
+    choice(pivot, "pivot", ("rank", "first"))
+    check_bool(rescale_nonzero, "rescale_nonzero")
     choice(singleton, "singleton", ("raise", "pivot"))
     positive(eps, "eps", strict=scale == "mad")  # MAD = 0 with a non-zero deviation needs eps > 0
+    kw: dict[str, Any] = {"scale": scale, "eps": eps, "unbiased": unbiased, "pivot": pivot}
+    if (empty := _empty_batch(rewards, group, valid)) is not None:
+        r0, g0, v0 = empty
+        return _emptied(mc_grpo(r0, g0, **kw, rescale_nonzero=rescale_nonzero, singleton=singleton, valid=v0))
     r, g, v, _ = _prepare(rewards, group, valid)
     n = g.count(v)
     if singleton == "raise" and checks_enabled() and (g.min_size == 1 if v is None else bool((n == 1).any())):
@@ -182,19 +214,23 @@ def mc_grpo(
     start = g.offsets[:-1]
     at_h = (start + torch.div(n - 1, 2, rounding_mode="floor").clamp(min=0)).clamp(max=last)
     has_rows = n > 0
-    perm, _ = _segment_sort(g, r, v)
-    med = r[perm[at_h]]
+    by_reward, _ = _segment_sort(g, r, v)
+    median_row = by_reward.index_select(0, at_h)  # the row at rank h of the stable sort: pivot="rank"
+    med = r[median_row]
     med = torch.where(has_rows, med, torch.zeros_like(med))
     dev = r - g.broadcast(med)
     abs_dev = dev.abs()
     # sorted by |dev|, a group's rows at the median (|dev| = 0, the smallest key) come first, in row order: the
-    # first is the pivot (the lowest row index among them), and the group has ties / zero variance when the
-    # second / last valid key is 0 (invalid rows have key +inf and sort last)
+    # first is the lowest row index among them (pivot="first"), and the group has ties / zero variance when
+    # the second / last valid key is 0 (invalid rows have key +inf and sort last)
     perm, key = _segment_sort(g, abs_dev, v, nonneg=True)
     mad = abs_dev[perm[at_h]]
     mad = torch.where(has_rows, mad, torch.zeros_like(mad))
-    first = perm.index_select(0, start)
-    has_pivot = key.index_select(0, first) == 0  # no pivot in a group without a valid row
+    if pivot == "rank":
+        pivot_row, has_pivot = median_row, has_rows
+    else:
+        pivot_row = perm.index_select(0, start)
+        has_pivot = key.index_select(0, pivot_row) == 0  # no pivot in a group without a valid row
     big = n > 1
     ties = big & (key.index_select(0, perm.index_select(0, (start + 1).clamp(max=last))) == 0)
     flat = big & (key.index_select(0, perm.index_select(0, (start + n - 1).clamp(min=0))) == 0)
@@ -216,9 +252,15 @@ def mc_grpo(
     adv = dev / g.broadcast(torch.where(s > 0, s, torch.ones_like(s)))
     if v is not None:
         adv = torch.where(v, adv, torch.zeros_like(adv))
+    if rescale_nonzero:
+        nonzero = adv.detach().abs() > 1e-6  # the GSM8K trainer's ~isclose(A, 0, atol=1e-6); invalid rows are 0
+        k = g.count(nonzero)
+        factor = torch.where(k > 0, n.to(r.dtype) / k.clamp(min=1).to(r.dtype), torch.ones_like(mad))
+        adv = torch.where(nonzero, adv * g.broadcast(factor), adv)
 
     valid_w = _weight(r, v)
-    not_pivot = torch.ones_like(r).index_copy_(0, first, (~has_pivot).to(r.dtype))
+    # one pivot row per group, in the group's own segment of the sorted order (distinct rows)
+    not_pivot = torch.ones_like(r).index_copy_(0, pivot_row, (~has_pivot).to(r.dtype))
     weight = not_pivot if v is None else valid_w * not_pivot
     metrics = {
         "pivot_frac": _frac(has_pivot.to(r.dtype), valid_w),
@@ -250,7 +292,7 @@ def gapo(
     normalize: bool = True,
     unbiased: bool = True,
     eps: float = 1e-6,
-    singleton: Literal["zero", "raw"] = "zero",
+    singleton: Literal["zero", "raw"] | None = None,
     valid: Any = None,
 ) -> AdvantageOutput:
     r"""GAPO advantage: the median of the group's densest interval as the baseline, RMS deviation around it as scale.
@@ -277,10 +319,13 @@ def gapo(
         normalize: divide by :math:`d_g + \varepsilon` (``norm_adv_by_std_in_grpo``, default True).
         unbiased: divide the squared deviations by n - 1 (the code) or, when False, by n.
         eps: added to :math:`d_g` (verl's 1e-6).
-        singleton: a group with one valid rollout. ``"zero"`` (default, the library's convention, §0.5) gives
-            advantage 0 and warns; ``"raw"`` is the GAPO code's (verl's) convention, :math:`Q = 0, d = 1`, so
-            :math:`A = r/(1 + \varepsilon)` (``A = r`` without ``normalize``).
+        singleton: a group with one valid rollout. ``"zero"`` (the library's convention) gives advantage 0;
+            ``"raw"`` is the GAPO code's (verl's) convention, :math:`Q = 0, d = 1`, so
+            :math:`A = r/(1 + \varepsilon)` (``A = r`` without ``normalize``). The default ``None`` acts as
+            ``"zero"`` and warns when a group has one valid rollout (a prompt that trains on nothing usually
+            means a sampling or grouping bug); only the implicit default warns, ``"zero"`` says it is intended.
         valid: optional mask ``[B]`` of rows that enter the statistics; other rows get advantage 0 and weight 0.
+            This is the keyword that leaves out rows with NaN rewards.
 
     Returns:
         :class:`AdvantageOutput` with ``advantages [B]`` and ``weight [B]`` (1 for valid rows: GAPO excludes no
@@ -295,16 +340,21 @@ def gapo(
     groups contribute nothing. Implementation: one segment sort; window ranges, the first minimal window,
     the window median (two gathers) and the window mean (a segment sum over the window's rows, shifted by its
     first value so that an all-equal window is exact) are vectorised over groups and windows, with no loop.
+    An empty batch (B = 0) gives empty ``advantages``/``weight`` and metrics 0.
     """
     if not isinstance(tau, (int, float)) or isinstance(tau, bool) or not 0.0 < tau <= 1.0:
         raise InputError("tau", "a fraction in (0, 1]", repr(tau), "pass the covered fraction, e.g. tau=0.5")
     choice(center, "center", ("median", "mean"))
     choice(normalize, "normalize", (True, False))
-    choice(singleton, "singleton", ("zero", "raw"))
+    singleton, warn = _singleton(singleton)
     positive(eps, "eps", strict=False)
+    if (empty := _empty_batch(rewards, group, valid)) is not None:
+        r0, g0, v0 = empty
+        kw: dict[str, Any] = {"tau": tau, "center": center, "normalize": normalize, "unbiased": unbiased}
+        return _emptied(gapo(r0, g0, **kw, eps=eps, singleton=singleton, valid=v0))
     r, g, v, _ = _prepare(rewards, group, valid)
     n = g.count(v)
-    _warn_singletons(g, n, v, singleton)
+    _warn_singletons(g, n, v, warn)
     num_rows = g.num_rows
     last = num_rows - 1
 
@@ -410,5 +460,17 @@ def gapo(
     return AdvantageOutput(advantages=adv, weight=w, metrics=metrics)
 
 
-REGISTRY.register("mc_grpo", mc_grpo)
-REGISTRY.register("gapo", gapo)
+REGISTRY.register(
+    "mc_grpo",
+    mc_grpo,
+    accepts=("valid",),
+    reference="MC-GRPO arXiv 2601.22582; code lotusroot-kim/MC-GRPO@da07745 "
+    "(grpo_trainer_math.py::_generate_and_score_completions)",
+)
+REGISTRY.register(
+    "gapo",
+    gapo,
+    accepts=("valid",),
+    reference="GAPO arXiv 2510.21830; code TsingZ0/verl-GAPO@58f42b55 (core_algos.compute_grpo_outcome_advantage, "
+    "rollout_utils.find_shortest_covering_subarray)",
+)

@@ -1,4 +1,4 @@
-"""Multi-reward advantage estimators: GDPO and GD²PO (specs/advantages.md A7, A8).
+"""Multi-reward advantage estimators: GDPO and GD²PO (arXiv 2601.05242, 2606.16771; ``docs/methods/multi_reward.md``).
 
 Both take K reward components per rollout (``rewards [B, K]``) and normalise each component inside its group
 before combining them, so that one dominant reward cannot drown the others and distinct reward combinations do
@@ -483,5 +483,20 @@ def gd2po(
     return AdvantageOutput(advantages=adv, weight=keep_f, metrics=metrics)
 
 
-REGISTRY.register("gdpo", gdpo)
-REGISTRY.register("gd2po", gd2po)
+REGISTRY.register(
+    "gdpo",
+    gdpo,
+    accepts=("mask", "valid"),
+    reward_dims="B K",
+    reference="GDPO arXiv 2601.05242; code NVlabs/GDPO@41f74c53; verl 0.9.1 compute_gdpo_outcome_advantage "
+    "(adv_estimator=gdpo); TRL multi_objective_aggregation='normalize_then_sum'",
+)
+REGISTRY.register(
+    "gd2po",
+    gd2po,
+    requires=("mask",),
+    accepts=("valid",),
+    reward_dims="B K",
+    reference="GD2PO arXiv 2606.16771; code Qwen-Applications/GD2PO@f1ad765 (ray_trainer.py: "
+    "_compute_gdpo_ratio_conflict_advantages, _compute_gdpo_group_keep_ratio)",
+)

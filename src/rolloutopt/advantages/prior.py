@@ -5,7 +5,7 @@ whose positive part is a hypothesis test of the prior against the data, and says
 prompt should get. :func:`dare_rewards` turns the answer distribution of a group into label-free rewards for
 test-time RL (TTRL), with distribution pruning and an exploration bonus.
 
-Both formulas are **reconstructed** (``specs/advantages.md`` §A10 and §A13): neither paper's code nor full text
+Both formulas are **reconstructed** (see ``docs/methods/prior.md``): neither paper's code nor full text
 was available, only the abstracts and public summaries. Every reconstructed detail is a keyword, and each call
 raises unless ``experimental=True`` acknowledges that the formulas may change when a primary source is checked.
 """
@@ -29,7 +29,7 @@ from rolloutopt._validation import (
     positive,
     require_experimental,
 )
-from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
+from rolloutopt.advantages._base import REGISTRY, SHAPERS, AdvantageOutput
 from rolloutopt.advantages.reference import _prepare, _reference
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups, as_groups
@@ -40,11 +40,11 @@ __all__ = ["DAREOutput", "V05Output", "dare_rewards", "v05"]
 Variance = Literal["bernoulli", "sample", "population"]
 
 
-def _experimental(name: str, section: str, experimental: bool) -> None:
+def _experimental(name: str, experimental: bool) -> None:
     require_experimental(
         experimental,
         f"{name}'s formula (from the abstract and public summaries of its paper)",
-        f"specs/advantages.md {section}",
+        "docs/methods/prior.md",
     )
 
 
@@ -132,7 +132,7 @@ def v05(
     gradually isolated (:math:`w \to 1`) as the conflict grows. Reference: arXiv 2603.10848 (V_{0.5},
     "Empirical Shrinkage Fusion" and "Sequential OSLA budget allocation").
 
-    **Reconstructed** (``specs/advantages.md`` §A10, from the abstract and summaries; no code exists): the
+    **Reconstructed** (from the abstract and summaries; no code exists; ``docs/methods/prior.md``): the
     weight, the variance estimate, the threshold :math:`\tau = 1` (the plain positive part; a 5% two-sided
     z-test would be ``threshold=3.84``), the zero-variance fallback and the budget rule. Each is a keyword.
 
@@ -176,7 +176,7 @@ def v05(
     variance by design). If :math:`\bar r = \hat b_0` then :math:`b = \hat b_0` exactly. Gradients flow into
     ``rewards`` (also through the baseline; detach it if you want a constant baseline) and ``prior``.
     """
-    _experimental("v05", "§A10", experimental)
+    _experimental("v05", experimental)
     choice(variance, "variance", ("bernoulli", "sample", "population"))
     choice(fallback, "fallback", ("prior", "none"))
     choice(scale, "scale", ("std", None))
@@ -373,7 +373,7 @@ def dare_rewards(
     earns its share of the distribution; pruning zeroes rare answers (denoising), and the bonus rewards
     confident minority answers (exploration). Reference: arXiv 2601.21804 (DARE), on TTRL (arXiv 2504.16084).
 
-    **Reconstructed** (``specs/advantages.md`` §A13, from the abstract only): the reward as the share, the
+    **Reconstructed** (from the abstract only; ``docs/methods/prior.md``): the reward as the share, the
     pruning rule, the bonus form, the uncertainty measure (an input) and all defaults. ``prune=0.1``,
     ``bonus=0.1`` and ``bonus_quantile=0.5`` (below the group median) are the project's choices.
 
@@ -405,7 +405,7 @@ def dare_rewards(
     gives every row 1 (so GRPO on top gives 0 advantage). The rewards are invariant to permutations, to
     relabelling groups and answers, and to scaling a group's confidences by a positive constant.
     """
-    _experimental("dare_rewards", "§A13", experimental)
+    _experimental("dare_rewards", experimental)
     _number(prune, "prune", 0.0, 1.0, fix="pass the pruning threshold as a share, e.g. 0.1 (0 disables)")
     _number(bonus_quantile, "bonus_quantile", 0.0, 1.0, fix="pass a quantile in [0, 1], e.g. 0.5 (the median)")
     positive(bonus, "bonus", strict=False)
@@ -493,5 +493,21 @@ def dare_rewards(
     )
 
 
-REGISTRY.register("v05", v05)
-REGISTRY.register("dare_rewards", dare_rewards)
+REGISTRY.register(
+    "v05",
+    v05,
+    requires=("prior",),
+    accepts=("valid",),
+    reference="V_0.5 arXiv 2603.10848 (no public code)",
+    experimental="the shrinkage weight, the variance estimate, the test threshold, the zero-variance fallback and "
+    "the budget rule are reconstructed from the abstract and public summaries (no public code)",
+)
+SHAPERS.register(
+    "dare_rewards",
+    dare_rewards,
+    requires=("answers", "group"),
+    accepts=("confidence", "uncertainty", "valid"),
+    reference="DARE arXiv 2601.21804, on TTRL arXiv 2504.16084 (no public code)",
+    experimental="the share-of-the-group reward, the pruning rule, the bonus form and every default are "
+    "reconstructed from the abstract (no public code)",
+)

@@ -26,9 +26,19 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import Dims, as_float, as_mask, checks_enabled, choice, describe, finite, positive
-from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
-from rolloutopt.advantages.reference import grpo
+from rolloutopt._validation import (
+    Dims,
+    as_float,
+    as_index,
+    as_mask,
+    checks_enabled,
+    choice,
+    describe,
+    finite,
+    positive,
+)
+from rolloutopt.advantages._base import REGISTRY, SELECTORS, AdvantageOutput
+from rolloutopt.advantages.reference import _emptied, grpo
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups, as_groups
 from rolloutopt.typing import BoolBT, FloatB, FloatBT, IntB, PerSeqOrToken
@@ -364,7 +374,7 @@ def d3s(
         sample_level: ``"group"`` (D³S-I, selection within each group) or ``"batch"`` (the cross-group
             variant: one selection over the whole batch with the same total budget; advantages stay
             normalised within groups, so zero-advantage groups drop out automatically).
-        split: ``"balanced"`` (the spec's rule: ``round(pos_frac · N_s)`` largest positives and the rest most
+        split: ``"balanced"`` (the summarised rule: ``round(pos_frac · N_s)`` largest positives and the rest most
             negative, topping up from the other side when one side runs out) or ``"optimal"`` (the exact
             maximiser of the subset's population variance, j smallest and k - j largest for the best j).
         pos_frac: share of the budget given to positive advantages under ``split="balanced"`` (default 0.5).
@@ -379,7 +389,9 @@ def d3s(
     Edge cases: zero-advantage rollouts (all-equal groups, singletons under ``singleton="zero"``) are never
     kept, so a group with fewer non-zero rollouts than its budget keeps all of them and an all-zero group
     none; all-masked rows keep no token; with ``(1, 1)`` budgets every non-zero-advantage rollout and all its
-    tokens are kept. Scaling the advantages by a positive constant changes neither selection.
+    tokens are kept. Scaling the advantages by a positive constant changes neither selection. An empty batch
+    (B = 0) gives empty outputs (``token_mask [0, T]``) and metrics 0, except ``sample_frac`` and
+    ``token_frac``, the schedule's values.
     """
     choice(sample_level, "sample_level", ("group", "batch"))
     choice(split, "split", ("balanced", "optimal"))
@@ -395,6 +407,23 @@ def d3s(
     if checks_enabled() and a_in.ndim not in (1, 2):
         raise InputError("advantages", "a tensor of shape [B] or [B, T]", describe(a_in), "pass one row per rollout")
     dims.check(a_in, "advantages", "B" if a_in.ndim == 1 else "B T")
+    if isinstance(group, Tensor) and group.ndim == 1 and group.numel() == 0:
+        # B = 0: Groups needs a row, so compute on one padded row that is not valid and cut the outputs back
+        if checks_enabled():
+            as_index(group, "group", dims)
+        v0 = None if valid is None else as_mask(valid, "valid", dims, "B", device=m.device)
+        pad: dict[str, Any] = {
+            "advantages": torch.cat([a_in, a_in.new_zeros((1, *a_in.shape[1:]))]),
+            "group": torch.zeros(1, dtype=torch.long, device=m.device),
+            "entropy": torch.cat([h, h.new_zeros((1, h.shape[1]))]),
+            "mask": torch.cat([m, m.new_zeros((1, m.shape[1]))]),
+            "valid": torch.zeros(1, dtype=torch.bool, device=m.device)
+            if v0 is None
+            else torch.cat([v0, v0.new_zeros(1)]),
+        }
+        kw: dict[str, Any] = {"sample_level": sample_level, "split": split, "pos_frac": pf, "token_level": token_level}
+        out = d3s(**pad, progress=p, sample_frac=sample_frac, token_frac=token_frac, **kw)
+        return _emptied(out, keep=("sample_frac", "token_frac"))
     g = as_groups(group, dims)
     v_in = None if valid is None else as_mask(valid, "valid", dims, "B", device=m.device)
     v = torch.ones(g.num_rows, dtype=torch.bool, device=m.device) if v_in is None else v_in
@@ -409,7 +438,10 @@ def d3s(
                     "entropy", "non-negative entropies", "negative values", "pass the policy entropy H >= 0"
                 )
         if not _clean(a):
-            finite(a, "advantages", v if a.ndim == 1 else m & v[:, None])
+            if a.ndim == 1:
+                finite(a, "advantages", v, exclude="valid")
+            else:
+                finite(a, "advantages", m & v[:, None])
     if a.ndim == 2:
         a = torch.where(m, a, torch.zeros_like(a))
         seq = a.sum(1) / m.sum(1).clamp(min=1).to(a.dtype)
@@ -558,7 +590,8 @@ def nat_weights(
         generator: an explicit :class:`torch.Generator` on the mask's device (the global RNG is never used).
         scheme: ``"uniform"`` (URS) or ``"prefix"`` (RPC).
         keep_prob: URS keep probability in (0, 1] (default 0.5, the paper's headline token budget).
-        min_frac: RPC lower end of the cut fraction, in [0, 1] (default 0; 1 keeps everything).
+        min_frac: RPC lower end of the cut fraction, in [0, 1] (default 0; 1 keeps everything). Both are
+            validated whatever the scheme (a NaN or out-of-range value of the unused one raises too).
 
     Returns:
         :class:`TokenSubsample` with the subsampled ``mask``, the ``weight`` and the ``inclusion`` probabilities.
@@ -577,9 +610,10 @@ def nat_weights(
         raise InputError(
             "generator", f"a generator on {m.device}", f"a generator on {generator.device}", "create it on that device"
         )
-    if scheme == "uniform":
-        return _nat_uniform(m, generator, _fraction(keep_prob, "keep_prob"))
+    p = _fraction(keep_prob, "keep_prob")  # both checked whatever the scheme: a NaN is never accepted silently
     a = _fraction(min_frac, "min_frac", open_low=False)
+    if scheme == "uniform":
+        return _nat_uniform(m, generator, p)
     m8 = m.view(torch.uint8)
     mf = m8.to(torch.float32)
     pos = mf.cumsum(1)  # the exact integer counts, so its last column is the row's length L
@@ -613,7 +647,7 @@ def latent_mask(
     scale: Literal["group", "batch"] | None = "group",
     unbiased: bool = True,
     eps: float = 1e-6,
-    singleton: Literal["zero", "raw"] = "zero",
+    singleton: Literal["zero", "raw"] | None = None,
 ) -> AdvantageOutput:
     r"""Invalid-sample advantage masking: invalid rollouts get advantage 0 and leave their group's statistics.
 
@@ -640,15 +674,18 @@ def latent_mask(
             ``mask.sum(-1) >= max_len`` are truncated and invalid (the paper's rule). At least one of
             ``invalid`` and ``max_len`` must be given; both are combined with "or".
         scale, unbiased, eps, singleton: as in :func:`~rolloutopt.advantages.grpo`. ``singleton="zero"`` (the
-            library's default) gives a group left with one valid rollout advantage 0 and warns; the paper's
-            code follows verl (``"raw"``: mean 0, std 1).
+            library's convention) gives a group left with one valid rollout advantage 0; the default ``None``
+            does the same and warns (only the implicit default warns); the paper's code follows verl (``"raw"``:
+            mean 0, std 1).
 
     Returns:
         :class:`AdvantageOutput` with ``advantages [B]`` and ``weight [B]`` (0 for invalid rollouts); metrics
         of :func:`grpo` plus ``invalid_frac`` and ``truncated_frac``.
 
     Edge cases: a group whose rollouts are all invalid gets advantage 0 everywhere; all-equal valid rewards
-    give exactly 0; a non-binary reward is normalised like GRPO over the valid rows only.
+    give exactly 0; a non-binary reward is normalised like GRPO over the valid rows only; a NaN reward of a
+    rollout that is not invalid raises (flag it through ``invalid``). An empty batch (B = 0) gives empty
+    outputs and metrics 0.
     """
     dims = Dims()
     r = as_float(rewards, "rewards", dims, "B")
@@ -674,13 +711,33 @@ def latent_mask(
     if invalid is not None:
         bad = bad | as_mask(invalid, "invalid", dims, "B", device=r.device)
     positive(eps, "eps", strict=False)
+    finite(r, "rewards", ~bad, exclude="invalid")  # this estimator's keyword for rows to leave out
     out = grpo(r, group, scale=scale, unbiased=unbiased, eps=eps, singleton=singleton, valid=~bad)
     metrics = dict(out.metrics)
-    metrics["invalid_frac"] = bad.to(out.weight.dtype).mean().detach()
-    metrics["truncated_frac"] = truncated.to(out.weight.dtype).mean().detach()
+    rows = max(r.shape[0], 1)  # fractions of an empty batch are 0, not NaN
+    metrics["invalid_frac"] = (bad.to(out.weight.dtype).sum() / rows).detach()
+    metrics["truncated_frac"] = (truncated.to(out.weight.dtype).sum() / rows).detach()
     return AdvantageOutput(advantages=out.advantages, weight=out.weight, metrics=metrics)
 
 
-REGISTRY.register("d3s", d3s)
-REGISTRY.register("nat_weights", nat_weights)
-REGISTRY.register("latent_mask", latent_mask)
+SELECTORS.register(
+    "d3s",
+    d3s,
+    requires=("advantages", "group", "entropy", "mask"),
+    accepts=("valid",),
+    reference="D3S arXiv 2509.22115 (ICLR 2026; code not public)",
+)
+SELECTORS.register(
+    "nat_weights",
+    nat_weights,
+    requires=("mask",),
+    reference="NAT arXiv 2603.06619 (URS and RPC with Horvitz-Thompson weights; no public code)",
+)
+REGISTRY.register(
+    "latent_mask",
+    latent_mask,
+    requires=("mask",),
+    accepts=("invalid",),
+    reference="Latent-GRPO arXiv 2604.27998; code compute_latent_grpo_outcome_advantage_firstmask_best_exclude_"
+    "advantage (its verl 0.4 fork)",
+)

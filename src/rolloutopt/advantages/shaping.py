@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from rolloutopt._validation import Dims, as_float, as_mask, checks_enabled, choice, describe, finite, positive
-from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
-from rolloutopt.advantages.reference import _prepare, _shifted
+from rolloutopt.advantages._base import REGISTRY, SHAPERS, AdvantageOutput
+from rolloutopt.advantages.reference import _emptied, _empty_batch, _prepare, _shifted
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups, as_groups
 from rolloutopt.typing import BoolBT, FloatB, FloatBT, IntB, Scalar
@@ -73,7 +73,7 @@ def _drpo_checks(
     threshold: float | None,
 ) -> None:
     """DRPO's value checks, in order (run only when the combined check in :func:`drpo` flagged a row)."""
-    finite(r, "rewards", v)
+    finite(r, "rewards", v, exclude="valid")
     finite(lp, "logp", m & active[:, None])
     if threshold is None and bool((((r != 0) & (r != 1)) & active).any()):
         raise InputError(
@@ -194,7 +194,8 @@ def drpo(
     Edge cases: all-correct and all-wrong groups (so also singleton groups) contribute exactly 0 but still count
     in :math:`N_q`; a batch without a valid group gives all-zero advantages (a zero loss that keeps the graph).
     Rows with no token have no score and are excluded (weight 0). Positive weights are computed with the group
-    maximum subtracted, so tiny :math:`\lambda` cannot overflow.
+    maximum subtracted, so tiny :math:`\lambda` cannot overflow. An empty batch (B = 0) gives empty outputs and
+    metrics 0 (``num_questions`` 0).
     """
     if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
         raise InputError(
@@ -209,6 +210,12 @@ def drpo(
         not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not math.isfinite(threshold)
     ):
         raise InputError("threshold", "a finite number or None", describe(threshold), "pass e.g. threshold=0.5")
+    as_r = rewards.float() if isinstance(rewards, Tensor) and rewards.dtype == torch.bool else rewards
+    rows = ((logp, "logp", "B T", False), (mask, "mask", "B T", True))
+    if (empty := _empty_batch(as_r, group, valid, *rows)) is not None:
+        r0, g0, v0, lp0, m0 = empty
+        kw: dict[str, Any] = {"max_len": max_len, "lam": lam, "tau": tau, "threshold": threshold}
+        return _emptied(drpo(r0, g0, lp0, m0, **kw, valid=v0))
     dims = Dims()
     lp = as_float(logp, "logp", dims, "B T")
     m = as_mask(mask, "mask", dims, "B T", device=lp.device)
@@ -346,7 +353,7 @@ def fapo_penalty(
     and a flawed positive gets :math:`1 - \lambda = 0`. Advantages then come from the usual estimator: with
     ``dr_grpo``, a 0-reward flawed positive is reinforced while most of its group is wrong (group mean < 0)
     and suppressed once clean positives dominate — FAPO's "parameter-free" exploit-then-suppress schedule.
-    The spec (``specs/advantages.md`` §A12) calls this ``flawed_positive_penalty``.
+    See ``docs/methods/shaping.md``.
 
     Args:
         rewards: outcome rewards ``[B]`` (FAPO: ±1; any finite values).
@@ -394,7 +401,7 @@ def fapo_penalty(
             )
     flawed = is_flawed if is_flawed.dtype == torch.bool else is_flawed != -1
     v = None if valid is None else as_mask(valid, "valid", dims, "B", device=r.device)
-    finite(r, "rewards", v)
+    finite(r, "rewards", v, exclude="valid")
     correct = r > correct_above
     if v is not None:
         correct = correct & v
@@ -459,11 +466,15 @@ def dler_normalise(
     member), so with ``std_of="advantages"`` their advantage is :math:`-\operatorname{mean}_{batch}(\tilde A)
     /(\sigma + \varepsilon)`, 0 when every row is valid (the batch mean of group-centred values is 0) — no
     singleton warning is needed. A batch whose centred advantages are all 0 gives 0 everywhere. Advantages are
-    invariant to a per-group shift of the rewards and (up to ``eps``) to a positive scale of all rewards.
+    invariant to a per-group shift of the rewards and (up to ``eps``) to a positive scale of all rewards. An
+    empty batch (B = 0) gives empty outputs and metrics 0.
     """
     choice(std_of, "std_of", ("advantages", "rewards"))
     choice(batch, "batch", ("all", "informative"))
     positive(eps, "eps", strict=False)
+    if (empty := _empty_batch(rewards, group, valid)) is not None:
+        r0, g0, v0 = empty
+        return _emptied(dler_normalise(r0, g0, std_of=std_of, batch=batch, unbiased=unbiased, eps=eps, valid=v0))
     r, g, v, _ = _prepare(rewards, group, valid)
     n = g.count(v)
     rs = _shifted(r, g, v)  # centred on a member: all-equal groups are exactly 0
@@ -521,11 +532,11 @@ def truncation_penalty(
     Returns:
         :class:`ShapedRewards`; metrics ``truncated_frac`` (rollouts whose reward was replaced; nothing is
         dropped downstream), ``truncated_correct_frac`` (among rollouts with a positive reward) and
-        ``reward_mean``.
+        ``reward_mean`` (0 for an empty batch, B = 0, whose shaped rewards are empty).
     """
     dims = Dims()
     r = as_float(rewards, "rewards", dims, "B")
-    finite(r, "rewards")
+    finite(r, "rewards", exclude=None)  # no row mask here: every reward must be finite
     if (
         not isinstance(truncated_reward, (int, float))
         or isinstance(truncated_reward, bool)
@@ -559,12 +570,36 @@ def truncation_penalty(
     metrics = {
         "truncated_frac": _frac(over),
         "truncated_correct_frac": _frac(over, r > 0),
-        "reward_mean": out.mean().detach(),
+        "reward_mean": (out.sum() / max(out.numel(), 1)).detach(),  # 0, not NaN, for B = 0
     }
     return ShapedRewards(rewards=out, metrics=metrics)
 
 
-REGISTRY.register("drpo", drpo)
-REGISTRY.register("fapo_penalty", fapo_penalty)
-REGISTRY.register("dler_normalise", dler_normalise)
-REGISTRY.register("truncation_penalty", truncation_penalty)
+REGISTRY.register(
+    "drpo",
+    drpo,
+    requires=("logp", "mask"),
+    accepts=("valid",),
+    reference="DRPO arXiv 2510.04474 (ICLR 2026); code Optimization-AI/DRPO@405f702 (compute_policy_loss_drpo); "
+    "DisCO arXiv 2505.12366",
+)
+REGISTRY.register(
+    "dler_normalise",
+    dler_normalise,
+    accepts=("valid",),
+    reference="DLER arXiv 2510.15110 (batch-wise normalisation); Lite PPO arXiv 2508.08221; TRL "
+    "scale_rewards='batch' (std_of='rewards')",
+)
+SHAPERS.register(
+    "fapo_penalty",
+    fapo_penalty,
+    requires=("rewards", "is_flawed"),
+    accepts=("valid",),
+    reference="FAPO arXiv 2510.22543; code volcengine/verl recipe/fapo/reward_fn_reasoning.py@dfc9b534",
+)
+SHAPERS.register(
+    "truncation_penalty",
+    truncation_penalty,
+    requires=("rewards", "lengths"),
+    reference="DLER arXiv 2510.15110 (truncation length penalty)",
+)

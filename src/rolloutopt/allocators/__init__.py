@@ -1,4 +1,4 @@
-"""Rollout budget allocators and prompt selectors (``DESIGN.md`` §4; ``specs/allocators.md``).
+"""Rollout budget allocators and prompt selectors (``docs/api/allocators.md``).
 
 Every allocator speaks one protocol — ``plan(prompt_ids, budget)`` → ``next()``/``observe()`` → ``finish()`` →
 ``update(result)`` — implemented once in :class:`Conversation`; ``state_dict()``/``load_state_dict()``
@@ -59,32 +59,36 @@ __all__ += adaptive.__all__
 __all__ += replay.__all__
 __all__ += filters.__all__
 
-from rolloutopt.registry import Registry  # noqa: E402
+from rolloutopt.registry import Entry, Registry  # noqa: E402
 
 REGISTRY: Registry[type] = Registry("allocator")
-"""Allocator classes by name, for trainers whose configs hold strings (``get("dps")(n=8)``)."""
+"""Allocator classes by name, the snake_case of the class name, for trainers whose configs hold strings
+(``get("dps")(n=8)``). Each entry declares ``requires`` (the signals beyond rewards that ``plan``/``update``
+cannot run without, e.g. DEPO's ``entropy``), ``accepts`` (the signals they read when given), ``reference``
+(arXiv id, authors' code) and ``experimental`` (why the allocator is reconstructed and needs
+``experimental=True``, or None)."""
 
-for _name, _cls in {
-    "uniform": Uniform,  # noqa: F405
-    "dapo_dynamic_sampling": DAPODynamicSampling,  # noqa: F405
-    "vigor": VIGOR,  # noqa: F405
-    "pilot_commit": PilotCommit,  # noqa: F405
-    "prompt_gdro": PromptGDRO,  # noqa: F405
-    "rollout_gdro": RolloutGDRO,  # noqa: F405
-    "dps": DPS,  # noqa: F405
-    "greso": GRESO,  # noqa: F405
-    "coba": CoBAAllocator,  # noqa: F405
-    "knapsack": Knapsack,  # noqa: F405
-    "dars": DARS,  # noqa: F405
-    "e3": E3Budget,  # noqa: F405
-    "ar3po": AR3PO,  # noqa: F405
-    "aero": AERO,  # noqa: F405
-    "dots": DOTS,  # noqa: F405
-    "xrpo": XRPOAllocator,  # noqa: F405
-    "hive": HIVE,  # noqa: F405
-    "depo": DEPO,  # noqa: F405
-    "v05_budget": V05Budget,  # noqa: F405
-}.items():
+for _name, _cls in (
+    ("uniform", Uniform),  # noqa: F405
+    ("dapo_dynamic_sampling", DAPODynamicSampling),  # noqa: F405
+    ("vigor", VIGOR),  # noqa: F405
+    ("pilot_commit", PilotCommit),  # noqa: F405
+    ("prompt_gdro", PromptGDRO),  # noqa: F405
+    ("rollout_gdro", RolloutGDRO),  # noqa: F405
+    ("dps", DPS),  # noqa: F405
+    ("greso", GRESO),  # noqa: F405
+    ("coba", CoBA),  # noqa: F405
+    ("knapsack", Knapsack),  # noqa: F405
+    ("dars", DARS),  # noqa: F405
+    ("e3_budget", E3Budget),  # noqa: F405
+    ("ar3po", AR3PO),  # noqa: F405
+    ("aero", AERO),  # noqa: F405
+    ("dots", DOTS),  # noqa: F405
+    ("xrpo", XRPO),  # noqa: F405
+    ("hive", HIVE),  # noqa: F405
+    ("depo", DEPO),  # noqa: F405
+    ("v05_budget", V05Budget),  # noqa: F405
+):
     REGISTRY.register(_name, _cls)
 
 
@@ -93,14 +97,22 @@ def get(name: str) -> Any:
     return REGISTRY.get(name)
 
 
+def entry(name: str) -> Entry[type]:
+    """The :class:`~rolloutopt.registry.Entry` of allocator ``name``: the class, ``requires``, ``accepts``,
+    ``reference`` and ``experimental``."""
+    return REGISTRY.entry(name)
+
+
 def names() -> list[str]:
-    """Names of every registered allocator."""
+    """Names of every registered allocator, sorted."""
     return REGISTRY.names()
 
 
 def register(name: str, cls: type, *, overwrite: bool = False) -> type:
-    """Register an allocator class under ``name``; a different class under a taken name raises unless ``overwrite``."""
+    """Register an allocator class under ``name`` (its ``requires``, ``accepts``, ``reference`` and
+    ``experimental`` class attributes are its declarations); a different class under a taken name raises unless
+    ``overwrite``."""
     return REGISTRY.register(name, cls, overwrite=overwrite)
 
 
-__all__ += ["REGISTRY", "get", "names", "register"]
+__all__ += ["REGISTRY", "entry", "get", "names", "register"]

@@ -1,4 +1,4 @@
-"""The allocation protocol every allocator speaks (``DESIGN.md`` §4), and the bookkeeping they share.
+"""The allocation protocol every allocator speaks (``docs/api/allocators.md``), and the bookkeeping they share.
 
 A step is a short conversation::
 
@@ -56,8 +56,9 @@ class AllocationResult:
 
     Per rollout (``[N]``, in the order the rewards were observed): ``prompt_ids``, ``group`` (the prompt's
     position in the plan, ``0..P-1``, so rollouts of one prompt from several requests share it), ``rewards``
-    (float64),
-    ``weight`` (0 for rollouts kept out of the loss, e.g. a zero-variance group dropped by dynamic sampling).
+    (float32; float64 only when every ``observe`` got float64 rewards — the statistics an allocator keeps are
+    accumulated in float64 either way), ``weight`` (same dtype; 0 for rollouts kept out of the loss, e.g. a
+    zero-variance group dropped by dynamic sampling).
     An allocator that reuses stored responses (AR3PO) appends them after the generated rows, so
     ``counts.sum()`` (rollouts generated, what the budget paid for) can be less than ``rewards.numel()``.
     Per planned prompt (``[P]``, the order given to ``plan``): ``plan_prompt_ids``, ``counts`` (rollouts it
@@ -200,6 +201,7 @@ class Conversation:
         self._known: tuple[Request, Tensor] | None = None  # the pending request with its rows, when issued so
         self._log_pos: list[Tensor] = []
         self._log_rewards: list[Tensor] = []
+        self._all_f64: bool | None = None  # every observed reward tensor float64 (None: nothing observed yet)
         self._finished = False
 
     @property
@@ -267,7 +269,7 @@ class Conversation:
         return self._n, self._sum, self._sumsq
 
     def rollouts(self) -> tuple[Tensor, Tensor]:
-        """Every observed rollout so far: prompt position ``[N]`` (into ``prompt_ids``) and reward ``[N]``.
+        """Every observed rollout so far: prompt position ``[N]`` (into ``prompt_ids``) and float64 reward ``[N]``.
 
         Read-only: the tensors are the plan's log (concatenated once, then reused)."""
         if len(self._log_pos) > 1:
@@ -276,6 +278,12 @@ class Conversation:
             _cat(self._log_pos, torch.zeros(0, dtype=torch.long)),
             _cat(self._log_rewards, torch.zeros(0, dtype=torch.float64)),
         )
+
+    @property
+    def result_dtype(self) -> torch.dtype:
+        """The dtype of the result's ``rewards`` and ``weight``: float64 when every ``observe`` got float64
+        rewards (and there was one), float32 otherwise."""
+        return torch.float64 if self._all_f64 else torch.float32
 
     # -- the protocol ---------------------------------------------------------------------------------------
     def next(self) -> Request | None:
@@ -316,6 +324,7 @@ class Conversation:
                 describe(rewards),
                 "pass one reward per requested rollout",
             )
+        self._all_f64 = rewards.dtype == torch.float64 and self._all_f64 is not False
         r = rewards.detach().cpu().to(torch.float64)
         # a NaN or inf makes the sum non-finite; a finite sum proves every reward finite (one cheap reduction)
         if not math.isfinite(float(r.sum())) and not bool(torch.isfinite(r).all()):
@@ -346,11 +355,12 @@ class Conversation:
         weight, reasons = self.select()
         n = pos.numel()
         kept = int(torch.count_nonzero(weight)) if n else 0
+        dtype = self.result_dtype
         return AllocationResult(
             prompt_ids=self.prompt_ids.index_select(0, pos),
             group=pos,
-            rewards=rewards,
-            weight=weight.to(rewards.dtype),
+            rewards=rewards.to(dtype),
+            weight=weight.to(dtype),
             plan_prompt_ids=self.prompt_ids,
             counts=self._n.clone(),
             reasons=reasons,

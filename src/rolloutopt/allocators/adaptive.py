@@ -5,7 +5,7 @@ All three speak the protocol of :mod:`rolloutopt.allocators._base` (``plan`` -> 
 ``finish`` -> ``update``), keep their per-prompt state in sorted int64 id tables (``torch.searchsorted``
 look-ups, no Python loop over prompts or rollouts) and checkpoint it with ``state_dict``/``load_state_dict``.
 
-Provenance (``specs/allocators.md`` §A11, §A12; ``specs/advantages.md`` §A10): none of the three papers has public
+Provenance (``docs/methods/adaptive_alloc.md``): none of the three papers has public
 code; only their abstracts and public summaries were available. Every stage size, threshold, buffer policy and
 default below is **[reconstructed]** by this project and is a keyword. Following the project rule (as
 :mod:`rolloutopt.allocators.gdro` resolved it), each class raises an :class:`~rolloutopt.errors.InputError`
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -257,8 +257,8 @@ class _AR3POPlan(_Tracked):
             res,
             prompt_ids=torch.cat([res.prompt_ids, self.prompt_ids[rpos]]),
             group=torch.cat([res.group, rpos]),
-            rewards=torch.cat([res.rewards, rew]),
-            weight=torch.cat([res.weight, torch.full((rpos.numel(),), o.reuse_weight, dtype=torch.float64)]),
+            rewards=torch.cat([res.rewards, rew.to(res.rewards.dtype)]),
+            weight=torch.cat([res.weight, torch.full((rpos.numel(),), o.reuse_weight, dtype=res.weight.dtype)]),
             metrics={
                 **res.metrics,
                 "step": torch.tensor(float(self.step), dtype=torch.float64),
@@ -278,10 +278,11 @@ class _AR3POPlan(_Tracked):
 class AR3PO:
     r"""AR3PO: adaptive multi-stage rollout plus reuse of a buffered correct response (arXiv 2509.25808).
 
-    ``specs/allocators.md`` §A11. Verified (abstract, summaries): rollout is multi-stage, a prompt stops receiving
-    rollouts once a stage yields a correct response, so hard prompts get more; when every rollout of a prompt is
-    wrong, a previously generated correct response for it is taken from a replay buffer and put into the group so
-    that its advantage is not zero. Stage :math:`s = 1..S` gives :math:`k` rollouts to every still-active prompt:
+    See ``docs/methods/adaptive_alloc.md``. Verified (abstract, summaries): rollout is multi-stage, a prompt stops
+    receiving rollouts once a stage yields a correct response, so hard prompts get more; when every rollout of a
+    prompt is wrong, a previously generated correct response for it is taken from a replay buffer and put into the
+    group so that its advantage is not zero. Stage :math:`s = 1..S` gives :math:`k` rollouts to every still-active
+    prompt:
 
     .. math::
 
@@ -293,7 +294,7 @@ class AR3PO:
     ``"unsolved_dropped"``); a prompt whose stage-1 group is all correct carries no signal and is dropped
     (``"all_correct"``); ``drop_flat=False`` keeps both with weight 1 (zero advantage downstream).
 
-    **Reconstructed** (all keywords): ``k=4`` and ``stages=4`` (the spec's examples), the budget rule (a stage
+    **Reconstructed** (all keywords): ``k=4`` and ``stages=4`` (our choices), the budget rule (a stage
     goes to the active prompts in increasing-id order while the budget lasts; the rest are ``"cut_*"``, prompts
     that cannot get stage 1 are ``"no_budget"``), the buffer (per prompt, the ``"latest"`` or a ``"random"``
     correct generated response of the latest step that had one; at most ``buffer_size`` prompts, the most
@@ -306,8 +307,8 @@ class AR3PO:
     Reused responses (how a trainer gets them): the result holds them as extra rows *after* the generated ones
     (``result.rewards.numel() = counts.sum() + metrics["reused"]``), with their prompt's ``group``, the stored
     reward and weight ``reuse_weight``. ``plan.reused()`` gives their rows and :func:`response_key` keys. A
-    trainer stores the response (tokens and behaviour log-probs: it is off-policy, ``specs/allocators.md``
-    Part D.5) of every generated rollout whose key is in :meth:`replay` after :meth:`update`, may free the
+    trainer stores the response (tokens and behaviour log-probs: it is off-policy) of every generated rollout
+    whose key is in :meth:`replay` after :meth:`update`, may free the
     others, and pastes the stored response in at each reused row.
 
     Args:
@@ -329,6 +330,11 @@ class AR3PO:
     be binary (correct means ``reward >= success``).
     """
 
+    reference: ClassVar[str] = "arXiv 2509.25808 (AR3PO: adaptive rollout and response reuse)"
+    experimental: ClassVar[str | None] = (
+        "the stages, the budget rule and the reuse buffer are reconstructed from the abstract"
+    )
+
     def __init__(
         self,
         *,
@@ -346,7 +352,9 @@ class AR3PO:
         seed: int = 0,
         experimental: bool = False,
     ) -> None:
-        require_experimental(experimental, "AR3PO's stages, budget rule and replay buffer", "specs/allocators.md §A11")
+        require_experimental(
+            experimental, "AR3PO's stages, budget rule and replay buffer", "docs/methods/adaptive_alloc.md"
+        )
         _int(k, "k", 1)
         _int(stages, "stages", 1)
         _bool(reuse, "reuse")
@@ -445,7 +453,7 @@ def dead_zone_probability(a: Tensor, b: Tensor, n: Tensor | int) -> Tensor:
     .. math::  P_0(n) = \frac{B(a + n, b) + B(a, b + n)}{B(a, b)} = \mathbb E_{p \sim \mathrm{Beta}(a,b)}
                \big[p^n + (1-p)^n\big]
 
-    (``specs/allocators.md`` §A12, AERO arXiv 2602.14338; exact mathematics of the reconstructed posterior.)
+    (AERO arXiv 2602.14338, ``docs/methods/adaptive_alloc.md``; exact mathematics of the reconstructed posterior.)
     Computed in log space with ``lgamma``. Uniform prior: :math:`P_0(n) = 2/(n+1)`. ``a``, ``b`` > 0 broadcast
     with ``n`` (>= 1); float64 out.
     """
@@ -541,7 +549,7 @@ class _AEROPlan(_Tracked):
 class AERO:
     r"""AERO: a Beta posterior per prompt sizes each group to avoid zero-advantage dead zones (arXiv 2602.14338).
 
-    ``specs/allocators.md`` §A12. Verified (abstract, summary): an adaptive rollout strategy, *selective
+    See ``docs/methods/adaptive_alloc.md``. Verified (abstract, summary): an adaptive rollout strategy, *selective
     rejection* of rollouts, and a per-prompt Bayesian posterior to avoid groups with zero advantage. The
     **reconstructed** rule (every part a keyword): each prompt has a Beta(a, b) posterior over its success rate
     (prior ``prior``; unseen prompts get it), and with :func:`dead_zone_probability`
@@ -563,7 +571,7 @@ class AERO:
     remainder if it is at least ``n_min`` (``"partial"``); the rest are ``"no_budget"``. When they need less, the
     rest of the budget is not spent (``metrics["budget_used_frac"]``).
 
-    Defaults (all reconstructed): ``prior=(1, 1)`` (the spec's), ``n_min=2``, ``n_max=16``, ``eps=0.2`` (a fresh
+    Defaults (all reconstructed): ``prior=(1, 1)`` (uniform), ``n_min=2``, ``n_max=16``, ``eps=0.2`` (a fresh
     prompt gets :math:`n = 9`, the smallest with :math:`2/(n+1) \le 0.2`), ``tau_skip=0.5`` (skip a prompt once
     it is more likely flat than not even at ``n_max``), ``forget=1.0``, ``reject_ratio=2.0``, ``success=1.0``.
 
@@ -583,6 +591,11 @@ class AERO:
     ``"partial"``, ``"skipped"`` (posterior says flat), ``"no_budget"``.
     """
 
+    reference: ClassVar[str] = "arXiv 2602.14338 (AERO: adaptive efficient rollout optimization)"
+    experimental: ClassVar[str | None] = (
+        "the posterior rule, its thresholds and the rejection are reconstructed from the abstract"
+    )
+
     def __init__(
         self,
         *,
@@ -599,7 +612,7 @@ class AERO:
         experimental: bool = False,
     ) -> None:
         require_experimental(
-            experimental, "AERO's posterior rule, thresholds and rejection", "specs/allocators.md §A12"
+            experimental, "AERO's posterior rule, thresholds and rejection", "docs/methods/adaptive_alloc.md"
         )
         _int(n_min, "n_min", 1)
         _int(n_max, "n_max", 1)
@@ -803,7 +816,7 @@ class _V05Plan(Conversation):
 class V05Budget:
     r"""The allocator side of V_{0.5} (arXiv 2603.10848): ``n`` rollouts, then the extra rollouts ``v05`` asks for.
 
-    ``specs/advantages.md`` §A10 ("Sequential OSLA budget allocation"). Round 0 gives every prompt ``n`` rollouts
+    ("Sequential OSLA budget allocation"; ``docs/methods/adaptive_alloc.md``). Round 0 gives every prompt ``n`` rollouts
     (the paper's group size 4); each of ``rounds`` top-up rounds then grants each prompt the one-step look-ahead
     request of :func:`rolloutopt.advantages.v05` computed on its rollouts so far,
 
@@ -818,7 +831,7 @@ class V05Budget:
     and keywords) hands the output to ``plan.consume(output)`` before the next ``plan.next()``; otherwise the plan
     calls ``v05(rewards, prompt ids, prior, experimental=True, max_extra=max_extra, **v05_kwargs)`` itself.
 
-    **Reconstructed** (keywords): the whole budget rule (``specs/advantages.md`` §A10 reconstructs it),
+    **Reconstructed** (keywords): the whole budget rule (our reconstruction from the abstract and summaries),
     ``rounds=1``, the past-mean prior fallback and ``unseen_prior=0.5``; ``max_extra=4`` and ``cost=1e-3`` are
     ``v05``'s defaults. Every rollout is kept (weight 1). The budget is spent only as far as the requests go.
 
@@ -836,6 +849,9 @@ class V05Budget:
     ``v05_kwargs={"variance": "sample"}`` (``v05`` raises otherwise).
     """
 
+    reference: ClassVar[str] = "arXiv 2603.10848 (V_{0.5}, the allocator side)"
+    experimental: ClassVar[str | None] = "the sequential extra-budget rule is reconstructed"
+
     def __init__(
         self,
         *,
@@ -848,7 +864,7 @@ class V05Budget:
         v05_kwargs: dict[str, Any] | None = None,
         experimental: bool = False,
     ) -> None:
-        require_experimental(experimental, "V_{0.5}'s sequential extra-budget rule", "specs/advantages.md §A10")
+        require_experimental(experimental, "V_{0.5}'s sequential extra-budget rule", "docs/methods/adaptive_alloc.md")
         _int(n, "n", 1)
         _int(max_extra, "max_extra", 0)
         _int(rounds, "rounds", 0)

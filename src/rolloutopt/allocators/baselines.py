@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -39,6 +39,9 @@ class Uniform:
     or ``budget // P`` when the budget is smaller. Prompts that get nothing are reported as ``"no_budget"``.
     Every rollout is kept (weight 1). Stateless: ``update`` does nothing and the state dict is empty.
     """
+
+    reference: ClassVar[str] = "arXiv 2402.03300 (GRPO's fixed group size): the baseline"
+    experimental: ClassVar[str | None] = None
 
     def __init__(self, *, n: int | None = None) -> None:
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):

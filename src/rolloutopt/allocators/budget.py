@@ -3,10 +3,10 @@
 Both allocators read each prompt's past success rate from a :class:`~rolloutopt.allocators.PromptHistory` and
 give every prompt of the batch its own number of rollouts, in one request, before any rollout of the step.
 
-- :class:`CoBAAllocator` — CoBA-RL, arXiv 2602.03048, code ``Within-yao/CoBA-RL``
-  ``recipe/coba_rl/budget_allocators.py`` (``BetaAllocator``); ``specs/allocators.md`` §A7.
+- :class:`CoBA` — CoBA-RL, arXiv 2602.03048, code ``Within-yao/CoBA-RL``
+  ``recipe/coba_rl/budget_allocators.py`` (``BetaAllocator``).
 - :class:`Knapsack` — Knapsack-RL, arXiv 2509.25849, the public module "Knapsack-based Sampling Budget
-  Allocation" (``sampling_budget_by_knapsack``, ``solve_by_dp``); ``specs/allocators.md`` §A15.
+  Allocation" (``sampling_budget_by_knapsack``, ``solve_by_dp``). See ``docs/methods/budget.md``.
 
 Both greedy/DP solvers reduce to "take the ``R`` largest marginal gains of a ``[E, L]`` table whose rows are
 non-increasing" (:func:`_top_units`): one ``torch.kthvalue`` and a cumulative tie cut, no loop over prompts.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -31,7 +31,7 @@ from rolloutopt.allocators._base import AllocationResult, Conversation, Request,
 from rolloutopt.allocators.history import PromptHistory
 from rolloutopt.errors import InputError
 
-__all__ = ["CoBAAllocator", "Knapsack", "coba_beta_params", "knapsack_value"]
+__all__ = ["CoBA", "Knapsack", "coba_beta_params", "knapsack_value"]
 
 _F64 = torch.float64
 
@@ -202,8 +202,8 @@ def coba_beta_params(failure_rate: float, beta_params_sum: float = 7.0) -> tuple
         \alpha = \mathrm{clip}(1 + (S - 2) f', 1, S - 1), \qquad \beta = S - \alpha.
 
     Reference: arXiv 2602.03048, ``BetaAllocator._update_beta_params_sample_based_sliding_window``
-    (``specs/allocators.md`` §A7). Oracle: ``f = 0.8, S = 7`` gives ``(5, 2)``; ``f = 0.3`` gives
-    ``(1.596, 5.404)``.
+    (``docs/methods/budget.md``). Oracle (by hand, following that code): ``f = 0.8, S = 7`` gives ``(5, 2)``;
+    ``f = 0.3`` gives ``(1.596, 5.404)``.
 
     Args:
         failure_rate: ``f`` in ``[0, 1]``.
@@ -217,7 +217,7 @@ def coba_beta_params(failure_rate: float, beta_params_sum: float = 7.0) -> tuple
     return alpha, s - alpha
 
 
-class CoBAAllocator:
+class CoBA:
     r"""CoBA-RL: per-prompt rollout counts from a capability-oriented value, by heap greedy.
 
     Every prompt's success rate :math:`p_i` (successes over rollouts in the last ``window`` steps it was rolled
@@ -251,9 +251,9 @@ class CoBAAllocator:
        :math:`\propto (1 - p)^{w}` (``weight_alpha``) and one uniform top-up pass, capped at ``n_max``.
 
     Reference: arXiv 2602.03048; code ``Within-yao/CoBA-RL`` ``recipe/coba_rl/budget_allocators.py``
-    (``BetaAllocator``); defaults from its signature (``specs/allocators.md`` §A7).
+    (``BetaAllocator``); defaults from its signature (``docs/methods/budget.md``).
 
-    Deliberate fixes (``specs/allocators.md`` Part D):
+    Deliberate fixes:
 
     - **Step 5 shares** are floored from the tier's *starting* leftover. The code recomputes each share from the
       *running* leftover inside its loop, so earlier prompts get more than their weight (an order effect that
@@ -285,6 +285,9 @@ class CoBAAllocator:
     Edge cases: an empty batch or a zero budget requests nothing. Prompts absent from the step's result keep
     their window. The history is bounded by ``capacity`` (``W`` groups per prompt).
     """
+
+    reference: ClassVar[str] = "arXiv 2602.03048 (CoBA-RL); code Within-yao/CoBA-RL"
+    experimental: ClassVar[str | None] = None
 
     reason_names = ("explore", "very_hard", "very_easy", "uniform", "short_budget", "no_budget")
 
@@ -438,7 +441,7 @@ class CoBAAllocator:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`."""
         keys = {"history", "rates", "alpha", "beta", "step"}
-        check_state(state, keys, "CoBAAllocator")
+        check_state(state, keys, "CoBA")
         self.history.load_state_dict(state["history"])
         self._rates = state["rates"].clone().to(_F64)
         self.alpha, self.beta = float(state["alpha"]), float(state["beta"])
@@ -450,7 +453,7 @@ def knapsack_value(n: Tensor, p: Tensor) -> Tensor:
     r"""Knapsack-RL's value of ``N`` rollouts at success rate ``p``: :math:`(1 - p^N - (1 - p)^N)\,p(1 - p)^2`.
 
     The first factor is the chance that the group is not all one outcome, :math:`p(1-p)^2` the information
-    term. Reference: arXiv 2509.25849, ``solve_by_dp`` (``specs/allocators.md`` §A15). Oracle:
+    term. Reference: arXiv 2509.25849, ``solve_by_dp`` (``docs/methods/budget.md``). Oracle (by hand):
     ``V(2, 0.5) = 0.0625``, ``V(4, 0.5) = 0.109375``. Float64; broadcasts ``n`` and ``p``.
     """
     pp, nn = p.to(_F64), n.to(_F64)
@@ -479,14 +482,14 @@ class Knapsack:
     :math:`p(1-p)^2 (p^N (1 - p) + (1 - p)^N p)`). Tested against a transcription of ``solve_by_dp``: equal
     objective and total (the DP breaks exact ties differently).
 
-    **The code's quirk "the DP scores k = 0 as 0"** (``specs/allocators.md`` Part D item 9) is **fixed** by
+    **The code's quirk "the DP scores k = 0 as 0"** is **fixed** by
     default: ``no_extra="value"`` scores :math:`k = 0` as :math:`V(n_{min}, p)`, the knapsack of the paper.
     ``no_extra="zero"`` reproduces the code (:math:`f_i(0) = 0`), which biases the DP towards giving every
     effective item at least one extra rollout; it is still concave, so the same greedy solves it.
 
     Reference: arXiv 2509.25849; module "Knapsack-based Sampling Budget Allocation"
     (``sampling_budget_by_knapsack``, ``solve_by_dp``; hosting repository not identified);
-    ``specs/allocators.md`` §A15.
+    ``docs/methods/budget.md``.
 
     Reproduced code details: a never-seen prompt counts as a :math:`p = 0` prompt for the surplus (the code's
     rate array holds 0 for it). Deliberate fixes: every count is capped at ``n_max`` (the code's surplus splits
@@ -517,6 +520,9 @@ class Knapsack:
 
     Edge cases: an empty batch or a zero budget requests nothing; ``update`` ignores prompts with no rollouts.
     """
+
+    reference: ClassVar[str] = "arXiv 2509.25849 (Knapsack-RL)"
+    experimental: ClassVar[str | None] = None
 
     reason_names = ("effective", "unsolved", "solved", "unseen", "surplus", "short_budget", "no_budget")
 

@@ -4,15 +4,15 @@
 
 Both allocators speak the protocol of :mod:`rolloutopt.allocators._base`. DARS decides within the step (a first
 stage on every prompt, then extra rollouts for the prompts whose first-stage accuracy is below 1/2; two requests,
-``specs/allocators.md`` §A4); E3 decides before rollout from a rank kept across epochs (one request, §A3).
-No Python loop over prompts or rollouts.
+arXiv 2508.13755); E3 decides before rollout from a rank kept across epochs (one request, arXiv 2505.18573).
+No Python loop over prompts or rollouts. See ``docs/methods/difficulty.md``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -34,7 +34,7 @@ from rolloutopt.errors import InputError
 
 __all__ = ["DARS", "E3Budget", "E3Temperature", "dars_extra_rollouts", "e3_counts", "e3_temperature_step"]
 
-_EPS = 1e-9  # ceil/floor tolerance: 24.000000001 must ceil to 24 (spec §A4 edge cases)
+_EPS = 1e-9  # ceil/floor tolerance: 24.000000001 must ceil to 24 (a DARS edge case)
 _UNSEEN_RANK = -100.0  # E3's rank of a never-seen prompt (weight 0)
 
 
@@ -64,7 +64,7 @@ def dars_extra_rollouts(
             = \Big\lceil \frac{n(1-2a)}{2a} \Big\rceil,
 
     then :math:`\Delta n \leftarrow \min(\Delta n, n_{max} - n)`, and :math:`\Delta n = 0` for :math:`a \ge 0.5`.
-    The ceiling tolerates float error (``ceil(x - 1e-9)``, so 24.000000001 gives 24; spec §A4 edge cases).
+    The ceiling tolerates float error (``ceil(x - 1e-9)``, so 24.000000001 gives 24).
 
     Args:
         acc: first-stage accuracy per prompt, float ``[P]`` in [0, 1] (empty allowed).
@@ -176,7 +176,7 @@ class DARS:
     r"""DARS: roll every prompt out ``n`` times, then top up the hard ones in one second batch.
 
     arXiv 2508.13755 (Difficulty-Adaptive Rollout Sampling; code ``yangzhch6/DARS``,
-    ``verl/verl/trainer/ppo/ray_dars_trainer.py``; ``specs/allocators.md`` §A4). A plan makes two requests:
+    ``verl/verl/trainer/ppo/ray_dars_trainer.py``; ``docs/methods/difficulty.md``). A plan makes two requests:
 
     1. **Stage 1**: ``n`` rollouts per prompt; accuracy :math:`a` = fraction of rewards ``>= success``.
     2. **Stage 2**: :math:`\Delta n(a)` more per prompt from the schedule (:func:`dars_extra_rollouts`; zero for
@@ -184,7 +184,7 @@ class DARS:
     3. **Pool and filter**: the pooled accuracy decides: prompts with pooled :math:`a = 0` or
        :math:`a \ge` ``upper_threshold`` get weight 0 on all their rollouts; the rest train on every rollout.
 
-    **Stage-2 sampling (spec Part D item 9).** The code passes ``do_sample=False`` to the stage-2 call, but its
+    **Stage-2 sampling (a code quirk).** The code passes ``do_sample=False`` to the stage-2 call, but its
     vLLM wrapper then resets the temperature to the rollout temperature, so stage 2 *samples* one response per
     replicated prompt row (top-p 1). This library only requests counts; the engine must *sample* the stage-2
     rollouts at the rollout temperature, exactly as stage 1 — an engine where ``do_sample=False`` means greedy
@@ -198,9 +198,10 @@ class DARS:
     prompts still short (lowest accuracy first, then the lower id): reason ``"topped_up_budget_cut"``. The budget
     is spent only as far as the schedule asks: ``P * n + sum(Delta n)`` at most.
 
-    Defaults (spec §A4): ``n=8``; ``n_max=None`` means the scripts' 32 for ET and 64 for HW;
-    ``upper_threshold=1.0`` (all-correct groups dropped); ``use_std=False`` (the scripts). The spec gives no
-    default schedule; ``"et"`` is ``resampling_func=1``. ``success=1.0``: a rollout counts as correct when its
+    Defaults (the code and its ``experiments/*.sh`` scripts): ``n=8``; ``n_max=None`` means the scripts' 32 for
+    ET and 64 for HW; ``upper_threshold=1.0`` (all-correct groups dropped); ``use_std=False`` (the scripts). The
+    sources give no default schedule; ``"et"`` is ``resampling_func=1``. ``success=1.0``: a rollout counts as
+    correct when its
     reward is at least 1. Nothing is kept across steps: ``update`` does nothing and the state dict is empty;
     the plan is deterministic (no seed is needed; ``seed`` is accepted for the protocol and unused).
 
@@ -217,6 +218,9 @@ class DARS:
     Reasons: ``"trained"`` (no extras), ``"topped_up"``, ``"topped_up_budget_cut"``, ``"dropped_all_wrong"``,
     ``"dropped_all_correct"`` (weight 0), ``"no_budget"``. Metric ``stage2_rollouts``.
     """
+
+    reference: ClassVar[str] = "arXiv 2508.13755 (DARS, Difficulty-Adaptive Rollout Sampling); code yangzhch6/DARS"
+    experimental: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -280,7 +284,7 @@ def e3_counts(rank: Tensor, budget: int, n_min: int, n_max: int, *, cap_share: b
         c_i = n_{min} + \Big\lfloor S\,\frac{w_i}{\sum_j w_j} \Big\rfloor
         \quad (\texttt{cap\_share=False}: \text{the code, } \textstyle\sum_j w_j + 10^{-8}),
 
-    ``cap_share=True`` (default) **fixes the code quirk** (spec Part D item 9): the code never caps the
+    ``cap_share=True`` (default) **fixes the code quirk**: the code never caps the
     proportional share at :math:`n_{max}`, so one very hard prompt can exceed it. Here the share is water-filled:
     :math:`\min(n_{max} - n_{min},\ S_k w_i / W_k)` where the :math:`k` highest-weight prompts are capped and
     :math:`S_k, W_k` are the spare and the weight left after them, then floored; the leftover rule is the code's.
@@ -361,7 +365,7 @@ class E3Budget:
     r"""E3: more rollouts for prompts that ranked harder at the last epoch end (arXiv 2505.18573, EMNLP 2025).
 
     Code ``LiaoMengqi/E3-RL4LLMs`` (``e3/trainer/ray_trainer.py`` ``get_rollout_n_per_prompt``,
-    ``e3/data/rl_dataset.py`` ``update_prompt_stats``/``update_rank``; ``specs/allocators.md`` §A3).
+    ``e3/data/rl_dataset.py`` ``update_prompt_stats``/``update_rank``; ``docs/methods/difficulty.md``).
 
     *State*, per prompt id (sorted int64 tensors): cumulative reward sum and rollout count over all steps, and a
     rank. At :meth:`end_epoch` the known prompts are sorted by mean reward, descending (ties: the lower id), and
@@ -401,6 +405,9 @@ class E3Budget:
     Reasons: ``"ranked"`` (rank > 0 share), ``"unseen"`` (rank -100 or 0: ``n_min`` plus any leftover),
     ``"capped"`` (at ``n_max``, when ``n_max > n_min``), ``"no_budget"``.
     """
+
+    reference: ClassVar[str] = "arXiv 2505.18573 (E3's difficulty-ranked budget); code LiaoMengqi/E3-RL4LLMs"
+    experimental: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -572,7 +579,7 @@ def e3_temperature_step(temperature: float, target_entropy: float, entropy: floa
 class E3Temperature:
     r"""E3's sampling-temperature schedule: steer the policy entropy to a target (arXiv 2505.18573).
 
-    Code ``e3/worker/temperature_scheduler.py`` (``TemperatureScheduler``; spec §A3). Call :meth:`step` once per
+    Code ``e3/worker/temperature_scheduler.py`` (``TemperatureScheduler``). Call :meth:`step` once per
     training step with the actor's mean token entropy; read :attr:`temperature` for the next rollout.
 
     - During the first ``init_steps`` steps the entropies are only recorded; :math:`H^*` is their mean unless
@@ -582,7 +589,7 @@ class E3Temperature:
       :math:`s_a = \text{max\_steps} - \lfloor \text{max\_steps}\cdot\text{annealing\_ratio} \rfloor` on, after the
       update, :math:`H^* = H^*_0\,(f + (1-f)\,\tfrac12(1+\cos(\pi\,(s - s_a)/(\text{max\_steps} - s_a))))`,
       with :math:`f` = ``annealing_factor`` (applies to the next step's update, as in the code).
-    - Clipping: the code has none; the spec says to add it. ``t_min=0.1``, ``t_max=2.0`` are the project's safety
+    - Clipping: the code has none; we add it. ``t_min=0.1``, ``t_max=2.0`` are the project's safety
       bounds (not from the paper; they bind only when the rule runs away); ``t_min=None, t_max=None`` reproduces
       the code exactly.
 

@@ -1,7 +1,7 @@
 """DPS — Dynamics-Predictive Sampling: a per-prompt hidden Markov model picks prompts before rollout.
 
 Reference: "Dynamics-Predictive Sampling", arXiv 2603.10887 (ICLR 2026); code ``maoyixiu/DPS``,
-``recipe/dps/task_sampler.py`` (``BayesianHMMSampler``); ``specs/allocators.md`` §A2.
+``recipe/dps/task_sampler.py`` (``BayesianHMMSampler``); ``docs/methods/dps.md``.
 
 Each prompt's *solving state* is one of three: S1 unsolved (group success 0), S2 partially solved
 (0 < success < 1), S3 solved (success 1). A prompt carries Dirichlet pseudo-counts ``alpha`` of its 3x3
@@ -15,7 +15,7 @@ The state of every prompt ever planned lives in sorted int64 tensors (ids ``[K]`
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -61,7 +61,8 @@ def _sum3(x: Tensor, dim: int) -> Tensor:
 
 def _group_stats(result: AllocationResult, success_threshold: float | None) -> tuple[Tensor, Tensor]:
     """Per planned prompt: rollouts it got (int64 ``[P]``) and its group mean of the (binarised) reward."""
-    values = result.rewards if success_threshold is None else (result.rewards >= success_threshold).double()
+    r = result.rewards.double()
+    values = r if success_threshold is None else (r >= success_threshold).double()
     total = torch.bincount(result.group, weights=values, minlength=result.plan_prompt_ids.numel())
     return result.counts, total / result.counts.clamp(min=1)
 
@@ -104,9 +105,9 @@ class DPS:
     gives the best ``budget // n`` of them ``n`` rollouts each, in one request.
 
     Reference: arXiv 2603.10887 (ICLR 2026); code ``maoyixiu/DPS`` ``recipe/dps/task_sampler.py``
-    (``BayesianHMMSampler``), defaults from ``recipe/dps/config/our_trainer.yaml`` (``specs/allocators.md`` §A2).
+    (``BayesianHMMSampler``), defaults from ``recipe/dps/config/our_trainer.yaml`` (``docs/methods/dps.md``).
 
-    Code quirks, reproduced deliberately (``specs/allocators.md`` Part D item 9):
+    Code quirks, reproduced deliberately:
 
     - **Every known prompt decays every step** (O(#known) per ``update``, vectorised: a few milliseconds
       per 10^4 prompts). A lazy per-access decay would be faster but is not the code's filter when
@@ -154,6 +155,9 @@ class DPS:
     prompts that got no rollouts (beyond registering them). The state grows with the number of distinct
     prompts ever planned (the dataset), 23 numbers each.
     """
+
+    reference: ClassVar[str] = "arXiv 2603.10887 (DPS, Dynamics-Predictive Sampling); code maoyixiu/DPS"
+    experimental: ClassVar[str | None] = None
 
     def __init__(
         self,

@@ -1,13 +1,13 @@
 """DAPO dynamic sampling: oversample, drop zero-variance groups, refill with fresh prompts (arXiv 2503.14476).
 
 The reference behaviour most trainers ship (verl ``algorithm.filter_groups``, NeMo-RL ``use_dynamic_sampling``,
-SkyRL ``dynamic_sampling.type=filter``, slime ``check_reward_nonzero_std``): see ``specs/allocators.md`` A8.
+SkyRL ``dynamic_sampling.type=filter``, slime ``check_reward_nonzero_std``): see ``docs/methods/dynamic_sampling.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -127,7 +127,7 @@ class DAPODynamicSampling:
     r"""DAPO dynamic sampling: sample rounds of fresh prompts, drop zero-variance groups, refill to ``batch_size``.
 
     Reference: DAPO, arXiv 2503.14476 (§3.3 "Dynamic Sampling"); the rule is verl's ``recipe/dapo``
-    (``dapo_ray_trainer.py``, ``algorithm.filter_groups``; ``specs/allocators.md`` A8). Each round takes the
+    (``dapo_ray_trainer.py``, ``algorithm.filter_groups``). Each round takes the
     next ``gen_batch_size`` prompts of a seeded random order of ``prompt_ids`` and requests ``n`` rollouts for
     each. A group :math:`g` is kept iff its rewards are not all equal,
 
@@ -186,6 +186,9 @@ class DAPODynamicSampling:
         result = plan.finish()   # result.weight: 1 on the 4 * 8 rollouts to train on
     """
 
+    reference: ClassVar[str] = "arXiv 2503.14476 (DAPO, dynamic sampling); verl recipe/dapo"
+    experimental: ClassVar[str | None] = None
+
     def __init__(
         self,
         *,
@@ -235,7 +238,7 @@ class DAPODynamicSampling:
         )
 
     def update(self, result: AllocationResult) -> None:
-        """Nothing to learn: dynamic sampling keeps no state across steps (``specs/allocators.md`` A8)."""
+        """Nothing to learn: dynamic sampling keeps no state across steps."""
 
     def state_dict(self) -> dict[str, Any]:
         """The generator state (the only state)."""

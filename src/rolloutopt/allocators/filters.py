@@ -4,26 +4,28 @@ Both pick, before rollout, which candidate prompts of a step get a group of ``n`
 history kept in bounded, checkpointable tensors aligned with sorted int64 prompt ids (one ``torch.searchsorted``
 per lookup, no Python loop over prompts or rollouts).
 
-- :class:`HIVE` (``specs/allocators.md`` §A13): stage 1 keeps prompts whose recent mean reward is in a band,
+- :class:`HIVE`: stage 1 keeps prompts whose recent mean reward is in a band,
   ranked by their historical response entropy; stage 2 prunes survivors whose *prompt entropy* (measured now by
   the caller, a prefill-only forward pass) fell against the value stored with their history. No public code;
   every rule and default is **[reconstructed]**, hence ``experimental=True``.
-- :class:`DEPO` (§A14): the online explorability filter of ``txy77/DEPO``
+- :class:`DEPO`: the online explorability filter of ``txy77/DEPO``
   (``verl/trainer/rollout_purning/rollout_purning.py``, ``Rollout_Purning.purning_by_entropy``), with the
   code's replay-by-padding of least-explored prompts. The offline curation (PageRank-weighted DPP, normal
   difficulty sampling) is out of scope: it is a one-off dataset selection over sample embeddings, not an
   allocator. :func:`depo_group_scores` is the code's per-epoch score, vectorised.
 
-Both need per-rollout *response entropies* (the mean token entropy of each response), which the protocol's
-``observe`` does not carry: they are a keyword of ``update`` (``update(result, entropies=...)``, float ``[N]``
-aligned with ``result.rewards``). HIVE's prompt entropy is a keyword of ``plan`` (``prompt_entropy=``, float
-``[P]`` aligned with ``prompt_ids``).
+See ``docs/methods/filters.md``.
+
+Both read per-rollout *response entropies* (the mean token entropy of each response), which the protocol's
+``observe`` does not carry: they are a keyword of ``update`` (``update(result, entropy=...)``, float ``[N]``
+aligned with ``result.rewards``; DEPO requires it, HIVE accepts it). HIVE's prompt entropy is a keyword of
+``plan`` (``prompt_entropy=``, float ``[P]`` aligned with ``prompt_ids``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -48,7 +50,7 @@ from rolloutopt.errors import InputError
 
 __all__ = ["DEPO", "HIVE", "depo_group_scores"]
 
-_SPEC_HIVE = "specs/allocators.md §A13"
+_DOCS = "docs/methods/filters.md"
 
 
 # -- shared helpers ---------------------------------------------------------------------------------------------
@@ -87,14 +89,14 @@ def _order(keys: list[Tensor], seq: Tensor, mask: Tensor) -> Tensor:
     return idx
 
 
-def _check_entropies(entropies: Any, n: int, name: str) -> Tensor:
-    if not isinstance(entropies, Tensor) or not entropies.is_floating_point():
-        raise InputError(name, f"a float tensor [{n}]", describe(entropies), f"pass {name}=torch.tensor(...).float()")
-    if entropies.ndim != 1 or entropies.numel() != n:
-        raise InputError(name, f"a 1-d tensor of {n} values", describe(entropies), "pass one value per row")
-    e = entropies.detach().cpu().to(torch.float64)
+def _check_entropy(entropy: Any, n: int, name: str) -> Tensor:
+    if not isinstance(entropy, Tensor) or not entropy.is_floating_point():
+        raise InputError(name, f"a float tensor [{n}]", describe(entropy), f"pass {name}=torch.tensor(...).float()")
+    if entropy.ndim != 1 or entropy.numel() != n:
+        raise InputError(name, f"a 1-d tensor of {n} values", describe(entropy), "pass one value per row")
+    e = entropy.detach().cpu().to(torch.float64)
     if not math.isfinite(float(e.sum())) and not bool(torch.isfinite(e).all()):  # a finite sum: all finite
-        raise InputError(name, "finite values", f"{describe(entropies)} with NaN or inf", "fix the entropy")
+        raise InputError(name, "finite values", f"{describe(entropy)} with NaN or inf", "fix the entropy")
     return e
 
 
@@ -119,7 +121,7 @@ def _check_rows(state: dict[str, Any], shapes: dict[str, tuple[int, ...]], owner
 def depo_group_scores(
     group: Tensor,
     correct: Tensor,
-    entropies: Tensor,
+    entropy: Tensor,
     *,
     num_groups: int,
     neg_pos_ratio: float = 0.5,
@@ -137,32 +139,33 @@ def depo_group_scores(
             + \sum_{i\,\text{wrong},\ H_i \le \rho \bar H_+} |A^- H_i| ,
 
     so high-entropy failures (:math:`H_i > \rho \bar H_+`) do not count. Reference: arXiv 2509.01321, code
-    ``txy77/DEPO`` ``Rollout_Purning.purning_by_entropy`` (``specs/allocators.md`` §A14). An all-correct or
+    ``txy77/DEPO`` ``Rollout_Purning.purning_by_entropy``. An all-correct or
     all-wrong group scores 0 (its advantages are 0).
 
     Args:
         group: int64 ``[N]``, each rollout's group in ``0..num_groups-1``.
         correct: bool ``[N]``, whether each rollout is correct.
-        entropies: float ``[N]``, each response's (mean token) entropy.
+        entropy: float ``[N]``, each response's (mean token) entropy.
         num_groups: number of groups G (groups without rollouts score 0).
         neg_pos_ratio: :math:`\rho` (0.5, third-party re-implementation; the repository's value is unverified).
         eps: :math:`\epsilon` (code 1e-8).
 
     Returns:
-        float64 ``[G]``.
+        float32 ``[G]`` (float64 for a float64 ``entropy``; computed in float64).
     """
     if not isinstance(group, Tensor) or group.is_floating_point() or group.dtype == torch.bool or group.ndim != 1:
         raise InputError("group", "an int64 tensor [N]", describe(group), "pass the rollouts' group indices")
     n = group.numel()
     if not isinstance(correct, Tensor) or correct.dtype != torch.bool or tuple(correct.shape) != (n,):
         raise InputError("correct", f"a bool tensor [{n}]", describe(correct), "pass rewards >= threshold")
-    e = _check_entropies(entropies, n, "entropies")
+    e = _check_entropy(entropy, n, "entropy")
     num_groups = _check_int(num_groups, "num_groups", 0, "pass the number of groups")
     if n and (int(group.min()) < 0 or int(group.max()) >= num_groups):
         raise InputError("group", f"indices in [0, {num_groups})", describe(group), "pass num_groups > group.max()")
     neg_pos_ratio = _check_float(neg_pos_ratio, "neg_pos_ratio", -1e300, 1e300, "pass e.g. 0.5")
     eps = _check_float(eps, "eps", 0.0, 1.0, "pass e.g. 1e-8", open_low=True)
-    return _depo_scores(group.long(), correct, e, num_groups, neg_pos_ratio, eps)
+    out = _depo_scores(group.long(), correct, e, num_groups, neg_pos_ratio, eps)
+    return out if entropy.dtype == torch.float64 else out.float()
 
 
 def _depo_scores(group: Tensor, correct: Tensor, e: Tensor, g: int, ratio: float, eps: float) -> Tensor:
@@ -209,7 +212,7 @@ class DEPO:
     ``n_min`` at the budget's edge, leftovers spread up to ``n_max``); kept prompts the budget does not reach are
     ``"over_budget"``. Remaining ties are broken by a seeded random rank per prompt id.
 
-    Reference: ``txy77/DEPO`` ``verl/trainer/rollout_purning/rollout_purning.py`` (``specs/allocators.md`` §A14).
+    Reference: ``txy77/DEPO`` ``verl/trainer/rollout_purning/rollout_purning.py`` (``docs/methods/filters.md``).
     Defaults: ``history_k = 5``, ``init_ratio = 1.0``, ``decay = 0.01``, ``neg_pos_ratio = 0.5`` from a
     third-party re-implementation (the repository's config values are unverified); ``min_ratio = 0.40`` and
     ``eps = 1e-8`` are the code's constants; ``n = 8`` and ``pad_multiple = 1`` (no padding) are this project's.
@@ -234,11 +237,15 @@ class DEPO:
         seed: seed of the tie-break generator.
 
     Budget: never more than ``budget``; it spends all of it only when the kept prompts can absorb it (up to
-    ``n_max`` each). Response entropies are required: ``update(result, entropies=...)``.
+    ``n_max`` each). Response entropies are required: ``update(result, entropy=...)``.
 
     Edge cases: an empty pool or a zero budget requests nothing; a planned prompt that got no rollouts keeps its
     history unchanged.
     """
+
+    requires: ClassVar[tuple[str, ...]] = ("entropy",)
+    reference: ClassVar[str] = "arXiv 2509.01321 (DEPO, the online explorability filter); code txy77/DEPO"
+    experimental: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -339,11 +346,16 @@ class DEPO:
         reasons = torch.where((counts == 0) & (reasons != 4), 5, reasons)
         return _DEPOPlan(ids, budget, counts, reasons)
 
-    def update(self, result: AllocationResult, *, entropies: Tensor) -> None:
-        """Append each rolled-out prompt's explorability score; ``entropies``: float ``[N]``, one per rollout of
-        ``result`` (the response's mean token entropy), in ``result.rewards`` order."""
+    def update(self, result: AllocationResult, *, entropy: Tensor | None = None) -> None:
+        """Append each rolled-out prompt's explorability score; ``entropy`` (required): float ``[N]``, one per
+        rollout of ``result`` (the response's mean token entropy), in ``result.rewards`` order."""
         result = _check_result(result)
-        e = _check_entropies(entropies, result.rewards.numel(), "entropies")
+        if entropy is None:
+            raise InputError(
+                "entropy", "float [N], each rollout's mean token entropy: DEPO requires it", "None",
+                "pass update(result, entropy=...) in result.rewards order",
+            )
+        e = _check_entropy(entropy, result.rewards.numel(), "entropy")
         p = result.plan_prompt_ids.numel()
         correct = result.rewards >= self.correct_threshold
         score = _depo_scores(result.group, correct, e, p, self.neg_pos_ratio, self.eps)
@@ -387,8 +399,8 @@ class DEPO:
 class HIVE:
     r"""HIVE: history-informed pre-filter plus online prompt-entropy pruning (arXiv 2603.25184). **[reconstructed]**
 
-    Every rule below is the project's reconstruction from the abstract and summaries (``specs/allocators.md``
-    §A13); each knob is a keyword and ``experimental=True`` is required. Per prompt, the last ``window`` rolled
+    Every rule below is the project's reconstruction from the abstract and summaries (``docs/methods/filters.md``);
+    each knob is a keyword and ``experimental=True`` is required. Per prompt, the last ``window`` rolled
     out groups' mean reward and mean response entropy are kept, and the prompt entropy measured the last time it
     was selected.
 
@@ -410,7 +422,7 @@ class HIVE:
 
     Args:
         n: rollouts per selected prompt (8, project default); n_min, n_max: per-prompt caps (default ``n``).
-        p_lo, p_hi: the reward band (0.1, 0.9, the spec's example).
+        p_lo, p_hi: the reward band (0.1, 0.9, project default).
         window: groups of history per prompt (4, project default).
         delta: relative prompt-entropy drop that prunes (0.1, project default).
         stage2: ``"drop"`` (default) or ``"top"``.
@@ -418,11 +430,15 @@ class HIVE:
         experimental: must be True (every rule is reconstructed).
 
     Budget: never more than ``budget``; all of it only when enough prompts survive. Response entropies are
-    optional: ``update(result, entropies=...)`` (without them the entropy ranking falls back to ties).
+    optional: ``update(result, entropy=...)`` (without them the entropy ranking falls back to ties).
 
     Edge cases: an empty pool or a zero budget requests nothing; a prompt that got no rollouts keeps its
     history (the prompt entropy of a selected prompt is stored at ``plan``).
     """
+
+    accepts: ClassVar[tuple[str, ...]] = ("entropy", "prompt_entropy")
+    reference: ClassVar[str] = "arXiv 2603.25184 (HIVE: history-informed, online-verified prompt selection)"
+    experimental: ClassVar[str | None] = "the band filter, the entropy ranking and the pruning are reconstructed"
 
     def __init__(
         self,
@@ -438,7 +454,7 @@ class HIVE:
         seed: int = 0,
         experimental: bool = False,
     ) -> None:
-        require_experimental(experimental, "HIVE (band filter, entropy ranking, prompt-entropy pruning)", _SPEC_HIVE)
+        require_experimental(experimental, "HIVE (band filter, entropy ranking, prompt-entropy pruning)", _DOCS)
         self.n, self.n_min, self.n_max = _group_sizes(n, n_min, n_max)
         self.p_lo = _check_float(p_lo, "p_lo", -1e300, 1e300, "pass e.g. p_lo=0.1")
         self.p_hi = _check_float(p_hi, "p_hi", self.p_lo, 1e300, "pass p_hi >= p_lo, e.g. 0.9")
@@ -483,7 +499,7 @@ class HIVE:
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
         p = ids.numel()
-        h_now = None if prompt_entropy is None else _check_entropies(prompt_entropy, p, "prompt_entropy")
+        h_now = None if prompt_entropy is None else _check_entropy(prompt_entropy, p, "prompt_entropy")
         if self.stage2 == "top" and h_now is None:
             raise InputError("prompt_entropy", "a float tensor [P] with stage2='top'", "None", "pass prompt_entropy")
         seq, at, found = _keyed(ids, self._gen, self._ids)
@@ -511,17 +527,17 @@ class HIVE:
             self._prompt_entropy[pos] = h_now[chosen][srt]
         return _HIVEPlan(ids, budget, counts, reasons)
 
-    def update(self, result: AllocationResult, *, entropies: Tensor | None = None) -> None:
-        """Append each rolled-out prompt's group mean reward (and mean response entropy, from ``entropies``:
+    def update(self, result: AllocationResult, *, entropy: Tensor | None = None) -> None:
+        """Append each rolled-out prompt's group mean reward (and mean response entropy, from ``entropy``:
         float ``[N]``, one per rollout of ``result``, in ``result.rewards`` order) to its window."""
         result = _check_result(result)
         p = result.plan_prompt_ids.numel()
         cnt = result.counts.clamp(min=1).double()
-        mean_r = torch.bincount(result.group, weights=result.rewards, minlength=p) / cnt
-        if entropies is None:
+        mean_r = torch.bincount(result.group, weights=result.rewards.double(), minlength=p) / cnt
+        if entropy is None:
             mean_h = torch.full((p,), math.nan, dtype=torch.float64)
         else:
-            e = _check_entropies(entropies, result.rewards.numel(), "entropies")
+            e = _check_entropy(entropy, result.rewards.numel(), "entropy")
             mean_h = torch.bincount(result.group, weights=e, minlength=p) / cnt
         rolled = result.counts > 0
         self._ids, (self._reward, self._entropy, self._prompt_entropy), pos, order = _insert(

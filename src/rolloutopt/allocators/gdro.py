@@ -1,16 +1,16 @@
 r"""Multi-Adversary GDRO (arXiv 2601.19280): difficulty bins, a prompt-side and a rollout-side adversary.
 
-Provenance (``specs/allocators.md`` §A10): no public code. From the abstract and public summaries: difficulty bins
+Provenance (``docs/methods/gdro.md``): no public code. From the abstract and public summaries: difficulty bins
 come from a real-time pass@k estimate with hysteresis; two *independent* games; Prompt-GDRO is an EMA-debiased
 multiplicative-weights bandit over bins; Rollout-GDRO is a shadow price over discrete rollout arms
 ``n_min..n_max`` under a fixed *mean* rollout budget, with a square-root optimal allocation. Every update
-equation and every default below is **[reconstructed]** by this project (the spec's suggestions where it has
-them, ours otherwise); each is a keyword.
+equation and every default below is **[reconstructed]** by this project; each is a keyword.
 
-Experimental flag versus "constructs with the paper's defaults". The project rule for reconstructed methods
-(``experimental=True`` or :class:`~rolloutopt.errors.InputError`) wins over issue 6's "``VIGOR()`` works": the
-paper's defaults are unknown, so there is nothing to construct silently. :class:`DifficultyClassifier`,
-:class:`PromptGDRO` and :class:`RolloutGDRO` take keyword arguments only and the spec's suggested defaults, and
+Experimental flag. Reconstructed methods need ``experimental=True`` (otherwise an
+:class:`~rolloutopt.errors.InputError`): the paper's defaults are unknown, so there is nothing to construct
+silently (unlike :class:`~rolloutopt.allocators.VIGOR`, whose abstract fixes its default rule, so that ``VIGOR()``
+works and warns). :class:`DifficultyClassifier`, :class:`PromptGDRO` and :class:`RolloutGDRO` take keyword
+arguments only and our suggested defaults, and
 need ``experimental=True``; ``PromptGDRO()`` raises an ``InputError`` naming ``experimental`` and saying how to
 acknowledge the reconstruction. The pure functions are exact mathematics of stated problems and need no flag:
 :func:`pass_at_k` (the unbiased estimator of Chen et al., arXiv 2107.03374), :func:`sqrt_allocation` (the
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -49,7 +49,7 @@ __all__ = [
     "sqrt_allocation",
 ]
 
-_SPEC = "specs/allocators.md §A10"
+_DOCS = "docs/methods/gdro.md"
 _F64 = torch.float64
 
 
@@ -97,7 +97,7 @@ def pass_at_k(n: Tensor, c: Tensor, k: int, *, small_group: Literal["plugin", "c
                = 1 - \exp\bigl(\ln\Gamma(n-c+1) - \ln\Gamma(n-c-k+1) - \ln\Gamma(n+1) + \ln\Gamma(n-k+1)\bigr)
 
     for :math:`k \le n` (exactly 1 when :math:`n - c < k`). Reference: Chen et al., arXiv 2107.03374; used as
-    the difficulty signal of Multi-Adversary GDRO (arXiv 2601.19280, ``specs/allocators.md`` §A10).
+    the difficulty signal of Multi-Adversary GDRO (arXiv 2601.19280, ``docs/methods/gdro.md``).
 
     Args:
         n: samples per prompt, integer ``[P]`` (>= 1).
@@ -145,7 +145,7 @@ def sqrt_allocation(a: Tensor, pi: Tensor, n_bar: float) -> Tensor:
 
     with :math:`a_b = w_b v_b` (adversarial weight times variance proxy). Reference: Multi-Adversary GDRO,
     arXiv 2601.19280 ("a variance-proxy analysis gives a square-root optimal allocation"); the problem statement is
-    ``specs/allocators.md`` §A10's [reconstructed] relaxation. Continuous and uncapped: :class:`RolloutGDRO`'s
+    our [reconstructed] relaxation. Continuous and uncapped: :class:`RolloutGDRO`'s
     controller approaches it on discrete arms ``n_min..n_max`` (tested).
 
     Args:
@@ -180,7 +180,7 @@ def shadow_price_arms(a: Tensor, mu: float, *, n_min: int, n_max: int) -> Tensor
                = n_{min} + \#\Bigl\{k \in \{n_{min}+1,\dots,n_{max}\} : \frac{a_b}{k(k-1)} > \mu\Bigr\},
 
     the second form because the gain of the k-th rollout, :math:`a_b/(k(k-1)) - \mu`, decreases in k (ties go to
-    the smaller arm). Reference: arXiv 2601.19280; ``specs/allocators.md`` §A10 [reconstructed].
+    the smaller arm). Reference: arXiv 2601.19280; ``docs/methods/gdro.md`` [reconstructed].
 
     Args:
         a: per-bin :math:`w_b v_b`, float ``[K]``, finite, >= 0.
@@ -218,10 +218,10 @@ def shadow_price_update(mu: float, mean_n: float, n_bar: float, *, eta_mu: float
     .. math::  \mu \leftarrow \max\bigl(0, \mu + \eta_\mu\, c\, (\bar n_t - \bar n)\bigr)
 
     :math:`\bar n_t = \sum_b \pi_b n_b` is the mean of the arms the controller *proposed* this step (the
-    Lagrangian maximiser, before any cut to the step's hard budget). ``scale`` :math:`c = 1` is the spec's rule;
+    Lagrangian maximiser, before any cut to the step's hard budget). ``scale`` :math:`c = 1` is the plain rule;
     :class:`RolloutGDRO`'s default passes :math:`c = \mu^\star / \bar n` (the closed-form price of the step over
     the mean budget), which makes :math:`\eta_\mu` dimensionless. Reference: arXiv 2601.19280;
-    ``specs/allocators.md`` §A10 [reconstructed].
+    ``docs/methods/gdro.md`` [reconstructed].
     """
     positive(mu, "mu", strict=False)
     positive(eta_mu, "eta_mu", strict=False)
@@ -251,7 +251,7 @@ class DifficultyClassifier:
 
     Reference: Multi-Adversary GDRO, arXiv 2601.19280 (pass@k bins with hysteresis: from the summaries). The
     EMA, the edges, ``k``, the margin/patience rule and the unseen-prompt policy are **[reconstructed]**
-    (``specs/allocators.md`` §A10), hence ``experimental=True``.
+    (``docs/methods/gdro.md``), hence ``experimental=True``.
 
     State (bounded, vectorised, keyed by int64 prompt ids kept sorted): per prompt the EMA, the bin, the streak of
     visits across an edge and the step of the last visit — four numbers per prompt. ``capacity`` bounds the
@@ -260,7 +260,7 @@ class DifficultyClassifier:
 
     Args:
         k: the k of pass@k (default 4, [reconstructed]: unbiased from groups of >= 4, not saturated at 8).
-        edges: increasing bin edges in (0, 1) (default ``(0.2, 0.4, 0.6, 0.8)``: 5 bins, the spec's 4–5).
+        edges: increasing bin edges in (0, 1) (default ``(0.2, 0.4, 0.6, 0.8)``: 5 bins, [reconstructed]).
         smoothing: :math:`\lambda \in [0, 1)`, the weight of the old EMA (default 0.5).
         margin: hysteresis margin :math:`h \ge 0` (default 0.05).
         patience: consecutive visits across an edge that move a prompt anyway (default 2).
@@ -287,7 +287,7 @@ class DifficultyClassifier:
         capacity: int | None = None,
         experimental: bool = False,
     ) -> None:
-        require_experimental(experimental, "the GDRO difficulty classifier (EMA of pass@k, edges, hysteresis)", _SPEC)
+        require_experimental(experimental, "the GDRO difficulty classifier (EMA of pass@k, edges, hysteresis)", _DOCS)
         self.k = _int(k, "k", 1)
         e = tuple(edges) if isinstance(edges, (tuple, list)) else None
         if (
@@ -556,8 +556,8 @@ class PromptGDRO:
     others). Every selected prompt gets the same ``n`` rollouts, in one request.
 
     Reference: Multi-Adversary GDRO, arXiv 2601.19280 (EMA-debiased MW over pass@k bins: from the summaries). The
-    hardness signal, the defaults ``eta = 1, beta = 0.9, gamma = 0.05`` (the spec's suggestions), the
-    without-replacement draw and the budget rules are **[reconstructed]** (``specs/allocators.md`` §A10); hence
+    hardness signal, the defaults ``eta = 1, beta = 0.9, gamma = 0.05`` (our suggestions), the
+    without-replacement draw and the budget rules are **[reconstructed]** (``docs/methods/gdro.md``); hence
     ``experimental=True``.
 
     Budget: with :math:`P` candidates and budget :math:`N`, the group size is ``n`` and :math:`M = \min(P,
@@ -587,6 +587,12 @@ class PromptGDRO:
         experimental: must be True (see above).
     """
 
+    accepts: ClassVar[tuple[str, ...]] = ('hardness',)
+    reference: ClassVar[str] = "arXiv 2601.19280 (Multi-Adversary GDRO, the prompt adversary)"
+    experimental: ClassVar[str | None] = (
+        "the EMA-debiased multiplicative-weights rule over difficulty bins is reconstructed"
+    )
+
     def __init__(
         self,
         *,
@@ -601,7 +607,7 @@ class PromptGDRO:
         seed: int = 0,
         experimental: bool = False,
     ) -> None:
-        require_experimental(experimental, "Prompt-GDRO (EMA-debiased MW over difficulty bins)", _SPEC)
+        require_experimental(experimental, "Prompt-GDRO (EMA-debiased MW over difficulty bins)", _DOCS)
         self.n = _int(n, "n", 1)
         self.n_min = self.n if n_min is None else _int(n_min, "n_min", 1)
         self.n_max = self.n if n_max is None else _int(n_max, "n_max", 1)
@@ -769,14 +775,14 @@ class RolloutGDRO:
     (:func:`shadow_price_update`, after the step, with :math:`\pi_b` the candidates' bin shares). Its fixed point
     approximates the square-root rule :math:`n_b = \bar n \sqrt{a_b} / \sum_j \pi_j \sqrt{a_j}`
     (:func:`sqrt_allocation`; tested on a stationary problem). :math:`v_b = \hat p_b(1 - \hat p_b)` from a
-    debiased EMA of the bin's mean success rate (``variance="pbar"``, the spec's example) or the debiased EMA of
+    debiased EMA of the bin's mean success rate (``variance="pbar"``, the default) or the debiased EMA of
     the mean per-prompt :math:`\hat p(1-\hat p)` (``"mean"``); a bin never updated gets ``unseen_variance``.
     :math:`w_b = B q_b` from the rollout side's *own* EMA-debiased exponential weights over bin hardness (the two
     games are independent; as :class:`PromptGDRO`, ``weights="adversarial"``) or 1 (``"uniform"``).
 
     Reference: Multi-Adversary GDRO, arXiv 2601.19280 (shadow price over arms ``n_min..n_max``, fixed mean budget,
     square-root allocation: from the summaries). The objective, the controller, every default and the budget cut
-    are **[reconstructed]** (``specs/allocators.md`` §A10); hence ``experimental=True``.
+    are **[reconstructed]** (``docs/methods/gdro.md``); hence ``experimental=True``.
 
     Budget: the mean budget is :math:`\bar n` = ``n_bar`` (default None: ``budget / P`` each step, compute-neutral
     with :class:`~rolloutopt.allocators.Uniform`, clipped to ``[n_min, n_max]`` so that the price stays bounded
@@ -794,7 +800,7 @@ class RolloutGDRO:
         step: ``"relative"`` (default, [reconstructed]) scales each dual step by :math:`\mu^\star/\bar n`, with
             :math:`\mu^\star = (\sum_b \pi_b\sqrt{a_b}/\bar n)^2` the step's closed-form price, so that
             ``eta_mu`` is dimensionless and the price neither crawls nor cycles whatever the scale of
-            :math:`a_b`; ``"additive"`` is the spec's literal rule, with ``eta_mu`` in price units. With a
+            :math:`a_b`; ``"additive"`` is the plain reconstructed rule, with ``eta_mu`` in price units. With a
             constant additive step the price cycles when :math:`\eta_\mu |\bar n_t - \bar n|` exceeds the gap
             between the prices of neighbouring arms (about :math:`2\mu^\star/\bar n`): hard bins with small
             :math:`a_b` make that gap tiny.
@@ -810,6 +816,10 @@ class RolloutGDRO:
         seed: seed of the allocator's own ``torch.Generator`` (tie-breaks of the budget cut; default 0).
         experimental: must be True (see above).
     """
+
+    accepts: ClassVar[tuple[str, ...]] = ('hardness',)
+    reference: ClassVar[str] = "arXiv 2601.19280 (Multi-Adversary GDRO, the rollout adversary)"
+    experimental: ClassVar[str | None] = "the shadow-price controller over rollout arms is reconstructed"
 
     def __init__(
         self,
@@ -831,7 +841,7 @@ class RolloutGDRO:
         seed: int = 0,
         experimental: bool = False,
     ) -> None:
-        require_experimental(experimental, "Rollout-GDRO (shadow-price controller over rollout arms)", _SPEC)
+        require_experimental(experimental, "Rollout-GDRO (shadow-price controller over rollout arms)", _DOCS)
         self.n_min, self.n_max = _arms(n_min, n_max)
         if n_bar is not None:
             positive(n_bar, "n_bar")

@@ -4,7 +4,7 @@ Reference: "Act Only When It Pays: Efficient Reinforcement Learning for LLM Reas
 (GRESO), arXiv 2506.02177; code ``Infini-AI-Lab/GRESO``: ``verl/trainer/ttis/presampling_selector.py``
 (``DataProfiler.easy_probabilistic_skip`` / ``hard_probabilistic_skip``) and ``verl/trainer/ppo/ray_trainer.py``
 (``fit``: the self-tuning ``p_easy``/``p_hard`` and the adaptive sampling batch size); launch script
-``train-scripts/math_qwen_1_5b_dm_greso.sh``; ``specs/allocators.md`` §A1.
+``train-scripts/math_qwen_1_5b_dm_greso.sh``; ``docs/methods/greso.md``.
 
 The per-prompt trace of the code (a list of (epoch, group mean) pairs that grows without bound) is replaced by
 the two run lengths the rule reads, which is equivalent for it: int64 tensors aligned with sorted prompt ids,
@@ -14,7 +14,7 @@ looked up with ``torch.searchsorted``, O(1) memory per prompt and no Python loop
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -208,12 +208,12 @@ class GRESO:
     (hard).
 
     Reference: arXiv 2506.02177; code ``Infini-AI-Lab/GRESO`` (``presampling_selector.py``, ``ray_trainer.py``
-    ``fit``), script ``math_qwen_1_5b_dm_greso.sh`` (``specs/allocators.md`` §A1). Defaults: ``p_easy = p_hard
+    ``fit``), script ``math_qwen_1_5b_dm_greso.sh`` (``docs/methods/greso.md``). Defaults: ``p_easy = p_hard
     = 0.5``, ``min_p = 0.05``, ``max_p = 0.95``, step 0.01, ``target_zero_variance = 0.25``, floor 0.01 and the
     thresholds 0.98 / 0.11 (code); ``n = 8``, ``train_batch_size = 256``, ``sampling_batch_size = 384``
     (script); 1.25 and 64 (code).
 
-    Code behaviour kept deliberately (``specs/allocators.md`` Part D item 9): **p adapts only after epoch 0**
+    Code behaviour kept deliberately: **p adapts only after epoch 0**
     (``epoch > 0`` in the code, ``adapt_from_epoch = 1`` here; tell the allocator the epoch with
     :meth:`set_epoch`, as with a ``DistributedSampler``, or pass ``steps_per_epoch``). The step's ratio
     counters reset every step, epoch 0 included, as in the code.
@@ -260,6 +260,9 @@ class GRESO:
     its run lengths unchanged. State: two int64 per prompt ever rolled out, ``p_easy``, ``p_hard``, the epoch,
     the step count and the generator.
     """
+
+    reference: ClassVar[str] = "arXiv 2506.02177 (GRESO); code Infini-AI-Lab/GRESO"
+    experimental: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -374,10 +377,11 @@ class GRESO:
         p = result.plan_prompt_ids.numel()
         counts = result.counts
         rolled = counts > 0
-        total = torch.bincount(result.group, weights=result.rewards, minlength=p)
+        r = result.rewards.double()
+        total = torch.bincount(result.group, weights=r, minlength=p)
         mean = total / counts.clamp(min=1)
-        hi = torch.full((p,), -torch.inf, dtype=torch.float64).scatter_reduce(0, result.group, result.rewards, "amax")
-        lo = torch.full((p,), torch.inf, dtype=torch.float64).scatter_reduce(0, result.group, result.rewards, "amin")
+        hi = torch.full((p,), -torch.inf, dtype=torch.float64).scatter_reduce(0, result.group, r, "amax")
+        lo = torch.full((p,), torch.inf, dtype=torch.float64).scatter_reduce(0, result.group, r, "amin")
         ids = result.plan_prompt_ids[rolled]
         m = mean[rolled]
         self._ids, (self._k_easy, self._k_hard), pos, order = _insert(

@@ -1,7 +1,7 @@
 """The shared prompt history: bounded, checkpointable per-prompt statistics keyed by stable int64 prompt ids.
 
 Every history-based allocator (GRESO, DPS, E3, CoBA, DOTS, HIVE, DEPO, Knapsack, the GDRO bins; see
-``specs/allocators.md`` Part D §3) reads the same few per-prompt facts: how often a prompt was rolled out and
+``docs/methods/dynamic_sampling.md``) reads the same few per-prompt facts: how often a prompt was rolled out and
 solved, when it was last seen, a smoothed pass rate, the last few group outcomes and how many consecutive groups
 came back all-correct or all-wrong. :class:`PromptHistory` keeps them once, for any number of allocators, in
 dense tensors sorted by prompt id (lookup is one ``torch.searchsorted``), with a hard ``capacity`` and an
@@ -48,10 +48,10 @@ SUCCESS_PRESETS: dict[str, dict[str, Any]] = {
 """Success rules of the papers, as :class:`PromptHistory` keywords (``PromptHistory(**SUCCESS_PRESETS["greso"])``).
 
 - ``"exact"``: a rollout succeeds iff its reward is exactly 1.0 (CoBA-RL ``BetaAllocator``, Pilot-Commit ``acc``;
-  ``specs/allocators.md`` A6, A7).
-- ``"dps"``: success iff ``acc >= 1`` (DPS ``task_sampler.py``, A2) — the default; equal to ``"exact"`` for
+  ``recipe/coba_rl/budget_allocators.py``, ``recipe/pc/pc_ray_trainer.py``).
+- ``"dps"``: success iff ``acc >= 1`` (DPS ``task_sampler.py``) — the default; equal to ``"exact"`` for
   rewards in [0, 1].
-- ``"greso"``: GRESO's hard-coded thresholds (A1): a *group* counts as all-correct when its mean reward is
+- ``"greso"``: GRESO's hard-coded thresholds: a *group* counts as all-correct when its mean reward is
   ``>= 0.98`` and as all-wrong when it is ``<= 0.11`` (0.11 tolerates a 0.1 partial reward for a wrong answer),
   so the run lengths are computed on group means (``run_basis="mean"``); a rollout counts as a success iff its
   reward is ``>= 0.98``.
@@ -73,7 +73,7 @@ def stable_prompt_ids(strings: Sequence[str]) -> Tensor:
     :math:`n^2 / 2^{64}` for :math:`n` strings (about :math:`5 \cdot 10^{-8}` for a million prompts).
     This is a helper run once per dataset (a Python loop over the strings, since hashing is per string), not a
     hot-path function. Keys used by the reference codes: GRESO ``"{data_source}_{index}"``, DPS and E3 the
-    dataset index (``specs/allocators.md`` Part D §3).
+    dataset index.
 
     Args:
         strings: a sequence of ``str`` (any length, including empty strings).
@@ -189,8 +189,8 @@ class PromptHistory:
     pushes :math:`(\bar r_i, n_i, s_i)` at the front of a fixed window of the last ``window`` groups, and updates
     three run lengths: ``correct_run`` (+1 if the group was all-correct, else reset to 0), ``wrong_run`` (+1 if
     all-wrong, else 0) and ``flat_run`` (+1 if all rewards in the group were equal, else 0). All rollouts of a
-    prompt in one update form one group (call ``update`` once per training step). Reference: the state listed in
-    ``specs/allocators.md`` Part D §3 (GRESO arXiv 2506.02177, DPS 2603.10887, CoBA-RL 2602.03048, ...); the
+    prompt in one update form one group (call ``update`` once per training step). Reference: the state the
+    history-based methods keep (GRESO arXiv 2506.02177, DPS 2603.10887, CoBA-RL 2602.03048, ...); the
     data layout and the defaults below are this library's choices, not a paper's.
 
     **Success rule** (explicit, since the papers disagree; presets in :data:`SUCCESS_PRESETS`). A rollout is a
@@ -201,7 +201,7 @@ class PromptHistory:
     (GRESO: mean ``>= 0.98`` / ``<= 0.11``). Paper presets: CoBA-RL and Pilot-Commit ``reward == 1.0``
     (``success_compare="=="``); DPS ``acc >= 1`` (the default); GRESO ``>= 0.98`` and ``<= 0.11`` on group means.
 
-    **Never-seen prompts** (``unseen``; each paper has its own convention, Part D §8, so the allocator decides
+    **Never-seen prompts** (``unseen``; each paper has its own convention, so the allocator decides
     what to do with them — the history only reports ``seen=False``): ``"prior"`` (default) fills
     ``pass_rate``, ``ema_pass_rate``, ``window_pass_rate`` and ``reward_mean`` with ``prior_pass_rate``
     (default 0.5, CoBA-RL's value for a missing ``p``); ``"nan"`` fills them with NaN (an explicit "unknown";

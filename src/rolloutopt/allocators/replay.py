@@ -2,11 +2,10 @@
 
 - :class:`DOTS` — Difficulty-targeted Online daTa Selection with Rollout Replay, arXiv 2506.05316 (NeurIPS 2025);
   code ``ASTRAL-Group/data-efficient-llm-rl`` (``ray_trainer_teacher_replay.py``, ``teacher_utils.py``,
-  ``run_bash/final_ds_teacher_replay.sh``); ``specs/allocators.md`` §A5.
-- :class:`XRPOAllocator` — XRPO's hierarchical rollout planner (uncertainty-reduction priority plus an exploration
-  bonus), arXiv 2510.06672. No spec section describes it (``specs/advantages.md`` has no XRPO section; the
-  advantage side is :func:`rolloutopt.advantages.xrpo_sharpen`), so its rule is **[reconstructed]** from the
-  paper's abstract and public summaries and needs ``experimental=True``.
+  ``run_bash/final_ds_teacher_replay.sh``); ``docs/methods/replay.md``.
+- :class:`XRPO` — XRPO's hierarchical rollout planner (uncertainty-reduction priority plus an exploration
+  bonus), arXiv 2510.06672 (the advantage side is :func:`rolloutopt.advantages.xrpo_sharpen`). Its rule is
+  **[reconstructed]** from the paper's abstract and public summaries and needs ``experimental=True``.
 
 Per-prompt state lives in sorted int64 id tensors looked up with ``torch.searchsorted``; the replay buffer and the
 reference set are bounded FIFOs. No Python loop over prompts or rollouts.
@@ -17,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -41,10 +40,10 @@ from rolloutopt.allocators._base import (
 from rolloutopt.allocators.topup import _rank
 from rolloutopt.errors import InputError
 
-__all__ = ["DOTS", "DOTSPlan", "ReplayedGroups", "XRPOAllocator", "t_quantile"]
+__all__ = ["DOTS", "DOTSPlan", "ReplayedGroups", "XRPO", "t_quantile"]
 
 _F64 = torch.float64
-_XRPO_SPEC = "docs/methods/replay.md (XRPO: no section in specs/; reconstructed from arXiv 2510.06672's abstract)"
+_XRPO_DOCS = "docs/methods/replay.md"
 
 
 # -- DOTS -------------------------------------------------------------------------------------------------------
@@ -55,7 +54,7 @@ class ReplayedGroups:
     Per group ``[G]``: ``keys`` (int64, unique per stored group, increasing in insertion order), ``prompt_ids``,
     ``steps`` (the ``update`` count when the group was stored: the trainer's step that generated it), ``counts``.
     Per rollout ``[M = counts.sum()]``: ``group`` (``0..G-1``), ``index`` (the rollout's position within its
-    original group, in observation order) and ``rewards`` (float64). The trainer keeps the responses and their
+    original group, in observation order) and ``rewards`` (float32; the buffer keeps them in float64). The trainer keeps the responses and their
     behaviour log-probs keyed by ``(steps, prompt_ids, index)`` (or by ``keys``) and fetches them with these.
     """
 
@@ -145,9 +144,9 @@ class DOTS:
     groups drawn uniformly without replacement (strategy ``"random"``), fetched with :meth:`DOTSPlan.replayed`.
     Reused groups are off-policy: train on them with their stored behaviour log-probs.
 
-    **Predictor** (pluggable, as the spec's library note says). The code predicts :math:`\hat p` with a frozen
-    embedding LLM, an attention adapter (learned projections) over a reference set of 256 prompts rolled out 8
-    times, a calibration MLP and a linear fit on the reference set. Here:
+    **Predictor** (pluggable: embedding regression, a GP or a per-prompt Beta all fit). The code predicts
+    :math:`\hat p` with a frozen embedding LLM, an attention adapter (learned projections) over a reference set of
+    256 prompts rolled out 8 times, a calibration MLP and a linear fit on the reference set. Here:
 
     - default (no embeddings): a prompt rolled out before predicts its last group success rate; an unseen prompt
       predicts the mean label of the reference set (uniform similarity; ``prior`` while the set is empty);
@@ -164,7 +163,7 @@ class DOTS:
     budget and stays current. Selection happens every step (the code selects :math:`\mu B` prompts every
     :math:`\mu = 2` steps; pass a pool of :math:`\mu B` prompts to ``plan`` to emulate it).
 
-    Reference: arXiv 2506.05316 (NeurIPS 2025), ``specs/allocators.md`` §A5. Defaults from
+    Reference: arXiv 2506.05316 (NeurIPS 2025), ``docs/methods/replay.md``. Defaults from
     ``final_ds_teacher_replay.sh``: ``alpha = 0.5``, ``tau = 1e-3``, ``sigma = 0.5``, ``buffer_size = 512``,
     ``ref_size = 256``, ``n = 8`` (``rollout.n``).
 
@@ -196,6 +195,9 @@ class DOTS:
     in the buffer (FIFO eviction only), so a group may be replayed more than once. A group replayed in this step
     is not pushed again by ``update`` (only fresh rollouts enter ``result``).
     """
+
+    reference: ClassVar[str] = "arXiv 2506.05316 (DOTS + Rollout Replay); code ASTRAL-Group/data-efficient-llm-rl"
+    experimental: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -246,7 +248,7 @@ class DOTS:
         self._emb: Tensor | None = None
         self._emb_ids = torch.zeros(0, dtype=torch.long)
         if embeddings is not None or embedding_ids is not None:
-            require_experimental(experimental, "DOTS's attention-free similarity predictor", "specs/allocators.md §A5")
+            require_experimental(experimental, "DOTS's attention-free similarity predictor", "docs/methods/replay.md")
             self._set_embeddings(embeddings, embedding_ids)
         self.seed = _check_int(seed, "seed", 0, "pass a non-negative int")
         self._gen = torch.Generator().manual_seed(self.seed)
@@ -361,7 +363,7 @@ class DOTS:
             counts=counts,
             group=group,
             index=index,
-            rewards=buf["rewards"][pick][group, index] if group.numel() else torch.zeros(0, dtype=_F64),
+            rewards=(buf["rewards"][pick][group, index] if group.numel() else torch.zeros(0, dtype=_F64)).float(),
         )
 
     def update(self, result: AllocationResult) -> None:
@@ -491,7 +493,7 @@ def t_quantile(q: float, df: Tensor) -> Tensor:
 class _XRPOPlan(Conversation):
     reason_names = ("base", "extra", "capped", "no_budget")
 
-    def __init__(self, prompt_ids: Tensor, budget: int, cfg: XRPOAllocator) -> None:
+    def __init__(self, prompt_ids: Tensor, budget: int, cfg: XRPO) -> None:
         super().__init__(prompt_ids, budget)
         self.cfg = cfg
         p = prompt_ids.numel()
@@ -546,7 +548,7 @@ class _XRPOPlan(Conversation):
         return replace(res, metrics={**res.metrics, "rounds": torch.tensor(float(max(self._round - 2, 0)), dtype=_F64)})
 
 
-class XRPOAllocator:
+class XRPO:
     r"""XRPO's rollout allocator: a base group per prompt, then extra rollouts to the largest expected uncertainty cut.
 
     The uncertainty of prompt :math:`q`'s mean reward after :math:`n_q` rollouts is the half-width of the
@@ -590,6 +592,11 @@ class XRPOAllocator:
     Stateless across steps.
     """
 
+    reference: ClassVar[str] = "arXiv 2510.06672 (XRPO, the hierarchical rollout planner)"
+    experimental: ClassVar[str | None] = (
+        "the priority, the exploration bonus and the defaults are reconstructed from the abstract"
+    )
+
     def __init__(
         self,
         *,
@@ -603,7 +610,11 @@ class XRPOAllocator:
         seed: int = 0,
         experimental: bool = False,
     ) -> None:
-        require_experimental(experimental, "the XRPO allocation rule (priority, bonus, defaults)", _XRPO_SPEC)
+        require_experimental(
+            experimental,
+            "the XRPO allocation rule (priority, bonus, defaults, from arXiv 2510.06672's abstract)",
+            _XRPO_DOCS,
+        )
         self.n_base = _check_int(n_base, "n_base", 1, "pass e.g. n_base=8")
         self.n_min = self.n_base if n_min is None else _check_int(n_min, "n_min", 1, "pass e.g. n_min=2")
         self.n_max = _check_int(n_max, "n_max", 1, "pass e.g. n_max=32")
@@ -634,5 +645,5 @@ class XRPOAllocator:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`."""
-        check_state(state, {"generator"}, "XRPOAllocator")
+        check_state(state, {"generator"}, "XRPO")
         self._gen.set_state(state["generator"])

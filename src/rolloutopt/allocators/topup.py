@@ -3,9 +3,9 @@ commit).
 
 Both speak the protocol of :mod:`rolloutopt.allocators._base` (``plan`` → ``next``/``observe`` → ``finish`` →
 ``update``) and issue several requests per plan: a first stage on every prompt, then further rollouts for the
-prompts whose first rewards say they carry a learning signal (``specs/allocators.md`` §A6, §A9, Part D.2).
+prompts whose first rewards say they carry a learning signal (``docs/methods/topup.md``).
 :func:`vigor_speedup` is the closed-form speed-up of the square-root allocation under Pareto-distributed
-variance (§A9).
+variance.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -106,7 +106,7 @@ def vigor_speedup(alpha: float | Tensor) -> float | Tensor:
         S(\alpha) = \frac{\mathbb E[\sigma^2]}{(\mathbb E[\sigma])^2}
                   = \frac{(\alpha - \tfrac12)^2}{\alpha(\alpha - 1)}, \qquad \alpha > 1.
 
-    Derivation (``specs/allocators.md`` §A9, a **project derivation** that matches VIGOR's claim, arXiv
+    Derivation (``docs/methods/topup.md``, a **project derivation** that matches VIGOR's claim, arXiv
     "VarIance Guided Online Rollout allocation", in form only): with :math:`n_i \propto \sigma_i` (the optimum of
     :math:`\min \sum_i \sigma_i^2/n_i` s.t. :math:`\sum_i n_i = N`) the total variance is
     :math:`(\sum_i\sigma_i)^2/N`; uniform allocation gives :math:`M\sum_i\sigma_i^2/N`. Rollouts needed for equal
@@ -276,7 +276,7 @@ class _VIGORPlan(_Tracked):
 class VIGOR:
     r"""VIGOR: warm-start every prompt, then add rollouts in rounds to the groups with the highest reward variance.
 
-    From the abstract of "VarIance Guided Online Rollout allocation" (``../seeds/``; ``specs/allocators.md`` §A9):
+    From the abstract of "VarIance Guided Online Rollout allocation" (``docs/methods/topup.md``):
     begin with a few rollouts for every prompt and iteratively allocate more to those with the highest group
     reward variance until a fixed total budget is reached. Round 0 gives :math:`n_0` rollouts to every prompt;
     each following round hands out a chunk of :math:`\Delta` rollouts by the *rule*:
@@ -296,12 +296,12 @@ class VIGOR:
 
     **Reconstructed** (no public code; the abstract fixes only the literal rule): ``n_init`` (2), ``rounds`` (4:
     the post-warm-up budget is split into that many chunks; ``chunk`` overrides), ``top_frac`` (0.5), the
-    population variance, tie-breaking toward the lower prompt id (the spec's "lower index", which keeps the plan
+    population variance, tie-breaking toward the lower prompt id (which keeps the plan
     equivariant under a permutation of the prompts), the lowest-id-first warm start when the budget cannot warm
     every prompt, ``mode`` ("online": re-estimate after every round, the "O" of VIGOR; "static": keep the
     warm-up estimate). The defaults follow the abstract's literal rule, so ``VIGOR()`` works and warns once
     (``experimental=True`` silences the warning). The options that go beyond the abstract — ``rule="marginal"``
-    (the marginal-score rule of §A9) and ``prior`` (a Beta-smoothed variance
+    (the marginal-score rule :math:`g_i = s_i^2/(n_i(n_i+1))`) and ``prior`` (a Beta-smoothed variance
     :math:`(c+a)(n-c+b)/(n+a+b)^2` that lets flat groups be re-probed) — require ``experimental=True``.
 
     Args:
@@ -321,6 +321,12 @@ class VIGOR:
     ``"top_up"``, ``"capped"`` (topped up to ``n_max``), ``"zero_variance"``, ``"no_budget"``. Stateless across
     steps and deterministic: no seed is needed; ``update`` does nothing and the state dict is empty.
     """
+
+    reference: ClassVar[str] = (
+        "VIGOR, variance-guided online rollout allocation (abstract only, no public code; "
+        "VIGOR() warns that its defaults are reconstructed)"
+    )
+    experimental: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -356,12 +362,12 @@ class VIGOR:
             require_experimental(
                 experimental,
                 "VIGOR's marginal-score rule and prior-smoothed variance (beyond the abstract)",
-                "specs/allocators.md §A9",
+                "docs/methods/topup.md",
             )
         elif experimental is not True:
             warnings.warn(
-                "VIGOR: n_init, rounds, top_frac and the variance estimator are reconstructed (specs/allocators.md "
-                "§A9; no public code); pass experimental=True to acknowledge",
+                "VIGOR: n_init, rounds, top_frac and the variance estimator are reconstructed (no public code; see "
+                "docs/methods/topup.md); pass experimental=True to acknowledge",
                 UserWarning,
                 stacklevel=2,
             )
@@ -520,7 +526,7 @@ class PilotCommit:
     r"""Pilot-Commit: pilot every prompt with a few rollouts, then commit the rest of the budget to the useful ones.
 
     arXiv 2605.26606 ("Spend Your Rollouts Where It Counts"; code ``databricks/pilot-commit``,
-    ``recipe/pc/pc_ray_trainer.py``, ``replay_buffer.py``; ``specs/allocators.md`` §A6). Per round (one request):
+    ``recipe/pc/pc_ray_trainer.py``, ``replay_buffer.py``; ``docs/methods/topup.md``). Per round (one request):
 
     1. **Pilot** the next ``gen_batch_size`` fresh prompts (the given order) with ``n_pilot`` rollouts each.
     2. **Classify** each by its pilot success rate :math:`m` (success: ``reward >= success``):
@@ -582,6 +588,9 @@ class PilotCommit:
     weight 0, keep them for a later step), ``"too_correct"``, ``"too_incorrect"``, ``"evicted"`` (skipped),
     ``"not_piloted"`` (budget, rounds or batch full).
     """
+
+    reference: ClassVar[str] = "arXiv 2605.26606 (Pilot-Commit); code databricks/pilot-commit"
+    experimental: ClassVar[str | None] = None
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""Rollout control: stop rules, truncation and length rules, partial-rollout scheduling (``specs/rollout_control.md``).
+"""Rollout control: stop rules, truncation and length rules, partial-rollout scheduling (``docs/api/control.md``).
 
 Everything is engine-agnostic (it sees per-step log-probs, entropies, top-k log-probs, token ids and an ``active``
 mask — never a model), vectorised over the live batch, and checkpointable.
@@ -10,6 +10,23 @@ mask — never a model), vectorised over the live batch, and checkpointable.
 - post-hoc truncation and length rules (decide after generation; return a :class:`TruncationOutput`):
   :mod:`~rolloutopt.control.posthoc`;
 - partial-rollout scheduling (APRIL, CoPRIS): :mod:`~rolloutopt.control.partial`.
+
+Two registries, one shape (``get``/``entry``/``names``/``register``, as every family of the library):
+
+- :data:`REGISTRY` (``rolloutopt.control.get``, ...): every rule *class*, constructed by ``get(name)(...)``: the
+  streaming stop and truncation rules (subclasses of :class:`StopRule`, run ``init`` → ``step``… →
+  ``finalize``) and the length/horizon controllers that a trainer calls once per training step
+  (``prune_opd_window``, ``stable_opd``, ``adwin_horizon``: ``observe(...)``). ``requires`` names the inputs a
+  rule cannot run without (``step`` and ``init`` keywords for a stop rule, ``observe`` keywords for a
+  controller), ``accepts`` those it reads when given.
+- ``rolloutopt.control.posthoc.REGISTRY`` (``rolloutopt.control.posthoc.get``, ...): the post-hoc rule
+  *functions*, called once on a finished batch by ``get(name)(**inputs, **hyper_parameters)`` (``dot``,
+  ``jet_reward``, the DLER penalties, ``soft_compression_penalty``, ``step_aware_reward``). They are a second
+  registry because they are called differently: no construction, no state, one call per batch.
+
+Schedules and helpers (``siri_max_length``, ``popd_horizon``, ``topd_horizon``, ``esr_mask``,
+``absorbing_failure``, ``egae``, the measures) are plain functions and not registered. The partial-rollout
+schedulers drive generation rather than decide on rollouts, and are not registered either.
 """
 
 from __future__ import annotations
@@ -31,3 +48,102 @@ __all__ += truncation.__all__
 __all__ += opd.__all__
 __all__ += posthoc.__all__
 __all__ += partial.__all__
+
+from typing import Any  # noqa: E402
+
+from rolloutopt.registry import Entry, Registry  # noqa: E402
+
+REGISTRY: Registry[type] = Registry("control rule")
+"""Rule classes by name (the snake_case of the class name): ``get("espo")()`` constructs ESPO."""
+
+for _name, _cls in (
+    ("espo", ESPO),  # noqa: F405
+    ("espo_critic_free", ESPOCriticFree),  # noqa: F405
+    ("abstention", Abstention),  # noqa: F405
+    ("arrol", ARRoL),  # noqa: F405
+    ("step_grpo_truncation", StepGRPOTruncation),  # noqa: F405
+    ("deer", DEER),  # noqa: F405
+    ("duet_abort", DUETAbort),  # noqa: F405
+    ("echo_pruning", ECHOPruning),  # noqa: F405
+    ("prune_opd", PruneOPD),  # noqa: F405
+    ("esr", ESR),  # noqa: F405
+    ("prune_opd_window", PruneOPDWindow),  # noqa: F405
+    ("stable_opd", StableOPD),  # noqa: F405
+    ("adwin_horizon", ADWINHorizon),  # noqa: F405
+):
+    REGISTRY.register(_name, _cls)
+
+_LENGTH_RULE = ("rewards", "lengths", "group")
+for _name, _fn, _requires, _reference, _experimental in (
+    (
+        "dot",
+        dot,  # noqa: F405
+        _LENGTH_RULE,
+        "arXiv 2601.03969 (DOT: dynamic outlier truncation)",
+        "the outlier threshold rule is reconstructed from DOT's abstract",
+    ),
+    (
+        "jet_reward",
+        jet_reward,  # noqa: F405
+        ("accuracy", "has_format", "lengths", "group"),
+        "arXiv 2509.23392 (JET: Just-Enough Thinking); code JinyiHan99/Just-Enough-Think",
+        None,
+    ),
+    (
+        "dler_truncation_penalty",
+        dler_truncation_penalty,  # noqa: F405
+        ("rewards", "lengths"),
+        "arXiv 2510.15110 (DLER: Doing Length pEnalty Right)",
+        "the truncation penalty is reconstructed from DLER's abstract",
+    ),
+    (
+        "dler_difficulty_penalty",
+        dler_difficulty_penalty,  # noqa: F405
+        _LENGTH_RULE,
+        "arXiv 2510.15110 (DLER, difficulty-aware variant)",
+        "the difficulty-aware budget is reconstructed from DLER's abstract",
+    ),
+    (
+        "soft_compression_penalty",
+        soft_compression_penalty,  # noqa: F405
+        _LENGTH_RULE,
+        "sample-level soft RL compression (known from its abstract only)",
+        "the mastery test and the penalty are reconstructed from the abstract",
+    ),
+    (
+        "step_aware_reward",
+        step_aware_reward,  # noqa: F405
+        ("rewards", "steps", "group"),
+        "arXiv 2604.16890 (Step-GRPO's step-aware relative reward)",
+        "the step-aware reward is reconstructed from Step-GRPO's abstract and summaries",
+    ),
+):
+    posthoc.REGISTRY.register(
+        _name, _fn, requires=_requires, accepts=("mask",) if _name != "step_aware_reward" else (),
+        reference=_reference, experimental=_experimental,
+    )
+
+
+def get(name: str) -> Any:
+    """The rule class registered as ``name`` (an :class:`~rolloutopt.errors.InputError` lists the names)."""
+    return REGISTRY.get(name)
+
+
+def entry(name: str) -> Entry[type]:
+    """The :class:`~rolloutopt.registry.Entry` of rule ``name``: the class, ``requires``, ``accepts``,
+    ``reference`` and ``experimental``."""
+    return REGISTRY.entry(name)
+
+
+def names() -> list[str]:
+    """Names of every registered rule class, sorted."""
+    return REGISTRY.names()
+
+
+def register(name: str, cls: type, *, overwrite: bool = False) -> type:
+    """Register a rule class under ``name`` (its ``requires``, ``accepts``, ``reference`` and ``experimental``
+    class attributes are its declarations); a different class under a taken name raises unless ``overwrite``."""
+    return REGISTRY.register(name, cls, overwrite=overwrite)
+
+
+__all__ += ["REGISTRY", "entry", "get", "names", "register"]

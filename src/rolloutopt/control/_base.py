@@ -1,16 +1,23 @@
-"""The streaming stop-rule protocol every rule speaks (``DESIGN.md`` §4), and the outputs rules share.
+"""The streaming stop-rule protocol every rule speaks (``docs/api/control.md``), and the outputs rules share.
 
 A stop rule is streamed, vectorised over the live batch, and never sees a model::
 
     state = rule.init(batch_size)                        # per-generation state: tensors only
     for each decoding step:
-        state, stop = rule.step(state, logprobs=..., entropy=..., topk_logprobs=..., tokens=..., active=...)
+        state, stop = rule.step(state, logp=..., entropy=..., topk_logp=..., tokens=..., active=...)
         # stop: bool [N], cumulative (a row once stopped stays stopped); stop sampling those rows
     result = rule.finalize(state)                        # per-row stop positions and reasons, for the loss side
 
 :class:`StopRule` implements the bookkeeping once (validation, the cumulative ``stop`` mask, positions and
-reasons, the inputs a rule needs); a rule subclasses it and decides only *which live rows fire now*
+reasons, the inputs a rule declares); a rule subclasses it and decides only *which live rows fire now*
 (:meth:`StopRule._step`). :func:`replay` drives a rule over recorded ``[N, T]`` tensors (offline analysis, tests).
+
+Declared inputs. Every rule class declares ``requires`` (the inputs it cannot run without: a missing one raises an
+:class:`~rolloutopt.errors.InputError` naming it), ``accepts`` (inputs it reads when given, e.g. the checkpoint or
+probe inputs that only some steps need), ``reference`` (the arXiv id) and ``experimental`` (why the rule is
+reconstructed and needs ``experimental=True``, or None); the registry of :mod:`rolloutopt.control` reads them. The
+names are the library's glossary (``logp``, ``entropy``, ``topk_logp``, ``tokens``, ``group``) plus the rule's own
+inputs declared in ``extra_inputs`` (``step`` keywords) and ``init_inputs`` (``init`` keywords).
 
 Positions. Row ``i``'s token counter ``state.steps[i]`` counts the tokens it generated while live (active and not
 stopped). A rule that fires at a step keeps the token of that step: ``position`` is that token's index and the
@@ -44,9 +51,9 @@ __all__ = [
 
 #: The inputs every rule's ``step`` accepts, with their shapes (``N`` live batch, ``K`` top-k width).
 STANDARD_INPUTS: dict[str, str] = {
-    "logprobs": "N",
+    "logp": "N",
     "entropy": "N",
-    "topk_logprobs": "N K",
+    "topk_logp": "N K",
     "tokens": "N",
 }
 
@@ -105,9 +112,9 @@ class StepInputs:
 
     live: Tensor
     active: Tensor
-    logprobs: Tensor | None = None
+    logp: Tensor | None = None
     entropy: Tensor | None = None
-    topk_logprobs: Tensor | None = None
+    topk_logp: Tensor | None = None
     tokens: Tensor | None = None
     extra: dict[str, Tensor] = field(default_factory=dict)
 
@@ -184,22 +191,48 @@ def truncate_mask(mask: Any, result: StopResult) -> Tensor:
 class StopRule:
     """Base class of the streaming stop rules: ``init`` → ``step``… → ``finalize``.
 
-    A subclass sets ``reason_names`` (``reason_names[0]`` must be ``"running"``), ``uses`` (the standard inputs it
-    reads; absent ones raise an InputError naming them), ``extra_inputs`` (rule-specific per-row inputs:
-    name → ``(shape spec, kind)`` with kind ``"float"``, ``"int"`` or ``"bool"``; shapes use ``N`` and other
-    letters), overrides :meth:`_init` (per-row ``extra`` state) and :meth:`_step` (which live rows fire, and why),
-    and, when it learns across batches, :meth:`state_dict`/:meth:`load_state_dict`.
+    A subclass sets ``reason_names`` (``reason_names[0]`` must be ``"running"``) and declares its inputs:
+
+    - ``requires``: the inputs it cannot run without — standard ``step`` inputs (``logp``, ``entropy``,
+      ``topk_logp``, ``tokens``), its own ``step`` inputs and its ``init`` inputs; a missing one (absent or None)
+      raises an :class:`~rolloutopt.errors.InputError` naming it;
+    - ``accepts``: inputs it reads when given (e.g. the checkpoint or probe inputs that only some steps need,
+      optional ``init`` keywords such as ``row_id``); standard inputs outside ``requires`` and ``accepts`` are
+      ignored, so one generation loop can pass the same keywords to several rules;
+    - ``extra_inputs`` (its own ``step`` inputs) and ``init_inputs`` (its ``init`` keywords): name →
+      ``(shape spec, kind)`` with kind ``"float"``, ``"int"`` or ``"bool"``; shapes use ``N`` and other letters;
+    - ``reference`` (arXiv id) and ``experimental`` (why it is reconstructed and needs ``experimental=True``, or
+      None), for the registry.
+
+    It overrides :meth:`_init` (per-row ``extra`` state) and :meth:`_step` (which live rows fire, and why), and,
+    when it learns across batches, :meth:`state_dict`/:meth:`load_state_dict`.
     """
 
     reason_names: ClassVar[tuple[str, ...]] = ("running", "stopped")
-    uses: ClassVar[tuple[str, ...]] = ()
+    requires: ClassVar[tuple[str, ...]] = ()
+    accepts: ClassVar[tuple[str, ...]] = ()
     extra_inputs: ClassVar[dict[str, tuple[str, str]]] = {}
+    init_inputs: ClassVar[dict[str, tuple[str, str]]] = {}
+    reference: ClassVar[str] = ""
+    experimental: ClassVar[str | None] = None
 
     # -- the protocol ------------------------------------------------------------------------------------------
     def init(self, batch_size: int, *, device: torch.device | str | None = None, **inputs: Any) -> StopState:
-        """A fresh state for ``batch_size`` rows (rule-specific keywords, e.g. ``group=``, go to :meth:`_init`)."""
+        """A fresh state for ``batch_size`` rows (rule-specific keywords, e.g. ``group=``, go to :meth:`_init`;
+        the rule's ``init_inputs`` lists them)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
             raise InputError("batch_size", "a non-negative int", describe(batch_size), "pass the number of rows")
+        name = type(self).__name__
+        for key, value in inputs.items():
+            if key not in self.init_inputs:
+                known = ", ".join(sorted(self.init_inputs)) or "none"
+                raise InputError(
+                    key, f"a keyword {name}.init accepts ({known})", describe(value), f"remove {key}="
+                )
+        for key in self.requires:
+            if key in self.init_inputs and inputs.get(key) is None:
+                spec = ", ".join(self.init_inputs[key][0].split())
+                raise InputError(key, f"a tensor [{spec}]: {name} requires it", "None", f"pass init(n, {key}=...)")
         dev = torch.device(device) if device is not None else torch.device("cpu")
         n = batch_size
         return StopState(
@@ -214,22 +247,23 @@ class StopRule:
         self,
         state: StopState,
         *,
-        logprobs: Any = None,
+        logp: Any = None,
         entropy: Any = None,
-        topk_logprobs: Any = None,
+        topk_logp: Any = None,
         tokens: Any = None,
         active: Any = None,
         **inputs: Any,
     ) -> tuple[StopState, Tensor]:
         """Observe one decoding step of every row; return the new state and the cumulative bool ``stop [N]``.
 
-        ``logprobs`` float ``[N]`` (sampled token), ``entropy`` float ``[N]``, ``topk_logprobs`` float ``[N, K]``,
-        ``tokens`` int ``[N]``, ``active`` bool ``[N]`` (default all True). Inputs the rule does not use are
-        ignored; rule-specific inputs go by keyword (see the rule's ``extra_inputs``).
+        ``logp`` float ``[N]`` (log-prob of the sampled token), ``entropy`` float ``[N]``, ``topk_logp`` float
+        ``[N, K]``, ``tokens`` int ``[N]``, ``active`` bool ``[N]`` (default all True). A missing input the rule
+        ``requires`` raises; standard inputs it neither requires nor accepts are ignored; rule-specific inputs go
+        by keyword (see the rule's ``extra_inputs``) and an unknown one raises.
         """
         if not isinstance(state, StopState):
             raise InputError("state", "a StopState from rule.init()", describe(state), "call rule.init(batch_size)")
-        x = self._inputs(state, logprobs, entropy, topk_logprobs, tokens, active, inputs)
+        x = self._inputs(state, logp, entropy, topk_logp, tokens, active, inputs)
         extra, fire, reason = self._step(state, x)
         newly = fire.to(torch.bool) & x.live
         reason_t = torch.as_tensor(reason, dtype=torch.long, device=state.reason.device).expand_as(state.reason)
@@ -291,9 +325,9 @@ class StopRule:
     def _inputs(
         self,
         state: StopState,
-        logprobs: Any,
+        logp: Any,
         entropy: Any,
-        topk_logprobs: Any,
+        topk_logp: Any,
         tokens: Any,
         active: Any,
         inputs: dict[str, Any],
@@ -303,18 +337,26 @@ class StopRule:
         dims = Dims()
         dims.sizes["N"] = (n, "state")
         dev = state.stopped.device
-        given = {"logprobs": logprobs, "entropy": entropy, "topk_logprobs": topk_logprobs, "tokens": tokens}
-        for need in self.uses:
-            if given[need] is None:
+        given = {"logp": logp, "entropy": entropy, "topk_logp": topk_logp, "tokens": tokens}
+        for need in self.requires:
+            if need in STANDARD_INPUTS and given[need] is None:
                 raise InputError(
                     need,
-                    f"a tensor of shape [{', '.join(STANDARD_INPUTS[need].split())}]: {name} uses it",
+                    f"a tensor of shape [{', '.join(STANDARD_INPUTS[need].split())}]: {name} requires it",
                     "None",
                     f"pass {need}= to step()",
                 )
+            if need in self.extra_inputs and inputs.get(need) is None:
+                raise InputError(
+                    need,
+                    f"a tensor of shape [{', '.join(self.extra_inputs[need][0].split())}]: {name} requires it",
+                    "None",
+                    f"pass {need}= to step()",
+                )
+        reads = set(self.requires) | set(self.accepts)
         std: dict[str, Tensor | None] = {}
         for key, value in given.items():
-            if value is None or key not in self.uses:
+            if value is None or key not in reads:
                 std[key] = None
             elif key == "tokens":
                 std[key] = as_index(value, key, dims, "N").to(dev)
@@ -327,7 +369,7 @@ class StopRule:
             else as_mask(active, "active", dims, "N").to(dev)
         )
         live = act & ~state.stopped
-        for key in ("logprobs", "entropy", "topk_logprobs"):
+        for key in ("logp", "entropy", "topk_logp"):
             value_t = std[key]
             if value_t is not None:
                 finite(value_t, key, live[:, None].expand_as(value_t) if value_t.ndim == 2 else live)
@@ -359,7 +401,7 @@ def extra_input(value: Any, key: str, spec_kind: tuple[str, str], dims: Dims, ro
 def replay(rule: StopRule, *, mask: Any = None, init: dict[str, Any] | None = None, **per_token: Any) -> StopResult:
     """Drive ``rule`` over a recorded generation and return :meth:`StopRule.finalize`'s result.
 
-    Every per-token input is ``[N, T, ...]`` (``logprobs``, ``entropy``, ``topk_logprobs [N, T, K]``, ``tokens``,
+    Every per-token input is ``[N, T, ...]`` (``logp``, ``entropy``, ``topk_logp [N, T, K]``, ``tokens``,
     and the rule's extra inputs); step ``t`` passes ``x[:, t]``. ``mask`` bool ``[N, T]`` is the ``active`` mask
     (default all True), ``init`` the keywords for ``rule.init`` (e.g. ``{"group": group}``). A Python loop over
     T — the time axis of generation — as the engine's own loop would run it.
@@ -368,7 +410,7 @@ def replay(rule: StopRule, *, mask: Any = None, init: dict[str, Any] | None = No
         raise InputError("rule", "a StopRule", describe(rule), "pass a rule such as ESPO()")
     tensors = {k: v for k, v in per_token.items() if v is not None}
     if not tensors and mask is None:
-        raise InputError("per_token", "at least one [N, T] input or mask", "nothing", "pass logprobs=... or mask=...")
+        raise InputError("per_token", "at least one [N, T] input or mask", "nothing", "pass logp=... or mask=...")
     first = mask if mask is not None else next(iter(tensors.values()))
     if not isinstance(first, Tensor) or first.ndim < 2:
         raise InputError(

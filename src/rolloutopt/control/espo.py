@@ -2,7 +2,7 @@ r"""ESPO — Early-Stopping PPO (arXiv 2605.29860): stop a rollout when its logi
 
 ESPO stops generation once a *surrogate regret*, computed only from the log-probs the sampler already produced,
 accumulates faster than expected. A stopped rollout is an *absorbing failure state* with a terminal reward, so
-PPO/GAE concentrates the negative TD error near the detected failure step (``specs/rollout_control.md`` B1).
+PPO/GAE concentrates the negative TD error near the detected failure step (``docs/methods/early_stop.md``).
 
 - :func:`surrogate_regret`: :math:`g_t = \max_a \log\pi(a|s_t) - \log\pi(a_t|s_t) \ge 0`.
 - :class:`ESPO`: the rule as the two digests describe it (needs a critic value :math:`V(s_t)` per step): EMA
@@ -17,8 +17,8 @@ A generation loop::
     rule = ESPO()
     state = rule.init(batch_size)
     for t in range(max_new_tokens):
-        ...  # sample; the engine has logprobs [N], topk_logprobs [N, K], the critic's values [N]
-        state, stop = rule.step(state, logprobs=lp, topk_logprobs=topk, values=v, active=~finished)
+        ...  # sample; the engine has logp [N], topk_logp [N, K], the critic's values [N]
+        state, stop = rule.step(state, logp=lp, topk_logp=topk, values=v, active=~finished)
     result = rule.finalize(state)
     batch = absorbing_failure(rewards, mask, result, r_fail=rule.r_fail)   # token rewards, done, mask for GAE
     rule.update(state)                                                      # batch boundary: EMA stats, beta
@@ -61,7 +61,7 @@ __all__ = [
     "surrogate_regret",
 ]
 
-_SPEC = "specs/rollout_control.md B1"
+_DOCS = "docs/methods/early_stop.md"
 
 
 # -- hyper-parameter checks (shared with control.value) -------------------------------------------------------------
@@ -73,37 +73,37 @@ def _float_state(state: Any, key: str, owner: str) -> float:
 
 
 # -- the regret ------------------------------------------------------------------------------------------------------
-def _regret(logprobs: Tensor, topk: Tensor) -> Tensor:
-    return (topk.amax(dim=-1) - logprobs).clamp_min(0.0)
+def _regret(logp: Tensor, topk: Tensor) -> Tensor:
+    return (topk.amax(dim=-1) - logp).clamp_min(0.0)
 
 
-def surrogate_regret(logprobs: Tensor, topk_logprobs: Tensor) -> Tensor:
+def surrogate_regret(logp: Tensor, topk_logp: Tensor) -> Tensor:
     r"""ESPO's per-token surrogate regret, the log-prob gap of the sampled token to the most likely one.
 
     .. math::
         g_t = \max\Big(\max_{a \in \text{top-}k} \log\pi(a|s_t) - \log\pi(a_t|s_t),\ 0\Big)
 
-    Reference: ESPO, arXiv 2605.29860 (``specs/rollout_control.md`` B1). The paper takes the max over the whole
+    Reference: ESPO, arXiv 2605.29860 (``docs/methods/early_stop.md``). The paper takes the max over the whole
     vocabulary; the engine's top-k log-probs (k >= 1) contain the argmax token, so the top-k's max stands in for
     the argmax log-prob exactly as long as the top-k is the true top-k of the sampling distribution. The clamp at
     0 absorbs a sampled log-prob that is (numerically) above the top-k's max. :math:`g_t = 0` when the sampled
     token is the argmax: a confidently wrong policy has no regret and is never stopped (the paper's caveat).
 
     Args:
-        logprobs: log-prob of the sampled token, float ``[N]``.
-        topk_logprobs: the top-k log-probs at the same step, float ``[N, K]`` with ``K >= 1`` (any order).
+        logp: log-prob of the sampled token, float ``[N]``.
+        topk_logp: the top-k log-probs at the same step, float ``[N, K]`` with ``K >= 1`` (any order).
 
     Returns:
         ``g`` float32 ``[N]`` (float64 for float64 inputs), ``>= 0`` and finite. An empty batch gives ``[0]``.
     """
     dims = Dims()
-    lp = as_float(logprobs, "logprobs", dims, "N")
-    topk = as_float(topk_logprobs, "topk_logprobs", dims, "N K").to(lp.device)
+    lp = as_float(logp, "logp", dims, "N")
+    topk = as_float(topk_logp, "topk_logp", dims, "N K").to(lp.device)
     if checks_enabled():
         if topk.shape[1] == 0:
-            raise InputError("topk_logprobs", "K >= 1 top-k log-probs per row", describe(topk), "pass k >= 1")
-        finite(lp, "logprobs")
-        finite(topk, "topk_logprobs")
+            raise InputError("topk_logp", "K >= 1 top-k log-probs per row", describe(topk), "pass k >= 1")
+        finite(lp, "logp")
+        finite(topk, "topk_logp")
     return _regret(lp, topk)
 
 
@@ -145,9 +145,9 @@ class ESPO(StopRule):
         \beta_{max}\big)
 
     Reference: ESPO, arXiv 2605.29860; the rule, the warm-up gate and the defaults come from two digests of the
-    paper (``specs/rollout_control.md`` B1, tagged [summary]). No code is public.
+    paper (public summaries; ``docs/methods/early_stop.md``). No code is public.
 
-    Inputs to :meth:`StopRule.step`: ``logprobs [N]``, ``topk_logprobs [N, K]`` and the extra input ``values [N]``
+    Inputs to :meth:`StopRule.step` (all required): ``logp [N]``, ``topk_logp [N, K]`` and ``values [N]``
     (the critic's :math:`V_\phi(s_t)` at the same step). Reason ``"regret"``. The per-row state holds ``z`` and
     the regret sums that :meth:`update` consumes (:meth:`batch_stats`).
 
@@ -169,7 +169,8 @@ class ESPO(StopRule):
             ``clip=5`` and :math:`\epsilon_V = 0.2` a :math:`\beta \ge 25` would never stop anything).
         eps_v: :math:`\epsilon_V`, the floor of the value in the threshold (0.2, digests).
         delta: :math:`\delta` in the normaliser (1e-6: ours; the oracle uses 0).
-        clip: :math:`c`, the clip of the normalised regret (5.0: the spec's oracle; the digests give no value).
+        clip: :math:`c`, the clip of the normalised regret (5.0: ours, as in our worked example; the digests give
+            no value).
         mu_init, var_init: :math:`\mu_g, \sigma_g^2` before any batch (0 and 1: ours, the identity normaliser).
         seed_from_first_batch: the first :meth:`update` with tokens replaces ``mu_init``/``var_init`` by the
             batch statistics instead of an EMA step from them (True: ours — with :math:`\alpha_{EMA} = 0.99` the
@@ -184,8 +185,9 @@ class ESPO(StopRule):
     """
 
     reason_names: ClassVar[tuple[str, ...]] = ("running", "regret")
-    uses: ClassVar[tuple[str, ...]] = ("logprobs", "topk_logprobs")
+    requires: ClassVar[tuple[str, ...]] = ("logp", "topk_logp", "values")
     extra_inputs: ClassVar[dict[str, tuple[str, str]]] = {"values": ("N", "float")}
+    reference: ClassVar[str] = "arXiv 2605.29860 (ESPO; the rule and defaults from public summaries)"
 
     def __init__(
         self,
@@ -291,11 +293,11 @@ class ESPO(StopRule):
         }
 
     def _step(self, state: StopState, x: StepInputs) -> tuple[dict[str, Tensor], Tensor, int]:
-        lp = x.need("logprobs", "ESPO")
-        topk = x.need("topk_logprobs", "ESPO")
+        lp = x.need("logp", "ESPO")
+        topk = x.need("topk_logp", "ESPO")
         v = x.need("values", "ESPO")
         if checks_enabled() and topk.shape[1] == 0:
-            raise InputError("topk_logprobs", "K >= 1 top-k log-probs per row", describe(topk), "pass k >= 1")
+            raise InputError("topk_logp", "K >= 1 top-k log-probs per row", describe(topk), "pass k >= 1")
         g = _regret(lp, topk)
         gn = ((g - self.mu) / math.sqrt(self.var + self.delta)).clamp(-self.clip, self.clip)
         e = state.extra
@@ -397,13 +399,13 @@ class ESPOCriticFree(StopRule):
     deviation of *completed, successful* rollouts, learnt by :meth:`update` (EMA across batches, the first batch
     replacing the initial values when none were given). Until a reference exists the rule never fires.
 
-    Reference: ESPO, arXiv 2605.29860. **Reconstructed** from the abstract only (``specs/rollout_control.md`` B1,
+    Reference: ESPO, arXiv 2605.29860. **Reconstructed** from the abstract only (``docs/methods/early_stop.md``,
     "critic-free variant"): the paper's values for this form are unknown, so every keyword default is ours and
     ``experimental=True`` is required. The reference is global (one :math:`\bar\rho, s_\rho`), not per task.
 
     Args:
-        kappa: :math:`\kappa`, the band width in reference standard deviations (3.0: ours, the spec's oracle).
-        t_min: no stop before this many tokens (10: ours, the spec's oracle).
+        kappa: :math:`\kappa`, the band width in reference standard deviations (3.0: ours, as in our worked example).
+        t_min: no stop before this many tokens (10: ours, as in our worked example).
         smoothing: :math:`a`, the EMA coefficient on :math:`C_t` (0.9: ours, like ESPO's :math:`\alpha_s`;
             0 disables smoothing).
         rho_bar, s_rho: an initial reference (None: none until the first :meth:`update`).
@@ -417,7 +419,9 @@ class ESPOCriticFree(StopRule):
     """
 
     reason_names: ClassVar[tuple[str, ...]] = ("running", "regret")
-    uses: ClassVar[tuple[str, ...]] = ("logprobs", "topk_logprobs")
+    requires: ClassVar[tuple[str, ...]] = ("logp", "topk_logp")
+    reference: ClassVar[str] = "arXiv 2605.29860 (ESPO, the critic-free variant of its abstract)"
+    experimental: ClassVar[str | None] = "the critic-free variant is reconstructed from ESPO's abstract"
 
     def __init__(
         self,
@@ -431,7 +435,7 @@ class ESPOCriticFree(StopRule):
         r_fail: float = -1.0,
         experimental: bool = False,
     ) -> None:
-        require_experimental(experimental, "ESPO's critic-free variant", _SPEC)
+        require_experimental(experimental, "ESPO's critic-free variant", _DOCS)
         self.kappa = _real(kappa, "kappa", 0.0)
         self.t_min = _int(t_min, "t_min", 1)
         self.smoothing = _real(smoothing, "smoothing", 0.0, 1.0)
@@ -451,10 +455,10 @@ class ESPOCriticFree(StopRule):
         return {"cum": zeros, "smooth": zeros.clone(), "regret_sq_sum": zeros.clone()}
 
     def _step(self, state: StopState, x: StepInputs) -> tuple[dict[str, Tensor], Tensor, int]:
-        lp = x.need("logprobs", "ESPOCriticFree")
-        topk = x.need("topk_logprobs", "ESPOCriticFree")
+        lp = x.need("logp", "ESPOCriticFree")
+        topk = x.need("topk_logp", "ESPOCriticFree")
         if checks_enabled() and topk.shape[1] == 0:
-            raise InputError("topk_logprobs", "K >= 1 top-k log-probs per row", describe(topk), "pass k >= 1")
+            raise InputError("topk_logp", "K >= 1 top-k log-probs per row", describe(topk), "pass k >= 1")
         rho = torch.where(x.live, _regret(lp, topk), torch.zeros_like(lp))
         e = state.extra
         cum = e["cum"] + rho
@@ -544,7 +548,7 @@ def absorbing_failure(rewards: Any, mask: Any, result: StopResult, *, r_fail: fl
         \ \text{(stopped rows)}, \qquad r_{i,t} \text{ unchanged (other rows)}, \qquad
         \text{done}_{i,t} = [t = T^{end}_i]
 
-    Reference: ESPO, arXiv 2605.29860 (``specs/rollout_control.md`` B1, "loss-side effect"): no bootstrap beyond
+    Reference: ESPO, arXiv 2605.29860 (``docs/methods/early_stop.md``, "loss-side effect"): no bootstrap beyond
     the stop, so GAE concentrates the negative TD error near the stop point; PPO/GAE then run unchanged. The
     terminal reward is **never** added to rows that finished normally. Works for any :class:`StopRule`'s result
     (e.g. :class:`~rolloutopt.control.value.Abstention` with ``r_fail=rule.r_abs``).

@@ -1,24 +1,24 @@
-"""On-policy-distillation (OPD) horizon rules: Prune-OPD, Stable-OPD, ADWIN, ESR, POPD/TOPD (``specs/rollout_control.md``
-B3–B7).
+"""On-policy-distillation (OPD) horizon rules: Prune-OPD, Stable-OPD, ADWIN, ESR, POPD/TOPD
+(``docs/methods/opd_horizon.md``).
 
 In OPD the student samples a rollout and the teacher scores every token (a dense per-token reverse-KL reward), so
 the question is not *whether* a rollout succeeded but *how much of it* still carries a useful teacher signal. The
 rules here decide how long student rollouts run:
 
-- :class:`PruneOPD` (B3, streaming :class:`~rolloutopt.control.StopRule`): student/teacher top-k overlap, drift
+- :class:`PruneOPD` (streaming :class:`~rolloutopt.control.StopRule`): student/teacher top-k overlap, drift
   detection, monotone down-weighting of later teacher rewards (:meth:`PruneOPD.token_weights`) and truncation;
   :class:`PruneOPDWindow` grows the max length while compatibility stays high;
-- :class:`StableOPD` (B4, batch-level monitor): truncation-collapse and repetition monitor that raises the
+- :class:`StableOPD` (batch-level monitor): truncation-collapse and repetition monitor that raises the
   reference-KL coefficient and asks for a rollout mixture; :func:`repeated_ngram_share` is its repetition score;
-- :class:`ADWINHorizon` (B5): horizon controller audited by delayed full-rollout probes, with staleness control;
+- :class:`ADWINHorizon`: horizon controller audited by delayed full-rollout probes, with staleness control;
   :func:`kl_sign_alignment` and :func:`gradient_cosine` are its alignment measures (not the ADWIN concept-drift
   detector, which shares the name);
-- :class:`ESR` (B6, streaming): a fixed prefix of N = 100 tokens, and :func:`esr_mask` for the loss;
-- :func:`popd_horizon` and :func:`topd_horizon` (B7): short-to-long horizon schedules.
+- :class:`ESR` (streaming): a fixed prefix of N = 100 tokens, and :func:`esr_mask` for the loss;
+- :func:`popd_horizon` and :func:`topd_horizon`: short-to-long horizon schedules.
 
-Most of B3–B5 and the POPD schedule are known only from abstracts: every reconstructed detail is a keyword, and the
-classes and functions that rest on them require ``experimental=True``. ESR (N = 100) and TOPD (10% of the horizon)
-come from the abstracts and summaries and need no flag.
+Most of Prune-OPD, Stable-OPD, ADWIN and the POPD schedule are known only from abstracts: every reconstructed
+detail is a keyword, and the classes and functions that rest on them require ``experimental=True``. ESR
+(N = 100) and TOPD (10% of the horizon) come from the abstracts and summaries and need no flag.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ __all__ = [
     "topd_horizon",
 ]
 
-_SPEC = "specs/rollout_control.md"
+_DOCS = "docs/methods/opd_horizon.md"
 
 
 # -- hyper-parameter checks ---------------------------------------------------------------------------------------
@@ -74,11 +74,11 @@ def _round(x: float) -> int:
     return math.floor(x + 0.5)
 
 
-def _experimental(flag: Any, what: str, section: str) -> None:
-    require_experimental(flag, what, f"{_SPEC} {section}")
+def _experimental(flag: Any, what: str) -> None:
+    require_experimental(flag, what, _DOCS)
 
 
-# ================================================================================================== Prune-OPD (B3)
+# ======================================================================================================= Prune-OPD
 class PruneOPD(StopRule):
     r"""Prune-OPD [reconstructed]: truncate a student rollout once its top-k overlap with the teacher drifts.
 
@@ -102,7 +102,7 @@ class PruneOPD(StopRule):
     Reference: Prune-OPD, arXiv 2605.07804. The abstract gives the idea (top-k overlap, prefix-drift events,
     monotone down-weighting, truncation, window expansion, 37.6–68.0% less training time); the formulas above,
     the smoothing, and every default except ``k = 8`` (suggested by a summary) are **reconstructed**
-    (``specs/rollout_control.md`` B3), hence ``experimental=True`` is required. The authors' code
+    (``docs/methods/opd_horizon.md``), hence ``experimental=True`` is required. The authors' code
     (yangzhch6/Prune-OPD) has not been checked.
 
     Args:
@@ -119,10 +119,9 @@ class PruneOPD(StopRule):
         chunk: C, decisions every C tokens of a row (default 1: every token).
         experimental: must be True.
 
-    ``step`` inputs (keywords): ``student_topk`` and ``teacher_topk``, int ``[N, K]`` token ids with ``K >= k``;
-    or ``overlap``, float ``[N]`` in [0, 1], the overlap :math:`o_t` already computed where both top-k tensors
-    live (e.g. on the engine's GPU; :meth:`overlap` is the reference), which skips the ``[N, k, k]`` comparison
-    here. The standard inputs are ignored.
+    ``step`` input (required): ``overlap``, float ``[N]`` in [0, 1], the overlap :math:`o_t` of this step —
+    ``rule.overlap(student_topk, teacher_topk)`` from the two top-k id tensors ``[N, K]``, or the same
+    comparison run where both top-k tensors live (e.g. on the engine's GPU). The standard inputs are ignored.
 
     Edge cases: an all-inactive step changes nothing; an empty batch (N = 0) works; a student identical to its
     teacher (:math:`o_t = 1`) is never stopped and keeps every weight at 1. Inactive rows neither count tokens nor
@@ -130,12 +129,10 @@ class PruneOPD(StopRule):
     """
 
     reason_names = ("running", "low_weight", "hard_drift")
-    uses: ClassVar[tuple[str, ...]] = ()
-    extra_inputs: ClassVar[dict[str, tuple[str, str]]] = {
-        "student_topk": ("N K", "int"),
-        "teacher_topk": ("N K", "int"),
-        "overlap": ("N", "float"),
-    }
+    requires: ClassVar[tuple[str, ...]] = ("overlap",)
+    extra_inputs: ClassVar[dict[str, tuple[str, str]]] = {"overlap": ("N", "float")}
+    reference: ClassVar[str] = "arXiv 2605.07804 (Prune-OPD)"
+    experimental: ClassVar[str | None] = "the drift rule, the smoothing, the weights and the defaults are reconstructed"
 
     def __init__(
         self,
@@ -150,7 +147,7 @@ class PruneOPD(StopRule):
         chunk: int = 1,
         experimental: bool = False,
     ) -> None:
-        _experimental(experimental, "PruneOPD (drift rule, smoothing, weights and defaults)", "B3")
+        _experimental(experimental, "PruneOPD (drift rule, smoothing, weights and defaults)")
         self.k = _int(k, "k", 1)
         self.window = _int(window, "window", 1)
         self.tau_drift = _real(tau_drift, "tau_drift", 0.0, 1.0)
@@ -173,26 +170,24 @@ class PruneOPD(StopRule):
         }
 
     def overlap(self, student_topk: Tensor, teacher_topk: Tensor) -> Tensor:
-        """The top-k overlap :math:`o = |S \\cap T| / k` per row, float ``[N]`` (ids ``[N, K]``, ``K >= k``)."""
-        s, t = student_topk[:, : self.k], teacher_topk[:, : self.k]
+        """The top-k overlap :math:`o = |S \\cap T| / k` per row, float32 ``[N]``: the ``overlap`` input of ``step``.
+
+        ``student_topk`` and ``teacher_topk``: int ``[N, K]`` token ids in rank order, distinct within a row,
+        ``K >= k``; only the first ``k`` columns are compared (an ``[N, k, k]`` comparison).
+        """
+        dims = Dims()
+        s = as_index(student_topk, "student_topk", dims, "N K")
+        t = as_index(teacher_topk, "teacher_topk", dims, "N K").to(s.device)
+        if checks_enabled() and s.shape[1] < self.k:
+            raise InputError(
+                "student_topk", f"[N, K] ids with K >= k = {self.k}", describe(s), f"pass top-{self.k} ids or lower k"
+            )
+        s, t = s[:, : self.k], t[:, : self.k]
         hits = (s[:, :, None] == t[:, None, :]).flatten(1).sum(-1).clamp(max=self.k)
         return hits.float() / self.k
 
     def _step(self, state: StopState, x: StepInputs) -> tuple[dict[str, Tensor], Tensor, Tensor]:
-        given = x.extra.get("overlap")
-        if given is not None:
-            o = given.clamp(0.0, 1.0)
-        else:
-            s = x.need("student_topk", "PruneOPD")
-            t = x.need("teacher_topk", "PruneOPD")
-            if checks_enabled() and s.shape[1] < self.k:
-                raise InputError(
-                    "student_topk",
-                    f"[N, K] ids with K >= k = {self.k}",
-                    describe(s),
-                    f"pass top-{self.k} ids or lower k",
-                )
-            o = self.overlap(s, t)
+        o = x.need("overlap", "PruneOPD").clamp(0.0, 1.0)
         ex, live, pos = state.extra, x.live, state.steps
         col = (pos % self.window)[:, None]
         value = torch.where(live[:, None], o[:, None], ex["overlaps"].gather(1, col))
@@ -253,19 +248,25 @@ class PruneOPDWindow:
     reaches the current max length ``L`` for ``patience`` steps in a row, almost no rollout was truncated by drift,
     so the window grows (and the streak restarts). Reference: Prune-OPD, arXiv 2605.07804 ("when compatibility
     stays high, the training window is expanded automatically"); the trigger, the growth rule and every default are
-    **reconstructed** (``specs/rollout_control.md`` B3), hence ``experimental=True``.
+    **reconstructed** (``docs/methods/opd_horizon.md``), hence ``experimental=True``.
 
     Args:
         l0: the initial max length L (required).
         l_max: the cap (required).
         growth: g > 1, the multiplicative growth [reconstructed; default 2].
         patience: p, steps in a row before growing [reconstructed; default 3, "several steps"].
-        ratio: r in (0, 1]: the mean kept length must reach ``ratio * L`` [reconstructed; default 1, the spec's
+        ratio: r in (0, 1]: the mean kept length must reach ``ratio * L`` [reconstructed; default 1, i.e.
             ">= L"].
         experimental: must be True.
 
+    Called once per training step, not per token: :meth:`observe` (``lengths`` required).
+
     Edge cases: an empty batch leaves the state unchanged; ``L`` never exceeds ``l_max`` and never shrinks.
     """
+
+    requires: ClassVar[tuple[str, ...]] = ("lengths",)
+    reference: ClassVar[str] = "arXiv 2605.07804 (Prune-OPD's window expansion)"
+    experimental: ClassVar[str | None] = "the trigger and the growth rule of the window are reconstructed"
 
     def __init__(
         self,
@@ -277,7 +278,7 @@ class PruneOPDWindow:
         ratio: float = 1.0,
         experimental: bool = False,
     ) -> None:
-        _experimental(experimental, "PruneOPDWindow (trigger and growth rule)", "B3")
+        _experimental(experimental, "PruneOPDWindow (trigger and growth rule)")
         self.l0 = _int(l0, "l0", 1)
         self.l_max = _int(l_max, "l_max", l0)
         self.growth = _real(growth, "growth", 1.0, math.inf, open_low=True, open_high=True)
@@ -318,7 +319,7 @@ class PruneOPDWindow:
         self.length, self.streak, self.steps = length, streak, steps
 
 
-# ================================================================================================= Stable-OPD (B4)
+# ====================================================================================================== Stable-OPD
 def repeated_ngram_share(tokens: Tensor, mask: Tensor | None = None, *, n: int = 4) -> Tensor:
     r"""Share of repeated n-grams per rollout: the repetition score of Stable-OPD.
 
@@ -327,8 +328,8 @@ def repeated_ngram_share(tokens: Tensor, mask: Tensor | None = None, *, n: int =
 
     :math:`G_i` counts the n-grams of row ``i`` whose ``n`` tokens are all masked in; a row without any has score
     0. Exact (``torch.unique`` over ``(row, n-gram)`` tuples, no hashing), vectorised over the batch. Reference:
-    Stable-OPD, arXiv 2604.08527 ("repetition saturation"); the 4-gram share is the spec's example
-    (``specs/rollout_control.md`` B4).
+    Stable-OPD, arXiv 2604.08527 ("repetition saturation"); the 4-gram share is our choice
+    (``docs/methods/opd_horizon.md``).
 
     Args:
         tokens: int ``[B, T]`` token ids.
@@ -397,11 +398,11 @@ class StableOPD:
 
     Reference: Stable-OPD, "Demystifying OPD: Length Inflation and Stabilization", arXiv 2604.08527. The abstract
     names the failure mode and the two fixes (reference-based divergence constraint, rollout mixture); the
-    triggers, the schedule and every default are **reconstructed** (``specs/rollout_control.md`` B4: "the exact
-    schedule is not given"), hence ``experimental=True``.
+    triggers, the schedule and every default are **reconstructed** (the abstract does not give the exact
+    schedule), hence ``experimental=True``.
 
     Args:
-        tau_trunc: truncated-fraction threshold (default 0.2, the spec's example).
+        tau_trunc: truncated-fraction threshold [reconstructed; default 0.2].
         delta: jump threshold within the window [reconstructed; default 0.1].
         window: steps of history for the jump [reconstructed; default 5].
         kl_up: KL multiplier growth on a trip, >= 1 [reconstructed; default 2].
@@ -410,12 +411,20 @@ class StableOPD:
         kl_max: cap on the cumulative multiplier [reconstructed; default 16].
         mix_ratio: fraction of the batch mixed in on a trip, in [0, 1] (reconstructed; default 0.25).
         tau_rep: repetition threshold, or None (default) to only report the score.
-        ngram: n of the repetition score (default 4, the spec's example).
+        ngram: n of the repetition score [reconstructed; default 4].
         experimental: must be True.
+
+    Called once per training step, not per token: :meth:`observe` (``lengths`` and ``truncated`` required,
+    ``tokens`` and ``mask`` optional).
 
     Edge cases: an empty batch has ``truncated_frac = 0`` (it never trips on truncation); the first step has no
     history, so it cannot trip on a jump.
     """
+
+    requires: ClassVar[tuple[str, ...]] = ("lengths", "truncated")
+    accepts: ClassVar[tuple[str, ...]] = ("tokens", "mask")
+    reference: ClassVar[str] = "arXiv 2604.08527 (Stable-OPD: Demystifying OPD, length inflation and stabilization)"
+    experimental: ClassVar[str | None] = "the triggers, the KL schedule and the mixture ratio are reconstructed"
 
     def __init__(
         self,
@@ -431,7 +440,7 @@ class StableOPD:
         ngram: int = 4,
         experimental: bool = False,
     ) -> None:
-        _experimental(experimental, "StableOPD (triggers, KL schedule, mixture ratio)", "B4")
+        _experimental(experimental, "StableOPD (triggers, KL schedule, mixture ratio)")
         self.tau_trunc = _real(tau_trunc, "tau_trunc", 0.0, 1.0)
         self.delta = _real(delta, "delta", 0.0, 1.0)
         self.window = _int(window, "window", 1)
@@ -524,7 +533,7 @@ class StableOPD:
         self.history, self.kl_multiplier, self.steps, self.trips = history, kl, steps, trips
 
 
-# ===================================================================================================== ADWIN (B5)
+# ========================================================================================================== ADWIN
 def kl_sign_alignment(prefix_kl: Tensor, full_kl: Tensor, mask: Tensor, *, horizon: int) -> Tensor:
     r"""ADWIN's cheap alignment proxy [reconstructed]: agreement of per-token reverse-KL signs on the first H
     positions.
@@ -535,8 +544,8 @@ def kl_sign_alignment(prefix_kl: Tensor, full_kl: Tensor, mask: Tensor, *, horiz
 
     ``prefix_kl`` is the per-token signal of the prefix update and ``full_kl`` that of the full-rollout probe at
     the same positions — e.g. per-token reverse KL :math:`\log\pi_s - \log\pi_t`, or its return-to-go summed up to
-    ``H`` and up to the end of the rollout respectively. Reference: ADWIN, arXiv 2605.28396 (the proxy is the
-    spec's reconstruction, ``specs/rollout_control.md`` B5). Zero counts as its own sign.
+    ``H`` and up to the end of the rollout respectively. Reference: ADWIN, arXiv 2605.28396 (the proxy is our
+    reconstruction, ``docs/methods/opd_horizon.md``). Zero counts as its own sign.
 
     Args:
         prefix_kl, full_kl: float ``[B, T]``.
@@ -567,8 +576,8 @@ def gradient_cosine(g_prefix: Tensor | Sequence[Tensor], g_full: Tensor | Sequen
         a = \frac{\langle g_{prefix}, g_{full} \rangle}{\lVert g_{prefix}\rVert\,\lVert g_{full}\rVert}
 
     Each argument is a tensor or a sequence of tensors (per-parameter gradients, flattened and concatenated in
-    order; the two must match in total size). Reference: ADWIN, arXiv 2605.28396 (``specs/rollout_control.md``
-    B5). Returns a 0-d fp32 tensor in [-1, 1]; 0 when either gradient is zero or empty.
+    order; the two must match in total size). Reference: ADWIN, arXiv 2605.28396 (``docs/methods/opd_horizon.md``).
+    Returns a 0-d fp32 tensor in [-1, 1]; 0 when either gradient is zero or empty.
     """
 
     def flat(g: Tensor | Sequence[Tensor], name: str) -> Tensor:
@@ -603,28 +612,33 @@ class ADWINHorizon:
     trainer generates full rollouts for a small probe subset off the critical path and, when they are scored,
     reports the alignment ``a`` between the prefix and the full-rollout update (:func:`gradient_cosine`, or the
     cheaper :func:`kl_sign_alignment`) with the policy version that produced the probe
-    (:meth:`observe_probe`). A high alignment means the prefix suffices (shrink, or keep with ``beta_down = 1``); a
+    (:meth:`observe`). A high alignment means the prefix suffices (shrink, or keep with ``beta_down = 1``); a
     low one means the prefix misleads (grow). Probes older than ``staleness`` versions are recorded and ignored.
 
     Not the ADWIN (adaptive windowing) concept-drift detector of Bifet & Gavaldà, which shares the name. Reference:
     "Adaptive Windows for horizon-aware OPD", arXiv 2605.28396 (abstract: online admissibility, delayed
     full-rollout probes, staleness control, up to 4.1x lower training cost); the update rule and every default
-    are **reconstructed** (``specs/rollout_control.md`` B5), hence ``experimental=True``.
+    are **reconstructed** (``docs/methods/opd_horizon.md``), hence ``experimental=True``.
 
     Args:
         h0: initial horizon [reconstructed; default 512].
         h_min, h_max: bounds [reconstructed; defaults 64, 8192].
         tau_hi: shrink/keep at or above it [reconstructed; default 0.9].
-        tau_lo: grow below it (default 0.5, the spec's oracle).
-        beta_up: growth factor >= 1 (default 2, the spec's oracle).
+        tau_lo: grow below it [reconstructed; default 0.5].
+        beta_up: growth factor >= 1 [reconstructed; default 2].
         beta_down: shrink factor in (0, 1] [reconstructed; default 0.5; 1 keeps H].
         staleness: S, the oldest usable probe in policy versions [reconstructed; default 2].
         probe_every: P, steps between probes [reconstructed; default 10].
         history: probe results kept in the log (a bounded queue; default 64).
         experimental: must be True.
 
-    Alignments lie in [-1, 1] (a cosine; the sign agreement is in [0, 1]).
+    Alignments lie in [-1, 1] (a cosine; the sign agreement is in [0, 1]). Called once per probe result, not per
+    token: :meth:`observe` (``alignment``, ``version`` and ``current_version`` required).
     """
+
+    requires: ClassVar[tuple[str, ...]] = ("alignment", "version", "current_version")
+    reference: ClassVar[str] = "arXiv 2605.28396 (ADWIN: adaptive windows for horizon-aware OPD)"
+    experimental: ClassVar[str | None] = "the horizon update rule, its thresholds and the defaults are reconstructed"
 
     def __init__(
         self,
@@ -641,7 +655,7 @@ class ADWINHorizon:
         history: int = 64,
         experimental: bool = False,
     ) -> None:
-        _experimental(experimental, "ADWINHorizon (update rule, thresholds, defaults)", "B5")
+        _experimental(experimental, "ADWINHorizon (update rule, thresholds, defaults)")
         self.h_min = _int(h_min, "h_min", 1)
         self.h_max = _int(h_max, "h_max", self.h_min)
         self.h0 = _int(h0, "h0", self.h_min)
@@ -663,7 +677,7 @@ class ADWINHorizon:
         """Whether training step ``step`` (>= 0) should launch a full-rollout probe (every ``probe_every``)."""
         return _int(step, "step", 0) % self.probe_every == 0
 
-    def observe_probe(self, alignment: float | Tensor, *, version: int, current_version: int) -> int:
+    def observe(self, alignment: float | Tensor, *, version: int, current_version: int) -> int:
         """Apply one probe's alignment (float or 0-d tensor) produced at policy ``version``; return the new H.
 
         The probe is logged as ``(version, alignment, applied, horizon)`` in ``self.probes`` (bounded queue);
@@ -710,7 +724,7 @@ class ADWINHorizon:
         self.horizon, self.probes, self.n_probes, self.n_stale = horizon, probes, n_probes, n_stale
 
 
-# ======================================================================================================= ESR (B6)
+# ============================================================================================================ ESR
 class ESR(StopRule):
     r"""Early Stopping Rollout for OPD: keep only the first N response tokens of every student rollout.
 
@@ -722,16 +736,17 @@ class ESR(StopRule):
     (reverse KL against the teacher) runs on those tokens only — :func:`esr_mask` builds the mask — and no reward
     is needed, the OPD signal being per token. Reference: ESR, arXiv 2605.27028 ("off-policy teacher decay":
     a teacher continuing a long student prefix degrades); N = 100 is the default reported by one summary
-    (``specs/rollout_control.md`` B6).
+    (``docs/methods/opd_horizon.md``).
 
     Args:
         n: N >= 1, the prefix length (default 100).
 
-    Uses none of the standard inputs. Edge cases: an all-inactive step changes nothing; N = 1 stops after one
-    token.
+    Requires no input (it counts each row's tokens). Edge cases: an all-inactive step changes nothing; N = 1 stops
+    after one token.
     """
 
     reason_names = ("running", "prefix_limit")
+    reference: ClassVar[str] = "arXiv 2605.27028 (ESR: early stopping rollout for OPD)"
 
     def __init__(self, *, n: int = 100) -> None:
         self.n = _int(n, "n", 1)
@@ -768,7 +783,7 @@ def esr_mask(mask: Tensor, lengths: Tensor | None = None, *, n: int = 100) -> Te
     return keep
 
 
-# ================================================================================================= POPD/TOPD (B7)
+# ====================================================================================================== POPD/TOPD
 def popd_horizon(
     step: int,
     *,
@@ -788,19 +803,19 @@ def popd_horizon(
     Non-decreasing in ``t``, ``H(0) = H_0``, and ``L_max`` from ``T_ramp`` on (linear). Rounding is half up.
     Reference: "Are Full Rollouts Necessary for OPD?", arXiv 2605.31490 (POPD widens the horizon gradually, up to
     3x better training efficiency); the paper's schedule shape is not known — both shapes are **reconstructed**
-    (``specs/rollout_control.md`` B7), hence ``experimental=True``. Run the horizon with ``ESR(n=H)`` or the
+    (``docs/methods/opd_horizon.md``), hence ``experimental=True``. Run the horizon with ``ESR(n=H)`` or the
     engine's ``max_new_tokens``.
 
     Args:
         step: training step t >= 0.
-        h0: H_0 >= 1, the initial horizon (required; the spec's oracle uses 512).
+        h0: H_0 >= 1, the initial horizon (required; our worked example uses 512).
         l_max: L_max >= h0, the full horizon (required; oracle 8192).
         t_ramp: T_ramp >= 0, steps of the linear ramp (required for ``"linear"``; 0 gives L_max at once).
         shape: ``"linear"`` (default) or ``"staircase"`` (doubling every K steps).
         k: K >= 1, steps per stair (required for ``"staircase"``).
         experimental: must be True.
     """
-    _experimental(experimental, "the POPD schedule shape", "B7")
+    _experimental(experimental, "the POPD schedule shape")
     t = _int(step, "step", 0)
     h = _int(h0, "h0", 1)
     top = _int(l_max, "l_max", h)
@@ -825,7 +840,7 @@ def topd_horizon(l_max: int, *, frac: float = 0.1) -> int:
         H = \max\big(1, \operatorname{round}(\text{frac}\cdot L_{max})\big)
 
     Reference: "Are Full Rollouts Necessary for OPD?", arXiv 2605.31490 (TOPD matches OPD with only 10% of the
-    rollout horizon); ``frac = 0.1`` is the abstract's figure (``specs/rollout_control.md`` B7). Rounding is half
+    rollout horizon); ``frac = 0.1`` is the abstract's figure (``docs/methods/opd_horizon.md``). Rounding is half
     up.
 
     Args:

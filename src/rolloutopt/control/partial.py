@@ -1,4 +1,4 @@
-r"""Partial-rollout scheduling: APRIL and CoPRIS (``specs/rollout_control.md`` C1, C2 and Part D).
+r"""Partial-rollout scheduling: APRIL and CoPRIS (``docs/methods/partial_rollouts.md``).
 
 A partial-rollout scheduler decides *when a rollout round ends* and *what happens to the unfinished
 rollouts*. It never generates: the engine loop tells it what happened, through a small event API shared by
@@ -24,12 +24,12 @@ one). A request resumes a rollout: the engine continues ``prompt + prefix`` and 
 tokens: the rollout is then TRUNCATED (APRIL's rule).
 
 Storage. Each rollout keeps its generated token ids, the engine's per-token behaviour log-probs, the policy
-version of every token (Part D: "always store per-token behaviour log-probs and a policy version") and a
+version of every token (so that any off-policy correction can be applied downstream) and a
 segment-wise recompute buffer (CoPRIS, ``record_recompute``: only positions beyond the stored length are
 appended, the prefix is never overwritten). The batch of ``end_round`` carries ``versions`` ``[B, T]`` and
 ``behav_logp`` ``[B, T]`` (the stored recompute on its prefix, the engine's log-probs beyond it), ready for
 ``policy_loss(..., proximal=CoPRISProximal(), behav_logp=batch.behav_logp, versions=batch.versions,
-policy_version=v)`` (``specs/ratios_and_losses.md`` B9).
+policy_version=v)`` (``docs/methods/offpolicy.md``).
 
 Nothing is lost. A rollout, once created, is at every moment in exactly one place: held by the scheduler
 (``held_ids``), returned finished in one batch, or reported removed in a ``Removed`` record
@@ -673,7 +673,7 @@ class PartialScheduler:
         return self._assemble(rids)
 
     def record_recompute(self, rollout_ids: Tensor, logp: Tensor, *, policy_version: int) -> dict[str, Tensor]:
-        r"""Append a recompute of old log-probs to each rollout's segment-wise buffer (CoPRIS, spec B9).
+        r"""Append a recompute of old log-probs to each rollout's segment-wise buffer (CoPRIS).
 
         .. math::  \text{stored}_i \leftarrow \operatorname{concat}(\text{stored}_i[0{:}S_i],\
                    \text{logp}_i[S_i{:}L_i])
@@ -840,7 +840,7 @@ class PartialScheduler:
 class APRILBuffer(PartialScheduler):
     r"""APRIL's active partial rollouts: over-provision groups, stop at the target, abort, recycle the rest.
 
-    A round (``specs/rollout_control.md`` C1, from ``RLsys-Foundation/APRIL`` on slime: ``sglang_example.py``
+    A round (from ``RLsys-Foundation/APRIL`` on slime: ``slime/rollout/sglang_example.py``
     ``generate_rollout_async``/``abort``, ``buffer.py`` ``pop_first``):
 
     - while (in-flight + accepted groups) :math:`<` ``rollout_batch_size``, submit ``over_sampling_batch_size``
@@ -860,7 +860,7 @@ class APRILBuffer(PartialScheduler):
 
     There is no paper id: the reference is the code (and its README). APRIL applies no importance correction;
     the batch still carries ``versions`` and ``behav_logp`` so that one
-    can be applied downstream (Part D).
+    can be applied downstream.
 
     Defaults (the APRIL launch script ``run-qwen3-4B-dapo-partial.sh``): ``rollout_batch_size=32``,
     ``over_sampling_batch_size=64``, ``n_samples_per_prompt=8``, ``max_new_tokens=16384`` (max response
@@ -1031,7 +1031,7 @@ class APRILBuffer(PartialScheduler):
 class CoPRISScheduler(PartialScheduler):
     r"""CoPRIS's concurrency-controlled partial rollout: a fixed pool of requests, stop at the target, requeue.
 
-    A round (``specs/rollout_control.md`` C2, ``777pomingzi/CoPRIS@43ee8c7``
+    A round (``777pomingzi/CoPRIS@43ee8c7``
     ``verl/experimental/agent_loop/agent_loop.py``, ``verl/trainer/ppo/ray_trainer.py``, arXiv 2511.05589):
 
     - ``begin_round`` appends the gen batch (``gen_batch_size`` prompts × ``n`` samples) to the request queue;
@@ -1046,7 +1046,7 @@ class CoPRISScheduler(PartialScheduler):
       and head the next round's kept list, as CoPRIS's ``kept_prompt_uids[train_batch_size:]`` does, so the
       next round may be done at once.
 
-    Cross-stage importance sampling (loss side: ``specs/ratios_and_losses.md`` B9). After each round call
+    Cross-stage importance sampling (loss side: ``docs/methods/offpolicy.md``). After each round call
     ``record_recompute`` with the trainer's recompute for ``needs_recompute``; each rollout's buffer
     grows by the new suffix only,
 

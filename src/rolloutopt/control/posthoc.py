@@ -8,14 +8,16 @@ the metrics. Group decisions use :class:`~rolloutopt.groups.Groups` segment redu
 groups or rows).
 
 - :func:`dot` — DOT, dynamic outlier truncation of the extreme length tail inside fully-correct groups
-  (arXiv 2601.03969; ``specs/rollout_control.md`` B2; threshold rule reconstructed, ``experimental=True``).
+  (arXiv 2601.03969; threshold rule reconstructed, ``experimental=True``).
 - :func:`jet_truncation_points`, :func:`jet_group_layout`, :func:`jet_reward` — JET, Just-Enough Thinking
-  (arXiv 2509.23392; B12, from the authors' code).
+  (arXiv 2509.23392; from the authors' code, ``JinyiHan99/Just-Enough-Think``).
 - :func:`dler_truncation_penalty`, :func:`dler_difficulty_budget`, :func:`dler_difficulty_penalty` — DLER's
   truncation length penalty and its difficulty-aware variant (arXiv 2510.15110; abstract only, reconstructed).
 - :func:`soft_compression_penalty` — sample-level soft RL compression (abstract only, reconstructed).
-- :func:`siri_max_length` — SIRI's cosine max-length schedule (arXiv 2509.25176; B13, reconstructed).
-- :func:`egae` — T-PPO's extended GAE for incomplete responses (arXiv 2506.15050; B9, reconstructed).
+- :func:`siri_max_length` — SIRI's cosine max-length schedule (arXiv 2509.25176; reconstructed).
+- :func:`egae` — T-PPO's extended GAE for incomplete responses (arXiv 2506.15050; reconstructed).
+
+Provenance and worked examples: ``docs/methods/length_rules.md``.
 
 ``mask`` is optional in the rules: without it, the returned mask is the right-padded prefix mask of ``lengths``
 (width ``max(lengths)``, one host synchronisation). Lengths count response positions (tokens), so a cut at
@@ -25,6 +27,7 @@ length ``c`` keeps the positions ``t < c`` of the mask.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -50,6 +53,7 @@ from rolloutopt._validation import (
 from rolloutopt.advantages.shaping import truncation_penalty
 from rolloutopt.control._base import TruncationOutput
 from rolloutopt.errors import InputError
+from rolloutopt.registry import Entry, Registry
 from rolloutopt.groups import Groups, as_groups
 from rolloutopt.typing import BoolBT, FloatB, FloatBT, IntB
 
@@ -68,7 +72,7 @@ __all__ = [
     "soft_compression_penalty",
 ]
 
-_SPEC = "specs/rollout_control.md"
+_DOCS = "docs/methods/length_rules.md"
 
 # ------------------------------------------------------------------------------------------------ helpers
 
@@ -191,7 +195,7 @@ def dot(
 
     Reference: DOT, Dynamic Outlier Truncation, arXiv 2601.03969 (ACL 2026). From the paper's abstract and
     summaries: DOT intervenes only on the extreme length tail inside fully-correct groups. Reconstructed
-    (``specs/rollout_control.md`` B2; every choice below is a keyword, and ``experimental=True`` is required):
+    (every choice below is a keyword, and ``experimental=True`` is required):
     the fence rules (``rule="iqr"``, Tukey's fence with ``k=1.5`` on numpy-``linear`` quantiles, or
     ``rule="z"``, ``mean + z*std`` with ``z=2`` and the population std unless ``unbiased``), the group-size
     floor 4, the cut at :math:`\lfloor f\rfloor`, and both treatments of a truncated row (``mode``). DOT's KL
@@ -206,7 +210,7 @@ def dot(
         k: IQR multiplier (1.5, Tukey).
         z: std multiplier of the z-rule (2).
         unbiased: Bessel-corrected std for the z-rule (default False: numpy's population std).
-        correct: a reward counts as correct when ``>= correct`` (spec: every reward is 1).
+        correct: a reward counts as correct when ``>= correct`` (1: binary rewards).
         min_group_size: smaller groups are skipped (4).
         mode: ``"rescore"`` (default) sets the reward of truncated rows to ``truncated_reward``; ``"mask"`` keeps it.
         truncated_reward: the reward of a truncated row under ``mode="rescore"`` (0).
@@ -221,7 +225,7 @@ def dot(
     nothing to truncate; an all-inactive batch (every length 0) is a no-op. Rows are truncated only when
     strictly longer than the fence, and never more than the rows above :math:`Q_3` (IQR rule).
     """
-    _experimental(experimental, "DOT's outlier threshold rule", f"{_SPEC} B2")
+    _experimental(experimental, "DOT's outlier threshold rule", _DOCS)
     choice(rule, "rule", ("iqr", "z"))
     choice(mode, "mode", ("rescore", "mask"))
     _real(k, "k", low=0.0)
@@ -387,8 +391,8 @@ def jet_reward(
     ``examples/config.yaml``: ``w = 0.1``, ``alpha = 1.2``, ``delta = 0.05``, ``epsilon = 1e-8``, a response is
     correct when its accuracy score is exactly 1, lengths are ``response_length`` (tokens). The code takes
     :math:`L_{min}, L_{max}` over the list passed to the batch reward function — the whole batch under EasyR1's
-    batch reward manager — while the README describes a per-group baseline; the default here is per-group, as
-    ``specs/rollout_control.md`` B12 decides, and ``baseline="batch"`` reproduces the code.
+    batch reward manager — while the README describes a per-group baseline; the default here is per-group (the
+    README's reading), and ``baseline="batch"`` reproduces the code.
 
     Args:
         accuracy: accuracy scores ``[B]`` (1 correct, 0 incorrect).
@@ -455,7 +459,7 @@ def jet_reward(
 # --------------------------------------------------------------------------------------------------- DLER
 
 _DLER_WHAT = "DLER's truncation penalty (arXiv 2510.15110; only the abstract was available)"
-_DLER_WHERE = "../shared/seeds (DLER abstract) and docs/methods/length_rules.md"
+_DLER_WHERE = _DOCS
 _DLER_METRICS = ("truncated_frac", "truncated_correct_frac", "reward_mean", "tokens_removed", "tokens_removed_frac")
 
 
@@ -723,7 +727,7 @@ def soft_compression_penalty(
     singleton group is untouched; groups below the mastery threshold are untouched; an empty batch returns empty
     tensors; an all-inactive batch (lengths 0) is a no-op. Penalties lie in ``[0, cap]``.
     """
-    _experimental(experimental, "the sample-level soft compression penalty", "its abstract in ../shared/seeds")
+    _experimental(experimental, "the sample-level soft compression penalty", _DOCS)
     _real(correct, "correct")
     _real(mastery, "mastery", low=0.0, high=1.0, open_low=True)
     _real(coef, "coef", low=0.0)
@@ -766,7 +770,7 @@ def siri_max_length(step: int, *, l_lo: int, l_hi: int, period: int, experimenta
     ones taken at ``step % period == 0`` and ``period // 2``.
 
     Reference: SIRI, arXiv 2509.25176 (compression and expansion phases alternate under a *cosine* length
-    scheduler). **Reconstructed** (``specs/rollout_control.md`` B13; ``experimental=True`` required): the exact
+    scheduler). **Reconstructed** (``experimental=True`` required): the exact
     form above, starting in compression; the paper's :math:`L_{lo}`, :math:`L_{hi}` and :math:`P` are not known,
     so they have no defaults.
 
@@ -780,7 +784,7 @@ def siri_max_length(step: int, *, l_lo: int, l_hi: int, period: int, experimenta
     Returns:
         The maximum response length for this step, an int in ``[l_lo, l_hi]``.
     """
-    _experimental(experimental, "SIRI's cosine length schedule", f"{_SPEC} B13")
+    _experimental(experimental, "SIRI's cosine length schedule", _DOCS)
     t = _int(step, "step", low=0)
     lo = _int(l_lo, "l_lo", low=1)
     hi = _int(l_hi, "l_hi", low=1)
@@ -873,7 +877,7 @@ def egae(
 
     Reference: T-PPO (Truncated PPO), ByteDance Seed, arXiv 2506.15050. From the abstract: generation is
     length-restricted per step, incomplete responses are trained on with Extended GAE, and policy and value are
-    optimised independently. **Reconstructed** (``specs/rollout_control.md`` B9; ``experimental=True``
+    optimised independently. **Reconstructed** (``experimental=True``
     required): the bootstrap form above, outcome rewards only on finished responses, and the value model trained
     only on finished responses (``value_mask``) with Monte-Carlo returns (``returns="mc"``:
     :math:`G_t = \sum_{k \ge t} \gamma^{k-t} r_k`, plus :math:`\gamma^{l-t} V(s_l)` on unfinished rows, which the
@@ -895,7 +899,7 @@ def egae(
         bootstrap: :math:`V(s_l)` ``[B]``, required with ``[B, T]`` values (read for unfinished rows only).
         gamma: discount :math:`\gamma \in [0, 1]` (1).
         lam: GAE :math:`\lambda \in [0, 1]` (1).
-        returns: ``"mc"`` (default, spec) or ``"lambda"``.
+        returns: ``"mc"`` (default, the reconstructed rule) or ``"lambda"``.
         experimental: must be True.
 
     Returns:
@@ -905,7 +909,7 @@ def egae(
     an all-False ``value_mask``; an empty batch returns empty tensors. The mask must be a prefix mask (checked
     while checks are on), because GAE runs along the response.
     """
-    _experimental(experimental, "T-PPO's Extended GAE", f"{_SPEC} B9")
+    _experimental(experimental, "T-PPO's Extended GAE", _DOCS)
     g_ = _real(gamma, "gamma", low=0.0, high=1.0)
     l_ = _real(lam, "lam", low=0.0, high=1.0)
     choice(returns, "returns", ("mc", "lambda"))
@@ -984,3 +988,50 @@ def egae(
         .detach(),
     }
     return EGAEOutput(advantages=adv, returns=ret, value_mask=value_mask, metrics=metrics)
+
+
+# ------------------------------------------------------------------------------------------------- registry
+REGISTRY: Registry[Callable[..., Any]] = Registry("post-hoc rule")
+"""The post-hoc rule functions by name (``get("dot")(rewards=..., lengths=..., group=..., experimental=True)``);
+filled by :mod:`rolloutopt.control`, which also registers Step-GRPO's :func:`~rolloutopt.control.step_aware_reward`.
+Each entry's ``requires`` are the batch tensors the function cannot run without (passing None raises an
+:class:`~rolloutopt.errors.InputError` naming it), ``accepts`` the optional ones (``mask``)."""
+
+
+def get(name: str) -> Callable[..., Any]:
+    """The post-hoc rule function registered as ``name`` (an :class:`~rolloutopt.errors.InputError` lists them)."""
+    return REGISTRY.get(name)
+
+
+def entry(name: str) -> Entry[Callable[..., Any]]:
+    """The :class:`~rolloutopt.registry.Entry` of post-hoc rule ``name`` (function, ``requires``, ``accepts``,
+    ``reference``, ``experimental``)."""
+    return REGISTRY.entry(name)
+
+
+def names() -> list[str]:
+    """Names of every registered post-hoc rule, sorted."""
+    return REGISTRY.names()
+
+
+def register(
+    name: str,
+    fn: Callable[..., Any],
+    *,
+    requires: tuple[str, ...] = (),
+    accepts: tuple[str, ...] = (),
+    reference: str = "",
+    experimental: str | None = None,
+    overwrite: bool = False,
+) -> Callable[..., Any]:
+    """Register a post-hoc rule function with its declarations; a different function under a taken name raises
+    unless ``overwrite``."""
+    return REGISTRY.register(
+        name,
+        fn,
+        requires=requires,
+        accepts=accepts,
+        reference=reference,
+        experimental=experimental,
+        overwrite=overwrite,
+    )

@@ -4,19 +4,19 @@ Four streaming stop rules (:class:`~rolloutopt.control.StopRule`) that decide at
 (step or answer markers such as the ids of ``"\n\n"``, ``"Wait"``, ``"Alternatively"``, a closing ``\boxed{}``)
 or from a windowed confidence signal, plus the Step-GRPO reward helpers:
 
-- :class:`StepConfidenceTruncation` — Step-GRPO's dynamic truncated rollout (arXiv 2604.16890, spec B8): at a
+- :class:`StepGRPOTruncation` — Step-GRPO's dynamic truncated rollout (arXiv 2604.16890): at a
   step boundary after ``min_steps`` steps the engine probes an answer-forcing suffix and passes the probe's
   confidence; the row stops when it is at least ``threshold``. :func:`step_aware_reward` is the step-aware
   relative reward, :func:`count_steps` the step count it needs.
-- :class:`SelfTruncation` — DEER-style self-truncation (arXiv 2504.15895): the same probe at transition markers
+- :class:`DEER` — DEER-style self-truncation (arXiv 2504.15895): the same probe at transition markers
   ("Wait"-style tokens), with a token warm-up instead of a step count.
-- :class:`MarkerGatedAbort` — DUET's marker-gated abort with importance reweighting (arXiv 2605.08441).
-- :class:`ConfidencePruning` — ECHO's online pruning of persistently low-confidence tree branches
+- :class:`DUETAbort` — DUET's marker-gated abort with importance reweighting (arXiv 2605.08441).
+- :class:`ECHOPruning` — ECHO's online pruning of persistently low-confidence tree branches
   (arXiv 2602.02150).
 
-Provenance. The spec (``specs/rollout_control.md`` B8) describes Step-GRPO only as a reconstruction; the other
-three methods are not in the spec at all and are reconstructed here from their abstracts (and, for DUET and ECHO,
-from public summaries of the papers). Every one of them is therefore **reconstructed**: each open detail is a
+Provenance (``docs/methods/truncation_rules.md``). Step-GRPO is reconstructed from its abstract and public
+summaries; the other three methods are reconstructed here from their abstracts (and, for DUET and ECHO, from
+public summaries of the papers). Every one of them is therefore **reconstructed**: each open detail is a
 keyword, and every class and :func:`step_aware_reward` refuse to run unless given ``experimental=True``.
 
 The probe itself (appending an answer-forcing suffix and decoding a short answer) is the engine's job: these
@@ -56,16 +56,16 @@ from rolloutopt.groups import Groups, as_groups
 from rolloutopt.typing import BoolBT, FloatB, IntB
 
 __all__ = [
-    "ConfidencePruning",
-    "MarkerGatedAbort",
-    "SelfTruncation",
-    "StepConfidenceTruncation",
+    "ECHOPruning",
+    "DUETAbort",
+    "DEER",
+    "StepGRPOTruncation",
     "StepRewardOutput",
     "count_steps",
     "step_aware_reward",
 ]
 
-_SPEC_B8 = "specs/rollout_control.md B8"
+_DOCS = "docs/methods/truncation_rules.md"
 _SIGNALS = ("sampled_prob", "exp_neg_entropy", "topk_mean_prob")
 _SPANS = ("correct", "all")
 _MASK32 = 0xFFFFFFFF
@@ -151,11 +151,13 @@ def _uniform(seed: int, epoch: int, row_id: Tensor) -> Tensor:
     return ((x >> 8).to(torch.float32)) * (1.0 / (1 << 24))
 
 
-# ================================================================================ probe-gated rules (B8, DEER)
+# ========================================================================= probe-gated rules (Step-GRPO, DEER)
 class _ProbeGate(_MarkerMixin, StopRule):
     """Shared machinery of the probe-gated rules: count markers, say where to probe, read ``confidence``."""
 
-    uses: ClassVar[tuple[str, ...]] = ("tokens",)
+    requires: ClassVar[tuple[str, ...]] = ("tokens",)
+    #: needed at the probe points only (``probe_rows``); ignored elsewhere
+    accepts: ClassVar[tuple[str, ...]] = ("confidence",)
     extra_inputs: ClassVar[dict[str, tuple[str, str]]] = {"confidence": ("N", "float")}
     threshold: float
 
@@ -221,10 +223,10 @@ class _ProbeGate(_MarkerMixin, StopRule):
         return replace(res, metrics=metrics)
 
 
-class StepConfidenceTruncation(_ProbeGate):
+class StepGRPOTruncation(_ProbeGate):
     r"""Step-GRPO's dynamic truncated rollout: stop at a step boundary once a probed answer is confident.
 
-    Reasoning is split into *semantic steps* at marker tokens (spec B8: ``"\n\n"`` or a marker list such as
+    Reasoning is split into *semantic steps* at marker tokens (reconstructed: ``"\n\n"`` or a marker list such as
     "Wait", "Alternatively", "Let me check"). A row's step count :math:`s` is the number of marker tokens it
     has generated. At a boundary with :math:`s \ge s_{min}` the engine appends an answer-forcing suffix, decodes
     a short answer greedily and passes its confidence
@@ -237,11 +239,11 @@ class StepConfidenceTruncation(_ProbeGate):
     count (this marker included) is at least ``min_steps`` (``probe_rows``); elsewhere it is ignored and
     may be omitted (``None``) on steps with no probe point. The stopped row's kept prefix ends with the marker
     token; the engine then emits the forced answer and EOS (the *truncated variant*). To keep the full rollout
-    too (spec: "the variant joins the group; the full rollout may also be kept"), fork the row before stopping
+    too (the variant joins the group; the full rollout may also be kept), fork the row before stopping
     it: this rule only decides where the variant is cut.
 
-    Reference: Step-GRPO, arXiv 2604.16890 (ACL 2026). **Reconstructed** (spec B8 is [reconstructed]: the probe,
-    the confidence and the threshold rule are not from the paper text), hence ``experimental=True`` is required.
+    Reference: Step-GRPO, arXiv 2604.16890 (ACL 2026). **Reconstructed** (the probe, the confidence and the
+    threshold rule are not from the paper text), hence ``experimental=True`` is required.
 
     Args:
         markers: step-boundary token ids (non-empty; e.g. the ids of ``"\n\n"``, ``"Wait"``, ``"Alternatively"``).
@@ -259,6 +261,8 @@ class StepConfidenceTruncation(_ProbeGate):
     """
 
     reason_names: ClassVar[tuple[str, ...]] = ("running", "confident")
+    reference: ClassVar[str] = "arXiv 2604.16890 (Step-GRPO's dynamic truncated rollout)"
+    experimental: ClassVar[str | None] = "the probe, the confidence and the threshold rule are reconstructed"
 
     def __init__(
         self,
@@ -268,7 +272,7 @@ class StepConfidenceTruncation(_ProbeGate):
         min_steps: int = 2,
         experimental: bool = False,
     ) -> None:
-        _check_flag(experimental, "", "Step-GRPO's dynamic truncated rollout (probe, confidence, threshold)", _SPEC_B8)
+        _check_flag(experimental, "", "Step-GRPO's dynamic truncated rollout (probe, confidence, threshold)", _DOCS)
         self.markers = _markers(markers)
         _real(threshold, "threshold", 0.0, 1.0, open_low=True)
         _int(min_steps, "min_steps", 1)
@@ -280,7 +284,7 @@ class StepConfidenceTruncation(_ProbeGate):
         return count >= self.min_steps
 
 
-class SelfTruncation(_ProbeGate):
+class DEER(_ProbeGate):
     r"""Self-truncation by early exit at reasoning-transition markers (DEER-style): exit when a trial answer is confident.
 
     At a transition marker ("Wait"-style tokens, ids given by the user) of a live row that has generated at least
@@ -293,8 +297,8 @@ class SelfTruncation(_ProbeGate):
     The kept prefix ends with the marker token (``length = position + 1``). Engines that *replace* the marker by
     the answer inducer, as DEER does with "Wait", drop that last token (``length - 1``).
 
-    Reference: "Dynamic Early Exit in Reasoning Models" (DEER), arXiv 2504.15895. Not in the project's spec:
-    **reconstructed** from the abstract ("monitors model behavior at potential reasoning transition points
+    Reference: "Dynamic Early Exit in Reasoning Models" (DEER), arXiv 2504.15895.
+    **Reconstructed** from the abstract ("monitors model behavior at potential reasoning transition points
     (e.g. "Wait" tokens) and dynamically terminates ... when the model exhibits high confidence in a trial
     answer"), hence ``experimental=True`` is required. The confidence definition, the threshold and the warm-up
     are our choices.
@@ -313,6 +317,8 @@ class SelfTruncation(_ProbeGate):
     """
 
     reason_names: ClassVar[tuple[str, ...]] = ("running", "early_exit")
+    reference: ClassVar[str] = "arXiv 2504.15895 (DEER: Dynamic Early Exit in Reasoning Models)"
+    experimental: ClassVar[str | None] = "the early exit is reconstructed from DEER's abstract"
 
     def __init__(
         self,
@@ -339,7 +345,7 @@ class SelfTruncation(_ProbeGate):
         return state.steps + 1 >= self.min_tokens
 
 
-# ====================================================================================== Step-aware reward (B8)
+# =========================================================================================== Step-aware reward
 @dataclass(frozen=True)
 class StepRewardOutput:
     """Result of :func:`step_aware_reward`.
@@ -373,13 +379,13 @@ def step_aware_reward(
         \dfrac{s_i - \min_{j \in g,\ \text{correct}} s_j}{\max_{j \in g} s_j - \min_{j \in g,\ \text{correct}} s_j
         + \epsilon} & r_i \ge \rho \ (\text{correct}) \\ r_i & \text{otherwise (no length term)} \end{cases}
 
-    With the spec's binary rewards (correct = 1) this is :math:`1 - \lambda(s_i - s^{c}_{min})/(s_{max} -
+    With binary rewards (correct = 1) this is :math:`1 - \lambda(s_i - s^{c}_{min})/(s_{max} -
     s^{c}_{min} + \epsilon)`. A correct response with its group's minimum step count keeps its full reward, the
-    maximum of its group (spec B8 test oracle); the longest correct one gets :math:`r_i - \lambda` up to
+    maximum of its group; the longest correct one gets :math:`r_i - \lambda` up to
     :math:`\epsilon`.
 
-    Reference: Step-GRPO, arXiv 2604.16890. **Reconstructed** (spec B8): the formula is the spec's
-    reconstruction; whether :math:`\max s` runs over the correct responses or all of them (``span``), the
+    Reference: Step-GRPO, arXiv 2604.16890. **Reconstructed** from the abstract and summaries: the formula is
+    our reconstruction; whether :math:`\max s` runs over the correct responses or all of them (``span``), the
     correctness threshold and the defaults are our choices, hence ``experimental=True`` is required.
 
     Args:
@@ -402,7 +408,7 @@ def step_aware_reward(
     responses all have the same step count (``span="correct"``), gets no penalty; B = 0 is refused by
     :class:`~rolloutopt.groups.Groups` (no ids).
     """
-    _check_flag(experimental, "", "Step-GRPO's step-aware relative reward", _SPEC_B8)
+    _check_flag(experimental, "", "Step-GRPO's step-aware relative reward", _DOCS)
     _real(lam, "lam", 0.0, math.inf)
     if not (isinstance(correct_threshold, (int, float)) and not isinstance(correct_threshold, bool)) or not (
         math.isfinite(float(correct_threshold))
@@ -445,7 +451,7 @@ def count_steps(tokens: Tensor, mask: BoolBT, *, markers: Sequence[int] | Tensor
         s_i = \sum_t m_{i,t}\,[\,y_{i,t} \in \mathcal M\,] + [\,\textstyle\sum_t m_{i,t} > 0\,]
 
     Step-GRPO (arXiv 2604.16890) measures reasoning in steps split at linguistic markers; counting "markers + 1"
-    (a trailing marker also opens a step) is our convention, the same count :class:`StepConfidenceTruncation`
+    (a trailing marker also opens a step) is our convention, the same count :class:`StepGRPOTruncation`
     keeps in its ``markers`` state plus one.
 
     Args:
@@ -465,7 +471,7 @@ def count_steps(tokens: Tensor, mask: BoolBT, *, markers: Sequence[int] | Tensor
 
 
 # ============================================================================================ DUET (2605.08441)
-class MarkerGatedAbort(_MarkerMixin, StopRule):
+class DUETAbort(_MarkerMixin, StopRule):
     r"""DUET's marker-gated abort: stop after an answer marker; past a horizon without one, abort all but a sample.
 
     Per row, with answer-marker ids :math:`\mathcal M` (a closing ``\boxed{}``, a closing code fence, an answer
@@ -488,7 +494,7 @@ class MarkerGatedAbort(_MarkerMixin, StopRule):
     ``row_id``), drawn at :meth:`~rolloutopt.control.StopRule.init` and kept in the state: no global RNG, identical for a seed, and a row keeps
     its draw when rows are permuted together with their ``row_id`` (default: the row index).
 
-    Reference: DUET, arXiv 2605.08441. Not in the project's spec: **reconstructed** from the abstract ("a
+    Reference: DUET, arXiv 2605.08441. **Reconstructed** from the abstract ("a
     marker-gated abort rule with importance reweighting to set when to stop them") and a public summary
     (abort of marker-less tails past a horizon, a kept sample continued to EOS with importance weighting, keep
     probability 0.05, stop shortly after a marker); the exact gate, the weights and the other defaults are ours,
@@ -515,7 +521,11 @@ class MarkerGatedAbort(_MarkerMixin, StopRule):
     """
 
     reason_names: ClassVar[tuple[str, ...]] = ("running", "answered", "aborted")
-    uses: ClassVar[tuple[str, ...]] = ("tokens",)
+    requires: ClassVar[tuple[str, ...]] = ("tokens",)
+    accepts: ClassVar[tuple[str, ...]] = ("row_id",)
+    init_inputs: ClassVar[dict[str, tuple[str, str]]] = {"row_id": ("N", "int")}
+    reference: ClassVar[str] = "arXiv 2605.08441 (DUET's marker-gated abort)"
+    experimental: ClassVar[str | None] = "the gate, the weights and the defaults are reconstructed from the abstract"
 
     def __init__(
         self,
@@ -565,7 +575,7 @@ class MarkerGatedAbort(_MarkerMixin, StopRule):
         }
 
     def _step(self, state: StopState, x: StepInputs) -> tuple[dict[str, Tensor], Tensor, Tensor]:
-        tokens = x.need("tokens", "MarkerGatedAbort")
+        tokens = x.need("tokens", "DUETAbort")
         t = state.steps  # index of this step's token
         first = state.extra["first_marker"]
         first = torch.where(x.live & (first < 0) & self._at_marker(tokens), t, first)
@@ -618,12 +628,12 @@ class MarkerGatedAbort(_MarkerMixin, StopRule):
         super().load_state_dict(state)
         seed, epoch = state.get("seed"), state.get("epoch")
         if not isinstance(seed, int) or not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-            raise InputError("state", "a dict from MarkerGatedAbort.state_dict()", describe(state), "pass that dict")
+            raise InputError("state", "a dict from DUETAbort.state_dict()", describe(state), "pass that dict")
         self.seed, self.epoch = seed, epoch
 
 
 # ============================================================================================ ECHO (2602.02150)
-class ConfidencePruning(StopRule):
+class ECHOPruning(StopRule):
     r"""ECHO's online confidence-based pruning: terminate persistently low-confidence branches of a rollout tree.
 
     Rows are branches; ``group`` (given to :meth:`~rolloutopt.control.StopRule.init`) says which tree each belongs to. Per token a confidence
@@ -638,8 +648,8 @@ class ConfidencePruning(StopRule):
     lowest :math:`\bar c` first (ties by ``row_id``) while their tree keeps at least ``min_branches`` branches
     not stopped by this rule (finished and not-yet-started rows count as kept).
 
-    Reference: ECHO (Entropy-Confidence Hybrid GRPO), arXiv 2602.02150. Not in the project's spec:
-    **reconstructed** from the abstract ("online confidence-based pruning to terminate persistently
+    Reference: ECHO (Entropy-Confidence Hybrid GRPO), arXiv 2602.02150.
+    **Reconstructed** from the abstract ("online confidence-based pruning to terminate persistently
     low-confidence branches") and a public summary (token confidence as the mean top-k probability, window
     smoothing); the window rule, the persistence test, the floor on branches and all defaults are ours, hence
     ``experimental=True`` is required.
@@ -651,9 +661,9 @@ class ConfidencePruning(StopRule):
         patience: consecutive low tokens needed (>= 1). Default 1 — ours (the window already smooths).
         min_tokens: warm-up before a branch can be pruned; None means ``window``. Default None.
         min_branches: branches kept per tree (>= 0). Default 1.
-        signal: ``"sampled_prob"`` (default; :math:`e^{\log p(y_t)}`, needs ``logprobs``), ``"exp_neg_entropy"``
+        signal: ``"sampled_prob"`` (default; :math:`e^{\log p(y_t)}`, needs ``logp``), ``"exp_neg_entropy"``
             (needs ``entropy``) or ``"topk_mean_prob"`` (the summary's ECHO token confidence; needs
-            ``topk_logprobs``).
+            ``topk_logp``).
         experimental: must be True.
 
     :meth:`~rolloutopt.control.StopRule.init` takes ``group`` int ``[N]`` (required: tree ids) and an optional ``row_id`` int ``[N]`` (unique
@@ -665,6 +675,12 @@ class ConfidencePruning(StopRule):
     """
 
     reason_names: ClassVar[tuple[str, ...]] = ("running", "low_confidence")
+    #: for the default ``signal="sampled_prob"``; an instance requires the one standard input its signal reads
+    requires: ClassVar[tuple[str, ...]] = ("logp", "group")
+    accepts: ClassVar[tuple[str, ...]] = ("row_id",)
+    init_inputs: ClassVar[dict[str, tuple[str, str]]] = {"group": ("N", "int"), "row_id": ("N", "int")}
+    reference: ClassVar[str] = "arXiv 2602.02150 (ECHO's online confidence-based pruning)"
+    experimental: ClassVar[str | None] = "the window rule, the persistence test and the branch floor are reconstructed"
 
     def __init__(
         self,
@@ -696,12 +712,9 @@ class ConfidencePruning(StopRule):
         self.min_tokens = window if min_tokens is None else min_tokens
         self.min_branches = min_branches
         self.signal = signal
-        # the one standard input this instance reads (StopRule checks self.uses)
-        self.__dict__["uses"] = {
-            "sampled_prob": ("logprobs",),
-            "exp_neg_entropy": ("entropy",),
-            "topk_mean_prob": ("topk_logprobs",),
-        }[signal]
+        # the one standard input this instance's signal reads, and the tree ids (StopRule checks self.requires)
+        signal_input = {"sampled_prob": "logp", "exp_neg_entropy": "entropy", "topk_mean_prob": "topk_logp"}[signal]
+        self.__dict__["requires"] = (signal_input, "group")
 
     def _init(self, n: int, device: torch.device, **inputs: Any) -> dict[str, Tensor]:
         group = inputs.pop("group", None)
@@ -723,13 +736,13 @@ class ConfidencePruning(StopRule):
         }
 
     def _signal(self, x: StepInputs) -> Tensor:
-        name = "ConfidencePruning"
+        name = "ECHOPruning"
         if self.signal == "sampled_prob":
-            c = x.need("logprobs", name).clamp(max=0.0).exp()
+            c = x.need("logp", name).clamp(max=0.0).exp()
         elif self.signal == "exp_neg_entropy":
             c = (-x.need("entropy", name).clamp(min=0.0)).exp()
         else:
-            c = x.need("topk_logprobs", name).clamp(max=0.0).exp().mean(dim=-1)
+            c = x.need("topk_logp", name).clamp(max=0.0).exp().mean(dim=-1)
         return c.float()
 
     def _step(self, state: StopState, x: StepInputs) -> tuple[dict[str, Tensor], Tensor, int]:

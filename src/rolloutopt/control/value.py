@@ -1,19 +1,19 @@
 r"""Value-based stop rules: dynamic abstention (arXiv 2604.18419) and ARRoL's quality-head pruning (arXiv 2603.24840).
 
 Both rules look at a rollout only at *checkpoints* and ask one question there: is this partial rollout worth
-finishing? (``specs/rollout_control.md`` B10, B11.)
+finishing? (``docs/methods/early_stop.md``.)
 
 - :class:`Abstention`: every ``every`` tokens, estimate the value :math:`\hat V(s_t)` of the partial rollout and
   abstain (stop, terminal reward :math:`r_{abs}`) when :math:`\hat V < r_{abs}`. The estimate is either given by
   the engine (extra input ``values``) or computed by a pluggable estimator, by default the KL-regularised soft
   value :func:`soft_value` over the rewards of a few cheap continuations (extra input ``continuation_rewards``).
-- :class:`QualityHeadPruner`: over-generate each group, and at checkpoint position :math:`L_c` prune inside each
+- :class:`ARRoL`: over-generate each group, and at checkpoint position :math:`L_c` prune inside each
   group so that the survivors' predicted positive fraction is closest to :math:`\rho`; the predictor is a
-  logistic head trained on the fly (:meth:`QualityHeadPruner.train_head`) whose weights and label buffer
+  logistic head trained on the fly (:meth:`ARRoL.train_head`) whose weights and label buffer
   checkpoint with the rule.
 
 Both read their checkpoint inputs only at the rows due at that step: other rows may hold anything (NaN included)
-and a stopped row is never evaluated again. :meth:`Abstention.due` and :meth:`QualityHeadPruner.due` tell the
+and a stopped row is never evaluated again. :meth:`Abstention.due` and :meth:`ARRoL.due` tell the
 engine which rows need the (costly) inputs at the next step.
 """
 
@@ -44,7 +44,7 @@ from rolloutopt.control._base import StepInputs, StopResult, StopRule, StopState
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 
-__all__ = ["Abstention", "QualityHeadPruner", "SoftValue", "ValueEstimator", "soft_value"]
+__all__ = ["ARRoL", "Abstention", "SoftValue", "ValueEstimator", "soft_value"]
 
 #: A value estimator for :class:`Abstention`: ``(inputs, due bool [N]) -> V_hat float [N]``; only the ``due`` rows
 #: of the result are read (and only they need valid inputs).
@@ -63,8 +63,8 @@ def soft_value(rewards: Tensor, *, beta: float = 1.0) -> Tensor:
 
     the value of the KL-regularised objective (temperature :math:`\beta`) estimated from :math:`J` continuations;
     it lies between their mean (:math:`\beta \to \infty`) and their max (:math:`\beta \to 0`). Reference:
-    "Knowing When to Quit", arXiv 2604.18419 (``specs/rollout_control.md`` B11); the paper derives an efficient
-    approximation of :math:`V`; this form is the spec's **reconstruction** of it.
+    "Knowing When to Quit", arXiv 2604.18419 (``docs/methods/early_stop.md``); the paper derives an efficient
+    approximation of :math:`V`; this form is our **reconstruction** of it.
 
     Args:
         rewards: float ``[N, J]``, ``J >= 1`` continuation rewards per row.
@@ -134,15 +134,15 @@ class _CheckpointRule(StopRule):
     def _inputs(
         self,
         state: StopState,
-        logprobs: Any,
+        logp: Any,
         entropy: Any,
-        topk_logprobs: Any,
+        topk_logp: Any,
         tokens: Any,
         active: Any,
         inputs: dict[str, Any],
     ) -> StepInputs:
         mine = {k: inputs.pop(k) for k in list(inputs) if k in self._due_inputs}
-        x = super()._inputs(state, logprobs, entropy, topk_logprobs, tokens, active, inputs)
+        x = super()._inputs(state, logp, entropy, topk_logp, tokens, active, inputs)
         if not mine:
             return x
         due = self._due_mask(state, x.live)
@@ -175,7 +175,7 @@ class Abstention(_CheckpointRule):
     (:math:`t` counts the row's generated tokens, the current one included.) An abstained rollout outputs
     "abstain" and earns :math:`r_{abs}` (:meth:`terminal_rewards`, or :func:`~rolloutopt.control.absorbing_failure`
     with ``r_fail=rule.r_abs`` for token rewards). Reference: "Knowing When to Quit", arXiv 2604.18419
-    (``specs/rollout_control.md`` B11): the rule :math:`V < r_{abs}` is the paper's (proven optimal in its
+    (``docs/methods/early_stop.md``): the rule :math:`V < r_{abs}` is the paper's (proven optimal in its
     regularised view); the check every :math:`K` tokens and the estimators are **reconstructed**, so
     ``experimental=True`` is required.
 
@@ -202,11 +202,16 @@ class Abstention(_CheckpointRule):
     """
 
     reason_names: ClassVar[tuple[str, ...]] = ("running", "abstain")
+    #: read at checkpoint steps only: ``values``, else the estimator's inputs (a custom estimator's replace
+    #: ``continuation_rewards`` in the instance's ``accepts``)
+    accepts: ClassVar[tuple[str, ...]] = ("values", "continuation_rewards")
     #: the default estimator's inputs; a custom estimator's declared inputs are accepted as well
     extra_inputs: ClassVar[dict[str, tuple[str, str]]] = {
         "values": ("N", "float"),
         "continuation_rewards": ("N J", "float"),
     }
+    reference: ClassVar[str] = "arXiv 2604.18419 (Knowing When to Quit: dynamic mid-generation abstention)"
+    experimental: ClassVar[str | None] = "the checkpoint schedule and the value estimator are reconstructed"
 
     def __init__(
         self,
@@ -219,7 +224,7 @@ class Abstention(_CheckpointRule):
         experimental: bool = False,
     ) -> None:
         require_experimental(
-            experimental, "the abstention schedule and value estimator", "specs/rollout_control.md B11"
+            experimental, "the abstention schedule and value estimator", "docs/methods/early_stop.md"
         )
         self.r_abs = _real(r_abs, "r_abs")
         self.every = _int(every, "every", 1)
@@ -239,6 +244,7 @@ class Abstention(_CheckpointRule):
             )
         self._estimator_keys = tuple(declared)
         self._due_inputs = {"values": ("N", "float"), **declared}  # what step() accepts besides extra_inputs
+        self.__dict__["accepts"] = tuple(self._due_inputs)  # this instance's checkpoint inputs
 
     def _due_mask(self, state: StopState, live: Tensor) -> Tensor:
         return live & ((state.steps + 1) % self.every == 0)
@@ -291,7 +297,7 @@ class Abstention(_CheckpointRule):
 _KINDS = ("float", "int", "bool")
 
 
-class QualityHeadPruner(_CheckpointRule):
+class ARRoL(_CheckpointRule):
     r"""ARRoL's online rollout pruning [reconstructed]: a logistic quality head scores partial rollouts at
     :math:`L_c` and each group keeps :math:`n` survivors whose predicted positive fraction is closest to
     :math:`\rho`.
@@ -309,7 +315,7 @@ class QualityHeadPruner(_CheckpointRule):
     :math:`q`) and the :math:`k^-_g` least confident negatives (largest :math:`q`) survive; the others are pruned,
     the most confident of the surplus class first (reason ``"pruned"``; kept length :math:`L_c`).
 
-    Reference: ARRoL, arXiv 2603.24840 (``specs/rollout_control.md`` B10). The head, the target ratio and BCE
+    Reference: ARRoL, arXiv 2603.24840 (``docs/methods/early_stop.md``). The head, the target ratio and BCE
     training on final correctness come from the abstract and summaries; everything else — over-generation by
     ``1 / keep_frac``, the keep count, the rounding, counting early-finished rows as survivors, the label buffer,
     the optimiser — is **reconstructed** (the repository holds no code), so ``experimental=True`` is required.
@@ -327,7 +333,7 @@ class QualityHeadPruner(_CheckpointRule):
         keep_frac: :math:`n / n'` (0.5: ours; over-generate ``n' = n / keep_frac`` rollouts per prompt).
         checkpoint: :math:`L_c`, the token count at which rows are scored (128: ours).
         rho: the target positive fraction (0.5, summary: "about rho = 0.5").
-        threshold: the class boundary on :math:`q` (0.5, the spec's oracle).
+        threshold: the class boundary on :math:`q` (0.5: ours).
         lr: SGD step of :meth:`train_head` (0.1: ours); ``train_steps`` (20: ours) minibatches of ``train_batch``
             (256: ours) drawn with the rule's generator from the label buffer.
         buffer_size: labels kept, FIFO (4096: ours; "a small buffer", summary).
@@ -340,7 +346,13 @@ class QualityHeadPruner(_CheckpointRule):
     """
 
     reason_names: ClassVar[tuple[str, ...]] = ("running", "pruned")
+    requires: ClassVar[tuple[str, ...]] = ("group",)
+    #: read at the checkpoint step only (``scores`` take precedence over the head's ``features``)
+    accepts: ClassVar[tuple[str, ...]] = ("features", "scores")
     extra_inputs: ClassVar[dict[str, tuple[str, str]]] = {"features": ("N D", "float"), "scores": ("N", "float")}
+    init_inputs: ClassVar[dict[str, tuple[str, str]]] = {"group": ("N", "int")}
+    reference: ClassVar[str] = "arXiv 2603.24840 (ARRoL: online rollout pruning with a learned quality head)"
+    experimental: ClassVar[str | None] = "the pruning rule, the keep count and the head's training are reconstructed"
 
     def __init__(
         self,
@@ -359,7 +371,7 @@ class QualityHeadPruner(_CheckpointRule):
         device: torch.device | str | None = None,
         experimental: bool = False,
     ) -> None:
-        require_experimental(experimental, "ARRoL's pruning rule and head training", "specs/rollout_control.md B10")
+        require_experimental(experimental, "ARRoL's pruning rule and head training", "docs/methods/early_stop.md")
         self.dim = _int(dim, "dim", 1)
         self.keep_frac = _real(keep_frac, "keep_frac", 0.0, 1.0, open_low=True)
         self.checkpoint = _int(checkpoint, "checkpoint", 1)
@@ -555,7 +567,7 @@ class QualityHeadPruner(_CheckpointRule):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` exactly (validated: keys, shapes, counts)."""
-        s = check_state(state, self._KEYS, "QualityHeadPruner")
+        s = check_state(state, self._KEYS, "ARRoL")
         shapes = {
             "weight": (self.dim,),
             "bias": (),
@@ -568,7 +580,7 @@ class QualityHeadPruner(_CheckpointRule):
         for key, high in (("count", self.buffer_size), ("next", self.buffer_size - 1), ("trained", None)):
             v = s[key]
             if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (high is not None and v > high):
-                raise InputError(f"state[{key!r}]", "a valid count", describe(v), "pass QualityHeadPruner.state_dict()")
+                raise InputError(f"state[{key!r}]", "a valid count", describe(v), "pass ARRoL.state_dict()")
         if not isinstance(s["generator"], Tensor):
             raise InputError("state['generator']", "a generator state", describe(s["generator"]), "pass state_dict()")
         self.weight = s["weight"].clone().float().to(self.device)

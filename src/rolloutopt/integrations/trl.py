@@ -6,7 +6,7 @@ optimizer and logging, and with rolloutopt's policy loss and advantage estimator
 ``loss_type`` and group normalisation; with ``allocator=`` a one-round allocator chooses each generation
 batch's prompts (a selector: DPS, PromptGDRO, GRESO without dynamic sampling) and, for Uniform, Rollout-GDRO,
 CoBA, Knapsack, HIVE, DEPO and DOTS, their rollout counts. It overrides three methods of TRL's trainer
-(specs/integrations.md §2.4):
+(``docs/integrations/trl.md``):
 
 - ``_calculate_rewards``: stores the rewards TRL gathered over every process, ``[N, n_funcs]``;
 - ``_generate_and_score_completions``: with an allocator, first replaces the generation batch by the rows it
@@ -113,7 +113,7 @@ def trl_denominators(
     every row of the micro-batch, empty completions included (TRL's ``.mean()`` over rows), and ``token-sum``
     gets ``Denominators(world_size=P)``. Reference: TRL ``GRPOTrainer._compute_loss`` (1.16); the token mean is
     DAPO's (arXiv 2503.14476), the ``B · L_max`` denominator Dr.GRPO's (arXiv 2503.20783);
-    ``specs/ratios_and_losses.md`` §5.2. Masked tokens stay in TRL's denominators; rolloutopt's presets keep
+    ``docs/integrations/trl.md``. Masked tokens stay in TRL's denominators; rolloutopt's presets keep
     them with ``removed_in_denominator=True`` (the default).
 
     Args:
@@ -192,7 +192,7 @@ _REFUSED_ALLOCATORS: dict[str, str] = {
     "E3Budget": "tops up in several generation rounds",
     "AR3PO": "samples in rounds and reuses stored responses TRL cannot present",
     "AERO": "samples in rounds",
-    "XRPOAllocator": "tops up in several generation rounds",
+    "XRPO": "tops up in several generation rounds",
     "V05Budget": "tops up in several generation rounds",
 }
 
@@ -205,7 +205,7 @@ def _allocator_mode(allocator: Any) -> str:
         DPS,
         GRESO,
         HIVE,
-        CoBAAllocator,
+        CoBA,
         Knapsack,
         PromptGDRO,
         RolloutGDRO,
@@ -214,7 +214,7 @@ def _allocator_mode(allocator: Any) -> str:
 
     if isinstance(allocator, (DPS, GRESO, PromptGDRO)):
         return "select"
-    if isinstance(allocator, (Uniform, RolloutGDRO, CoBAAllocator, Knapsack, HIVE, DEPO, DOTS)):
+    if isinstance(allocator, (Uniform, RolloutGDRO, CoBA, Knapsack, HIVE, DEPO, DOTS)):
         return "counts"
     name = type(allocator).__name__
     why = _REFUSED_ALLOCATORS.get(name, "is not a known one-request allocator")
@@ -222,7 +222,7 @@ def _allocator_mode(allocator: Any) -> str:
         "allocator",
         "an allocator whose plan is one request (TRL generates once per generation batch): a prompt selector "
         "(DPS, PromptGDRO, GRESO(filter_zero_variance=False)) or a per-prompt-count allocator (Uniform, "
-        "RolloutGDRO, CoBAAllocator, Knapsack, HIVE, DEPO, DOTS(replay=False))",
+        "RolloutGDRO, CoBA, Knapsack, HIVE, DEPO, DOTS(replay=False))",
         f"{name}, which {why}",
         "use one of those, or run this allocator in a loop that can generate several rounds (verl, your own)",
     )
@@ -332,7 +332,7 @@ def _trainer_class() -> type:
                 (:class:`~rolloutopt.allocators.DPS`, :class:`~rolloutopt.allocators.PromptGDRO`,
                 :class:`~rolloutopt.allocators.GRESO` with ``filter_zero_variance=False``; ``n = num_generations``)
                 chooses the prompts; a *per-prompt-count* allocator (:class:`~rolloutopt.allocators.Uniform`,
-                :class:`~rolloutopt.allocators.RolloutGDRO`, :class:`~rolloutopt.allocators.CoBAAllocator`,
+                :class:`~rolloutopt.allocators.RolloutGDRO`, :class:`~rolloutopt.allocators.CoBA`,
                 :class:`~rolloutopt.allocators.Knapsack`, :class:`~rolloutopt.allocators.HIVE`,
                 :class:`~rolloutopt.allocators.DEPO`, :class:`~rolloutopt.allocators.DOTS` with ``replay=False``)
                 also chooses how many rollouts each prompt gets, within the fixed generation batch (fixed-size
@@ -391,6 +391,17 @@ def _trainer_class() -> type:
                 raise _fail("experimental", "a bool", experimental, "pass experimental=True or False")
             self._ro_experimental = experimental
             self._ro_objective = _losses.get(objective) if isinstance(objective, str) else objective
+            if isinstance(advantage, str) and advantage not in _advantages.REGISTRY:
+                family = next((r.kind for r in (_advantages.SHAPERS, _advantages.SELECTORS) if advantage in r), None)
+                raise _fail(
+                    "advantage",
+                    f"the name of an advantage estimator ({', '.join(_advantages.names())})",
+                    advantage,
+                    f"{advantage!r} is a {family}, not an estimator: apply it in a reward function or your training "
+                    "loop and pass an estimator (e.g. 'grpo')"
+                    if family is not None
+                    else "use one of the listed names, or pass the estimator itself",
+                )
             self._ro_advantage = _advantages.get(advantage) if isinstance(advantage, str) else advantage
             if self._ro_objective is not None and not callable(self._ro_objective):
                 raise _fail(
@@ -556,26 +567,34 @@ def _trainer_class() -> type:
 
         def _check_advantage(self, config: Any) -> None:
             fn, bound = _unwrap(self._ro_advantage)
-            try:
-                params = list(inspect.signature(fn).parameters.values())
-            except (TypeError, ValueError) as exc:  # pragma: no cover - builtins without signatures
-                raise _fail("advantage", "a Python callable with a signature", self._ro_advantage, "wrap it") from exc
-            names = [p.name for p in params]
-            if names[:2] != ["rewards", "group"]:
-                raise _fail(
-                    "advantage",
-                    "an estimator f(rewards, group, *, ...) -> AdvantageOutput",
-                    f"{getattr(fn, '__name__', fn)}({', '.join(names[:3])}, ...)",
-                    "choose an estimator from rolloutopt.advantages taking (rewards, group); reward shapers and "
-                    "token-level selectors are not advantage estimators",
-                )
-            required = [
-                p.name
-                for p in params[2:]
-                if p.default is inspect.Parameter.empty
-                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                and p.name not in bound
-            ]
+            if isinstance(fn, _advantages.Estimator):  # a registered estimator: read its declarations
+                names = ["rewards", "group", *fn.accepts, *fn.hyper, "experimental"]
+                required = [p for p in (*fn.requires, *fn.hyper_required) if p not in bound]
+                multi_reward = fn.reward_dims == "B K"
+            else:
+                try:
+                    params = list(inspect.signature(fn).parameters.values())
+                except (TypeError, ValueError) as exc:  # pragma: no cover - builtins without signatures
+                    raise _fail(
+                        "advantage", "a Python callable with a signature", self._ro_advantage, "wrap it"
+                    ) from exc
+                names = [p.name for p in params]
+                if names[:2] != ["rewards", "group"]:
+                    raise _fail(
+                        "advantage",
+                        "an estimator f(rewards, group, *, ...) -> AdvantageOutput",
+                        f"{getattr(fn, '__name__', fn)}({', '.join(names[:3])}, ...)",
+                        "choose an estimator from rolloutopt.advantages taking (rewards, group); reward shapers and "
+                        "token-level selectors are not advantage estimators",
+                    )
+                required = [
+                    p.name
+                    for p in params[2:]
+                    if p.default is inspect.Parameter.empty
+                    and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                    and p.name not in bound
+                ]
+                multi_reward = fn in (_advantages.gdpo, _advantages.gd2po)
             if required:
                 raise _fail(
                     "advantage",
@@ -583,7 +602,14 @@ def _trainer_class() -> type:
                     f"{getattr(fn, '__name__', fn)} also requires {', '.join(required)}",
                     "choose another estimator or bind the extra arguments with functools.partial",
                 )
-            self._ro_multi_reward = fn in (_advantages.gdpo, _advantages.gd2po)
+            if isinstance(fn, _advantages.Estimator) and fn.experimental is not None and not self._ro_experimental:
+                raise _fail(
+                    "experimental",
+                    f"experimental=True for the {fn.name!r} estimator: {fn.experimental}",
+                    self._ro_experimental,
+                    "pass experimental=True to GRPOTrainer to acknowledge the reconstruction",
+                )
+            self._ro_multi_reward = multi_reward
             if config.scale_rewards != "group":
                 raise _fail(
                     "scale_rewards",

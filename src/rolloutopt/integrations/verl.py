@@ -1,6 +1,6 @@
 """verl integration: every rolloutopt loss preset and advantage estimator under ``rolloutopt_<name>`` in verl.
 
-Registration (``specs/integrations.md`` §1.3–1.6). Once this module is imported in a process where verl is
+Registration (``docs/integrations/verl.md``). Once this module is imported in a process where verl is
 (being) imported, every loss preset of :func:`rolloutopt.losses.names` is in verl's ``POLICY_LOSS_REGISTRY``
 as ``rolloutopt_<name>`` (:func:`make_policy_loss_fn`) and every estimator of
 :func:`rolloutopt.advantages.names` is in ``ADV_ESTIMATOR_REGISTRY`` as ``rolloutopt_<name>``
@@ -27,12 +27,10 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
-import inspect
 import logging
 import math
 import os
 import sys
-import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import ModuleType
@@ -43,7 +41,7 @@ from torch import Tensor
 
 import rolloutopt.advantages as _advantages
 import rolloutopt.losses as _losses
-from rolloutopt.advantages import AdvantageOutput, to_tokens
+from rolloutopt.advantages import Estimator, to_tokens
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 from rolloutopt.losses import Denominators, Preset, policy_loss
@@ -345,7 +343,7 @@ def make_policy_loss_fn(name: str) -> PolicyLossFn:
     i.e. :func:`~rolloutopt.losses.policy_loss` with the preset's stages, verl's hyper-parameters
     (:func:`policy_loss_kwargs`) and :math:`w` = verl's ``rollout_is_weights`` (times the preset's own
     correction weight). References: the preset's (``rolloutopt.losses.get(name).reference``); verl's plug-in
-    contract ``specs/integrations.md`` §1.3.
+    contract (``register_policy_loss`` in ``verl/trainer/ppo/core_algos.py``; ``docs/integrations/verl.md``).
 
     The returned function is ``fn(old_log_prob, log_prob, advantages, response_mask,
     loss_agg_mode="token-mean", config=None, rollout_is_weights=None) -> (loss, metrics)``, called
@@ -397,15 +395,8 @@ def make_policy_loss_fn(name: str) -> PolicyLossFn:
 # ----------------------------------------------------------------------------------------------- advantages
 
 
-def _return_type(fn: Callable[..., Any]) -> Any:
-    try:
-        return typing.get_type_hints(fn).get("return")
-    except Exception:  # unresolvable annotation: judged at call time instead
-        return None
-
-
-def _adv_hyper(config: Any, name: str, params: Mapping[str, inspect.Parameter], fixed: set[str]) -> dict[str, Any]:
-    """``algorithm.rolloutopt.<name>`` as keyword arguments, checked against the estimator's signature."""
+def _adv_hyper(config: Any, name: str, estimator: Estimator) -> dict[str, Any]:
+    """``algorithm.rolloutopt.<name>`` as keyword arguments, checked against the estimator's hyper-parameters."""
     section = _get(_get(config, "rolloutopt", None), name, None)
     hyper = {} if section is None else _plain(section)
     if not isinstance(hyper, dict):
@@ -416,42 +407,22 @@ def _adv_hyper(config: Any, name: str, params: Mapping[str, inspect.Parameter], 
             f"set +algorithm.rolloutopt.{name}.<keyword>=<value>",
         )
     for key in hyper:
-        if key not in params or key in fixed:
-            allowed = [
-                p
-                for p, v in params.items()
-                if p not in fixed and (v.kind == v.KEYWORD_ONLY or v.default is not v.empty)
-            ]
+        if key not in estimator.hyper and key != "experimental":
             raise InputError(
                 f"algorithm.rolloutopt.{name}.{key}",
-                f"a keyword of rolloutopt.advantages.{name}: {', '.join(allowed)}",
+                f"a hyper-parameter of rolloutopt.advantages.{name}: {', '.join(estimator.hyper) or 'none'} "
+                "(or experimental)",
                 repr(key),
-                "remove it or fix its spelling",
+                "remove it or fix its spelling (inputs such as mask come from verl's batch, not from the config)",
             )
     if name == "grpo" and "scale" not in hyper and _get(config, "norm_adv_by_std_in_grpo", True) is False:
         hyper["scale"] = None  # verl's own switch for GRPO without the std (Dr.GRPO's advantage)
     return hyper
 
 
-def _not_an_estimator(
-    name: str, estimator: Callable[..., Any], positional: list[inspect.Parameter]
-) -> tuple[str, str, str] | None:
-    """Why ``rolloutopt.advantages.<name>`` cannot serve as a verl estimator, or None when it can."""
-    returns = _return_type(estimator)
-    if isinstance(returns, type) and not issubclass(returns, AdvantageOutput):
-        return (
-            "an advantage estimator",
-            f"rolloutopt.advantages.{name}, which returns {returns.__name__} (a reward-shaping or selection step)",
-            "apply it in your reward function or training loop and pick an estimator (e.g. rolloutopt_grpo) for verl",
-        )
-    names = [p.name for p in positional[:2]]
-    if names != ["rewards", "group"]:
-        return (
-            "an estimator f(rewards, group, ...)",
-            f"rolloutopt.advantages.{name}({', '.join(p.name for p in positional)}, ...)",
-            "apply it in your own code and pick an estimator (e.g. rolloutopt_grpo) for verl",
-        )
-    if "BK" in str(positional[0].annotation):
+def _not_an_estimator(name: str, estimator: Estimator) -> tuple[str, str, str] | None:
+    """Why ``rolloutopt.advantages.<name>`` can never serve as a verl estimator, or None when it can."""
+    if estimator.reward_dims == "B K":
         return (
             "an estimator of one reward per rollout",
             f"rolloutopt.advantages.{name}, which needs per-component rewards [B, K]; verl passes one summed "
@@ -472,20 +443,26 @@ def make_advantage_fn(name: str) -> AdvantageFn:
     :meth:`~rolloutopt.groups.Groups.from_labels`), :math:`w` the estimator's per-sequence weight (0 for a
     rollout it excludes: its advantage is 0, it still counts in verl's denominators) and :math:`m` the
     response mask (:func:`~rolloutopt.advantages.to_tokens`). Returns equal advantages, as verl's GRPO.
-    References: the estimator's docstring; verl's contract ``specs/integrations.md`` §1.4.
+    References: the estimator's docstring; verl's contract (``get_adv_estimator_fn(name)(**adv_kwargs)`` in
+    ``verl/trainer/ppo/ray_trainer.py`` ``compute_advantage``; ``docs/integrations/verl.md``).
 
     The returned function is ``fn(token_level_rewards, response_mask, index=None, config=None, **kwargs) ->
     (advantages [bs, T], returns [bs, T])``, run under ``torch.no_grad()``:
     ``token_level_rewards`` ``[bs, T]``, ``response_mask`` ``[bs, T]``, ``index`` a 1-d object array of uid
     strings, ``config`` verl's ``algorithm`` config. Extra keyword hyper-parameters come from
-    ``config.rolloutopt.<name>`` (``+algorithm.rolloutopt.mc_grpo.eps=1e-3``; unknown keys raise);
-    ``algorithm.norm_adv_by_std_in_grpo=false`` gives ``rolloutopt_grpo`` ``scale=None``, as verl's GRPO. An
-    estimator's ``mask`` is the response mask, and its ``max_len`` (DRPO, Latent-GRPO's truncation rule)
-    defaults to the padded response width, which verl pads to ``rollout.response_length``.
-    A required input other than the rewards, groups and ``mask`` is taken from ``kwargs`` (same name, or
-    ``old_log_probs`` for ``logp``), else an :class:`~rolloutopt.errors.InputError` names it; estimators that
-    need per-component rewards ``[B, K]`` and reward shapers (which return rewards, not advantages) raise an
-    :class:`~rolloutopt.errors.InputError` on call. Created once per name.
+    ``config.rolloutopt.<name>`` (``+algorithm.rolloutopt.mc_grpo.eps=1e-3``; a key that is not one of the
+    estimator's hyper-parameters raises; ``experimental=true`` acknowledges an experimental estimator);
+    ``algorithm.norm_adv_by_std_in_grpo=false`` gives ``rolloutopt_grpo`` ``scale=None``, as verl's GRPO.
+
+    Inputs follow the estimator's declarations (``rolloutopt.advantages.entry(name).requires`` and
+    ``.accepts``): ``mask`` is the response mask, and a ``max_len`` hyper-parameter (DRPO, Latent-GRPO's
+    truncation rule) defaults to the padded response width, which verl pads to ``rollout.response_length``.
+    Any other declared input is taken from ``kwargs`` (same name, or ``old_log_probs`` for ``logp`` and
+    ``ref_log_prob`` for ``ref_logp``); verl's ``compute_advantage`` passes such tensors only to its own
+    estimators, so an estimator that requires one (``ace``, ``xrpo_sharpen`` and ``drpo`` need ``logp``,
+    ``v05`` needs ``prior``) raises an :class:`~rolloutopt.errors.InputError` naming it unless a customised
+    trainer supplies it. Estimators of per-component rewards ``[B, K]`` (``gdpo``, ``gd2po``) raise on call.
+    Reward shapers and selectors are not estimators and are not registered with verl. Created once per name.
 
     Edge cases: as the estimator's (singleton groups, all-equal rewards); all-masked rows get advantage 0 at
     every token but count in their group, as in verl.
@@ -494,12 +471,7 @@ def make_advantage_fn(name: str) -> AdvantageFn:
     if fn is not None:
         return fn
     estimator = _advantages.get(name)
-    params = dict(inspect.signature(estimator).parameters)
-    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    problem = _not_an_estimator(name, estimator, positional)
-    fixed = {p.name for p in positional[:2]} | ({"mask"} if "mask" in params else set())
-    required = [p.name for p in positional[2:] if p.default is p.empty]
-    fixed |= set(required)
+    problem = _not_an_estimator(name, estimator)
 
     def rolloutopt_advantage(
         token_level_rewards: Tensor,
@@ -520,31 +492,27 @@ def make_advantage_fn(name: str) -> AdvantageFn:
         with torch.no_grad():
             rewards = token_level_rewards.sum(-1)
             groups = Groups.from_labels(index, device=rewards.device)
-            args: list[Any] = [rewards, groups]
-            for p in required:
+            inputs: dict[str, Any] = {}
+            for p in (*estimator.requires, *estimator.accepts):
                 if p == "mask":
-                    args.append(response_mask)
+                    inputs[p] = response_mask
                     continue
                 value = next((kwargs[a] for a in _ADV_ALIASES.get(p, (p,)) if kwargs.get(a) is not None), None)
-                if value is None:
+                if value is not None:
+                    inputs[p] = value
+                elif p in estimator.requires:
+                    passed = sorted(["token_level_rewards", "response_mask", "index", "config", *kwargs])
                     raise InputError(
                         p,
-                        f"the input {p!r} of rolloutopt.advantages.{name}",
-                        f"verl's compute_advantage passed only {sorted(['token_level_rewards', 'response_mask', 'index', 'config', *kwargs])}",
+                        f"the input {p!r}, required by rolloutopt.advantages.{name}",
+                        f"verl's compute_advantage passed only {passed}",
                         f"verl does not give {p} to advantage estimators; call rolloutopt.advantages.{name} "
-                        "yourself, or use an estimator that needs only rewards and groups",
+                        "yourself, or use an estimator that needs only rewards, groups and the response mask",
                     )
-                args.append(value)
-            hyper = _adv_hyper(config, name, params, fixed)
-            if "mask" in params and "mask" not in required:
-                hyper["mask"] = response_mask
-            if "max_len" in params and "max_len" not in hyper:
+            hyper = _adv_hyper(config, name, estimator)
+            if "max_len" in estimator.hyper and "max_len" not in hyper:
                 hyper["max_len"] = int(response_mask.shape[-1])  # verl pads responses to rollout.response_length
-            missing = [
-                p.name
-                for p in params.values()
-                if p.kind == p.KEYWORD_ONLY and p.default is p.empty and p.name not in hyper
-            ]
+            missing = [h for h in estimator.hyper_required if h not in hyper]
             if missing:
                 raise InputError(
                     f"algorithm.rolloutopt.{name}.{missing[0]}",
@@ -552,14 +520,7 @@ def make_advantage_fn(name: str) -> AdvantageFn:
                     "nothing",
                     f"set +algorithm.rolloutopt.{name}.{missing[0]}=...",
                 )
-            out = estimator(*args, **hyper)
-            if not isinstance(out, AdvantageOutput):
-                raise InputError(
-                    f"algorithm.adv_estimator={PREFIX}{name}",
-                    "an advantage estimator",
-                    f"rolloutopt.advantages.{name} returned {type(out).__name__}",
-                    "apply it in your reward function and pick an estimator for verl",
-                )
+            out = estimator(rewards, groups, **inputs, **hyper)
             adv = out.advantages
             weight = out.weight.to(adv.dtype)
             adv = adv * (weight if adv.dim() == 1 else weight[:, None])

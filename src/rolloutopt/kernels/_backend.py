@@ -1,6 +1,6 @@
 """Backend choice for the fused kernels: ``"auto" | "torch" | "triton"``, with errors that say why.
 
-Triton is imported here lazily, never at ``import rolloutopt`` time (``DESIGN.md`` §1). The Triton path runs on
+Triton is imported here lazily, never at ``import rolloutopt`` time (that import stays light). The Triton path runs on
 CUDA tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` — that is how CPU CI tests the
 kernels). The variable must be set before ``triton`` is first imported by anything in the process (verl, Liger and
 ``torch.compile`` import it too): ``triton.language`` builds its own jitted helpers at import, and with the

@@ -7,9 +7,10 @@ Two kernels, both computing logits tiles with ``tl.dot`` over ``d`` and never st
   split) and writes fp32 partials ``[splits, N]``; :func:`forward` merges the splits in torch.
 - ``_grad_tile_kernel``: one ``[chunk_tokens, chunk_vocab]`` tile of logit gradients
   ``G = [g_logp (onehot - p) - g_H p (log p + H)] / T``, recomputing the logits; the caller's chunk loop does
-  ``dh += G W`` and ``dW += Gᵀ h`` (the 4-matmul schedule, spec §4).
+  ``dh += G W`` and ``dW += Gᵀ h`` (the 4-matmul schedule, ``docs/methods/kernels.md``).
 
-Interpreter rules (spec §5.3): every load is cast to fp32 before elementwise math; under ``TRITON_INTERPRET=1``
+Interpreter rules (``docs/methods/kernels.md``): every load is cast to fp32 before elementwise math; under
+``TRITON_INTERPRET=1``
 the ``tl.dot`` operands are upcast to fp32 (the interpreter multiplies raw bf16 bits); no libdevice; no autotune
 (one fixed config per mode); launches are wrapped in ``torch.compiler.disable``. Row and column offsets are
 int64 (every ``x * stride`` multiplies an int64 ``x64``; a test checks the source), so ``N * V`` and ``V * d``
@@ -95,7 +96,7 @@ def _fwd_kernel(
             wb = tl.load(
                 w_ptr + w_off[None, :] + ks64[:, None] * stride_wd, mask=k_ok[:, None] & col_ok[None, :], other=0.0
             )
-            if UPCAST:  # the interpreter multiplies bf16 dot operands as raw bits (spec §5.2)
+            if UPCAST:  # the interpreter multiplies bf16 dot operands as raw bits
                 hb = hb.to(tl.float32)
                 wb = wb.to(tl.float32)
             acc = tl.dot(hb, wb, acc, input_precision="ieee") if IEEE else tl.dot(hb, wb, acc)
@@ -165,7 +166,7 @@ def _grad_tile_kernel(
         wb = tl.load(
             w_ptr + w_off[None, :] + ks64[:, None] * stride_wd, mask=k_ok[:, None] & col_ok[None, :], other=0.0
         )
-        if UPCAST:  # the interpreter multiplies bf16 dot operands as raw bits (spec §5.2)
+        if UPCAST:  # the interpreter multiplies bf16 dot operands as raw bits
             hb = hb.to(tl.float32)
             wb = wb.to(tl.float32)
         acc = tl.dot(hb, wb, acc, input_precision="ieee") if IEEE else tl.dot(hb, wb, acc)
@@ -189,8 +190,8 @@ def _grad_tile_kernel(
 
 
 def _config(dtype: torch.dtype, n: int, vocab: int) -> dict[str, Any]:
-    """One fixed config per mode (no autotune: the interpreter cannot run multi-config autotune, §5.2)."""
-    if interpreting():  # the interpreter's cost is programs × loop iterations × elements (§5.2): fit the blocks
+    """One fixed config per mode (no autotune: the interpreter cannot run multi-config autotune)."""
+    if interpreting():  # the interpreter's cost is programs × loop iterations × elements: fit the blocks
         return {
             "BM": 16 if n <= 16 else 32,
             "BN": 256 if vocab <= 8192 else 16384,

@@ -4,7 +4,7 @@ The LM head, the temperature, the log-softmax, the gather of the sampled token a
 differentiable operation. It is chunked over tokens and over the vocabulary with an online log-sum-exp, so the
 peak extra memory is a few ``[chunk_tokens, chunk_vocab]`` fp32 tiles, whatever N is. Two backends give the same
 numbers: a chunked torch path (runs everywhere, the CPU default) and Triton kernels (CUDA; on CPU under
-``TRITON_INTERPRET=1``). Design notes, anchors and limits: ``specs/kernels.md`` §2 (verl), §1a (Liger), §4.
+``TRITON_INTERPRET=1``). Design notes, anchors (verl, Liger) and limits: ``docs/methods/kernels.md``.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def token_logprobs(
     **Backward strategy: recompute.** Forward saves only ``hidden``, ``weight``, ``targets`` and two fp32
     numbers per token (LSE and H). Backward recomputes each ``[chunk_tokens, chunk_vocab]`` logits tile, turns
     it into :math:`G` in place and accumulates :math:`\partial h` and :math:`\partial W` in fp32: the
-    4-matmul schedule (spec §4). Keeping logits (3 matmuls) would need either memory proportional to N or the
+    4-matmul schedule. Keeping logits (3 matmuls) would need either memory proportional to N or the
     loss gradient during forward; under autograd the gradient of ``logp`` arrives only in backward (and may be
     a sequence-level function of all of ``logp``, e.g. GSPO), so recomputing is what keeps the extra memory
     independent of N. The extra memory is a few tiles plus the fp32 gradient accumulators (the gradients
@@ -69,7 +69,7 @@ def token_logprobs(
 
     References: verl ``linear_cross_entropy`` (logp + entropy from hidden states, PR #462/#1878); Liger
     ``_ChunkedSelectiveLogProbFunction`` (PR #1160, online LSE over 2-D chunks); Apple Cut Cross-Entropy,
-    arXiv 2411.09009 (recompute in backward); ``specs/kernels.md`` §1–§4.
+    arXiv 2411.09009 (recompute in backward); ``docs/methods/kernels.md``.
 
     Args:
         hidden: ``[N, d]`` hidden states before the LM head (fp32, bf16, fp16; fp64 on the torch backend).

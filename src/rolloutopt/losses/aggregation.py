@@ -1,6 +1,6 @@
 """Loss aggregation: per-token losses ``[B, T]`` → a scalar, with explicit global denominators.
 
-Modes (verl names; ``ratios_and_losses.md`` §1):
+Modes (verl names; verl ``agg_loss``, ``docs/conventions.md``):
 
 =========================  ==================================================================================
 ``token-mean``             Σ m ℓ / N_tokens                                             (verl default, DAPO)
@@ -31,7 +31,7 @@ from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups, as_groups
 from rolloutopt.typing import BoolBT, FloatBT, IntB, Scalar
 
-__all__ = ["AGG_MODES", "AggMode", "Denominators", "aggregate"]
+__all__ = ["AGG_MODES", "AggMode", "Denominators", "aggregate", "aggregate_checked", "check_max_len"]
 
 AggMode = Literal[
     "token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "prompt-mean"
@@ -99,35 +99,60 @@ def aggregate(
     x = as_float(per_token, "per_token", dims, "B T")
     m = as_mask(mask, "mask", dims, "B T", device=x.device)
     dm = m if denominator_mask is None else as_mask(denominator_mask, "denominator_mask", dims, "B T", device=x.device)
+    g = None
+    if mode == "prompt-mean":
+        if group is None:
+            raise InputError("group", "group ids for mode='prompt-mean'", "None", "pass group=... (one id per rollout)")
+        g = as_groups(group, dims)
+    if mode == "seq-mean-token-sum-norm":
+        check_max_len(max_len)
+    return aggregate_checked(torch.where(m, x, torch.zeros_like(x)), dm, mode, denominators, g, max_len)
+
+
+def check_max_len(max_len: object) -> int:
+    """Return Dr.GRPO's constant ``L_max`` if it is an int >= 1; an :class:`InputError` naming ``max_len`` otherwise."""
+    if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
+        raise InputError(
+            "max_len",
+            "the configured maximum response length (an int >= 1) for agg='seq-mean-token-sum-norm'",
+            repr(max_len),
+            "pass max_len=<max new tokens of the rollout engine>; the padded width is not constant",
+        )
+    return max_len
+
+
+def aggregate_checked(
+    masked: Tensor,
+    denominator_mask: Tensor,
+    mode: str,
+    denominators: Denominators | None,
+    groups: Groups | None,
+    max_len: int | None,
+) -> Tensor:
+    """:func:`aggregate` on inputs its caller already validated: ``masked`` is the per-token loss with 0 outside
+    the numerator's mask, ``denominator_mask`` a bool ``[B, T]``, ``groups`` a :class:`Groups` for
+    ``prompt-mean`` and ``max_len`` an int for ``seq-mean-token-sum-norm``. No checks, no host sync."""
     d = denominators or Denominators()
-    masked = torch.where(m, x, torch.zeros_like(x))
+    dm = denominator_mask
     if mode == "token-mean":
-        out = masked.sum() / _denom(d.tokens, dm.sum().to(x.dtype))
+        out = masked.sum() / _denom(d.tokens, dm.sum().to(masked.dtype))
     elif mode == "token-sum":
         out = masked.sum()
     elif mode == "prompt-mean":
-        if group is None:
-            raise InputError("group", "group ids for agg='prompt-mean'", "None", "pass group=... (one id per rollout)")
-        g = as_groups(group, dims)
-        tok = g.sum(masked.sum(-1))
-        cnt = g.sum(dm.sum(-1).to(x.dtype))
+        assert groups is not None
+        tok = groups.sum(masked.sum(-1))
+        cnt = groups.sum(dm.sum(-1).to(masked.dtype))
         per_group = tok / cnt.clamp(min=1)
-        out = per_group.sum() / _denom(d.groups, (cnt > 0).sum().to(x.dtype))
+        out = per_group.sum() / _denom(d.groups, (cnt > 0).sum().to(masked.dtype))
     else:
-        lengths = dm.sum(-1).to(x.dtype)
+        lengths = dm.sum(-1).to(masked.dtype)
         seq_sum = masked.sum(-1)
-        n_seq = _denom(d.sequences, (lengths > 0).sum().to(x.dtype))
+        n_seq = _denom(d.sequences, (lengths > 0).sum().to(masked.dtype))
         if mode == "seq-mean-token-mean":
             out = (seq_sum / lengths.clamp(min=1)).sum() / n_seq
         elif mode == "seq-mean-token-sum":
             out = seq_sum.sum() / n_seq
         else:
-            if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
-                raise InputError(
-                    "max_len",
-                    "the configured maximum response length (an int >= 1) for agg='seq-mean-token-sum-norm'",
-                    repr(max_len),
-                    "pass max_len=<max new tokens of the rollout engine>; the padded width is not constant",
-                )
+            assert max_len is not None
             out = seq_sum.sum() / (n_seq * max_len)
     return out * d.world_size

@@ -6,11 +6,12 @@ any keyword overrides the bound value (``rolloutopt.losses.get("dapo")(..., trus
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
 from rolloutopt.errors import InputError
-from rolloutopt.losses.policy import LossOutput, policy_loss
+from rolloutopt.losses.policy import OPTIONAL_INPUTS, LossOutput, declared_inputs, policy_loss
 from rolloutopt.ratios import (
     CISPO,
     DPPO,
@@ -30,9 +31,12 @@ from rolloutopt.ratios import (
     SATClip,
     TokenRatio,
 )
-from rolloutopt.registry import Registry
+from rolloutopt.registry import Registry, check_inputs
 
 __all__ = ["PRESETS", "Preset"]
+
+
+_STAGE_KEYS = ("ratio", "trust", "correction", "proximal", "kl", "entropy_coef", "agg")
 
 
 @dataclass(frozen=True)
@@ -41,18 +45,34 @@ class Preset:
 
     Attributes:
         name: the registry name.
-        reference: where the configuration comes from (arXiv id and trainer names).
+        reference: where the configuration comes from (arXiv id, authors' code, trainer names).
         config: the bound keyword arguments of :func:`~rolloutopt.losses.policy_loss`.
-        requires: :func:`~rolloutopt.losses.policy_loss` inputs beyond the common ones that the preset needs
-            (``behav_logp``, ``versions``, ``topk_logp``, ...).
         experimental: why the preset is experimental (a reconstructed part), or None.
+        requires: the optional inputs the preset cannot run without (``behav_logp``, ``versions``,
+            ``topk_logp``, ``max_len``, ...), derived from its stages by
+            :func:`~rolloutopt.losses.policy.declared_inputs`, never written by hand.
+        accepts: the further inputs its stages consume when given (always ``seq_weight``, ``is_weights`` and
+            ``denominators``).
     """
 
     name: str
     reference: str
     config: dict[str, Any] = field(default_factory=dict)
-    requires: tuple[str, ...] = ()
     experimental: str | None = None
+
+    def _declared(self, overrides: dict[str, Any] | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        merged = {**self.config, **(overrides or {})}
+        return declared_inputs(**{k: merged[k] for k in _STAGE_KEYS if k in merged})
+
+    @property
+    def requires(self) -> tuple[str, ...]:
+        """Inputs the preset cannot run without (derived from its stages)."""
+        return self._declared()[0]
+
+    @property
+    def accepts(self) -> tuple[str, ...]:
+        """Further inputs the preset's stages consume when given."""
+        return self._declared()[1]
 
     def __call__(
         self, logp: Any, old_logp: Any, advantages: Any, mask: Any, *, experimental: bool = False, **kwargs: Any
@@ -60,8 +80,9 @@ class Preset:
         """Compute :func:`~rolloutopt.losses.policy_loss` with this preset's configuration.
 
         A preset whose method is partly reconstructed (``self.experimental`` says what) raises unless called
-        with ``experimental=True``; inputs named in ``requires`` must be passed (an :class:`InputError` names
-        the missing ones).
+        with ``experimental=True``. An input the preset requires and is not given, or one that none of its
+        stages consumes, raises an :class:`InputError` naming it (``allow_unused=True`` lets the latter pass,
+        for trainer adapters that always pass everything).
         """
         if self.experimental is not None and experimental is not True:
             raise InputError(
@@ -70,16 +91,30 @@ class Preset:
                 repr(experimental),
                 "pass experimental=True to acknowledge the reconstruction (see the preset's docs page)",
             )
-        missing = [name for name in self.requires if kwargs.get(name) is None]
-        if missing:
+        unknown = sorted(set(kwargs) - _POLICY_KEYWORDS)
+        if unknown:
             raise InputError(
-                missing[0],
-                f"the inputs {', '.join(self.requires)} for the {self.name!r} preset",
-                f"no {', '.join(missing)}",
-                f"pass {', '.join(f'{n}=...' for n in missing)}",
+                unknown[0],
+                f"a keyword of policy_loss for the {self.name!r} preset",
+                f"{unknown[0]}=...",
+                "check the spelling; the keywords are those of rolloutopt.losses.policy_loss",
             )
+        requires, accepts = self._declared({k: v for k, v in kwargs.items() if k in _STAGE_KEYS})
+        given = {k: v for k, v in kwargs.items() if k in OPTIONAL_INPUTS}
+        given.update(kwargs.get("stage_inputs") or {})
+        check_inputs(
+            given,
+            requires=requires,
+            accepts=accepts,
+            by=f"the {self.name!r} preset",
+            users=lambda n: [u for u in PRESETS.users(n) if u != self.name],
+            kind="preset",
+            allow_unused=kwargs.get("allow_unused", False) is True,
+        )
         return policy_loss(logp, old_logp, advantages, mask, **{**self.config, **kwargs})
 
+
+_POLICY_KEYWORDS = frozenset(inspect.signature(policy_loss).parameters) - {"logp", "old_logp", "advantages", "mask"}
 
 PRESETS: Registry[Preset] = Registry("loss preset")
 
@@ -128,7 +163,6 @@ for _preset in (
             "correction": TIS(cap=2.0),
             "agg": "token-mean",
         },
-        requires=("behav_logp",),
     ),
     Preset(
         "icepop",
@@ -140,7 +174,6 @@ for _preset in (
             "correction": MIS(low=0.5, high=5.0, in_band="ratio"),
             "agg": "token-mean",
         },
-        requires=("behav_logp",),
     ),
     Preset(
         "opsm",
@@ -167,7 +200,6 @@ for _preset in (
             "agg": "token-mean",
             "removed_in_denominator": True,
         },
-        requires=("behav_logp",),
     ),
     Preset(
         "copris",
@@ -179,7 +211,6 @@ for _preset in (
             "proximal": CoPRISProximal(),
             "agg": "token-mean",
         },
-        requires=("behav_logp", "versions"),
     ),
     Preset(
         "cumulative",
@@ -196,26 +227,28 @@ for _preset in (
             "trust": PPOClip(low=0.2, high=0.28, dual=None),
             "agg": "seq-mean-token-mean",
         },
-        experimental="PNPO's loss wiring (clipped surrogate, gradient routing) is reconstructed (specs B12)",
+        experimental="PNPO's loss wiring (clipped surrogate, gradient routing) is reconstructed (see "
+        "docs/methods/offpolicy.md)",
     ),
     # --- adaptive trust regions (docs/methods/trust_regions.md)
     Preset(
         "m2po",
         "M2PO arXiv 2510.01161 (paper / AReaL m2_threshold): mask the tokens with the largest squared "
         "behaviour-vs-proximal log-ratio until the batch's second moment is below tau = 0.04; unclipped r·A on "
-        "the kept tokens, token mean with the masked tokens kept in the denominator",
+        "the kept tokens, token mean over all loss tokens (the paper's 1/sum|o_i|, exact under data-parallel "
+        "global denominators); AReaL's code divides by the M2PO-kept count instead: removed_in_denominator=False "
+        "(with a masking correction added, denominators=Denominators(tokens=<M2PO-kept count>))",
         {
             "ratio": TokenRatio(),
             "trust": M2POMask(tau=0.04, pair="behav_old", clip=None),
             "agg": "token-mean",
             "removed_in_denominator": True,
         },
-        requires=("behav_logp",),
     ),
     Preset(
         "m2po_clip",
-        "M2PO arXiv 2510.01161, official code (Infini-AI-Lab/M2PO compute_m2po_policy_loss): PPO clip whose "
-        "bounds adapt so the harmful tokens' capped second moment stays within tau = 0.04, token mean",
+        "M2PO arXiv 2510.01161, official code (Infini-AI-Lab/M2PO@af54a3e compute_m2po_policy_loss): PPO clip "
+        "whose bounds adapt so the harmful tokens' capped second moment stays within tau = 0.04, token mean",
         {"ratio": TokenRatio(), "trust": M2POClip(tau=0.04), "agg": "token-mean"},
     ),
     Preset(
@@ -227,23 +260,23 @@ for _preset in (
             "trust": SATClip(low=0.2, high=0.28, tail=0.05, experimental=True),
             "agg": "token-mean",
         },
-        requires=("behav_logp",),
-        experimental="SAT's formula (staleness proxy, tail fraction, contraction) is reconstructed (specs B11)",
+        experimental="SAT's formula (staleness proxy, tail fraction, contraction) is reconstructed (see "
+        "docs/methods/trust_regions.md)",
     ),
     Preset(
         "tbpo",
         "TBPO / QaRL arXiv 2604.07853 (reconstructed): GSPO-style sequence ratio with two-sided clipping for "
         "negative samples, geometric-mean mismatch weight, sequences outside the trust band [1/2, 2] dropped",
         {"ratio": GSPORatio(), "trust": TBPO(experimental=True), "agg": "seq-mean-token-mean"},
-        requires=("behav_logp",),
-        experimental="TBPO's band, epsilons and band width are reconstructed (specs B14)",
+        experimental="TBPO's band, epsilons and band width are reconstructed (see docs/methods/trust_regions.md)",
     ),
     # --- divergence masks and confidence clipping (docs/methods/dppo.md)
     Preset(
         "dppo_tv",
-        "DPPO arXiv 2602.04879 (sail-sg/Stable-RL): binary total-variation divergence mask, delta 0.15, "
-        "truncated IS weight min(r, 10); pass the rollout engine's log-probs as old_logp (the paper's form) and "
-        "max_len (the authors' seq-mean-token-sum-norm aggregation)",
+        "DPPO arXiv 2602.04879 (sail-sg/Stable-RL dppo_binary_tv): binary total-variation divergence mask, "
+        "delta 0.15, truncated IS weight min(r, 10); pass the rollout engine's log-probs as old_logp (the "
+        "paper's form) and max_len; the sum over tokens is divided by N_seqs * max_len (Stable-RL divides by "
+        "max_len only: add denominators=Denominators(sequences=1) for its number)",
         {
             "ratio": TokenRatio(),
             "trust": DPPO(divergence="tv", low=0.15, high=0.15, c=10.0),
@@ -252,8 +285,8 @@ for _preset in (
     ),
     Preset(
         "dppo_kl",
-        "DPPO arXiv 2602.04879 (sail-sg/Stable-RL): binary KL divergence mask, delta 0.05, truncated IS weight "
-        "min(r, 10); rollout log-probs as old_logp, max_len as for dppo_tv",
+        "DPPO arXiv 2602.04879 (sail-sg/Stable-RL dppo_binary_kl): binary KL divergence mask, delta 0.05, "
+        "truncated IS weight min(r, 10); rollout log-probs as old_logp, max_len and denominators as for dppo_tv",
         {
             "ratio": TokenRatio(),
             "trust": DPPO(divergence="kl", low=0.05, high=0.05, c=10.0),
@@ -269,15 +302,14 @@ for _preset in (
             "trust": DPPO(divergence="topk_kl", predictive=True, experimental=True),
             "agg": "token-mean",
         },
-        requires=("topk_logp", "topk_behav_logp"),
-        experimental="the predictive mask's closed form and its top-K tail estimates are reconstructed (specs B13)",
+        experimental="the predictive mask's closed form and its top-K tail estimates are reconstructed (see "
+        "docs/methods/dppo.md)",
     ),
     Preset(
         "echo_clip",
         "ECHO arXiv 2602.02150 (user683/ECHO): per-rollout clip width eps_min + (eps_max - eps_min) "
         "sigmoid(kappa (1 - tail confidence)), 0.05 / 0.2 / 4.0, dual clip 3, token mean",
         {"ratio": TokenRatio(), "trust": ECHOClip(eps_min=0.05, eps_max=0.2, kappa=4.0, dual=3.0), "agg": "token-mean"},
-        requires=("confidence",),
     ),
 ):
     PRESETS.register(_preset.name, _preset)

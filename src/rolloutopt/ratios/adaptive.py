@@ -1,7 +1,7 @@
 """Adaptive trust regions for stale or mismatched rollouts: SAT (arXiv 2607.18722) and TBPO (arXiv 2604.07853).
 
 Both methods are known only from abstracts and public summaries; their exact formulas are **reconstructed**
-(``specs/ratios_and_losses.md`` B11, B14), every open detail is a keyword, and both stages refuse to run
+(see ``docs/methods/trust_regions.md``), every open detail is a keyword, and both stages refuse to run
 unless constructed with ``experimental=True``.
 
 - :class:`SATClip` (Staleness-Adaptive Trust region): the PPO clip, with the one endpoint that points away
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -42,9 +42,9 @@ _KAPPAS = ("ratio", "sqrt", "exp")
 _LEVELS = ("token", "sequence")
 
 
-def _experimental(flag: object, owner: str, what: str, spec: str) -> None:
+def _experimental(flag: object, owner: str, what: str) -> None:
     require_experimental(
-        flag, f"{what} (from public summaries)", f"specs/ratios_and_losses.md {spec}", argument=f"{owner}experimental"
+        flag, f"{what} (from public summaries)", "docs/methods/trust_regions.md", argument=f"{owner}experimental"
     )
 
 
@@ -158,7 +158,7 @@ def sat_bounds(
     if more than a fraction :math:`1-p` of the tokens have :math:`d = 0`, :math:`q = 0` and the tail
     endpoints collapse to 1 (:math:`\kappa = 0`); an empty mask gives no tail.
     """
-    _experimental(experimental, "", "SAT's staleness-adaptive interval", "B11")
+    _experimental(experimental, "", "SAT's staleness-adaptive interval")
     _check_sat(low, high, tail, kappa, level, "")
     dims = Dims()
     old = as_float(old_logp, "old_logp", dims, "B T")
@@ -196,9 +196,10 @@ class SATClip:
     level: Literal["token", "sequence"] = "token"
     dual: float | None = None
     experimental: bool = False
+    requires: ClassVar[tuple[str, ...]] = ("behav_logp",)
 
     def __post_init__(self) -> None:
-        _experimental(self.experimental, "SATClip.", "SAT's staleness-adaptive interval", "B11")
+        _experimental(self.experimental, "SATClip.", "SAT's staleness-adaptive interval")
         _check_sat(self.low, self.high, self.tail, self.kappa, self.level, "SATClip.")
         _check_clip(self.low, self.high, self.dual, "SATClip")
 
@@ -302,7 +303,7 @@ def tbpo_loss(
         sequences and masked-out positions). Reference: QaRL, arXiv 2604.07853. Edge cases: an empty row has
         ratio and weight 1 and keeps nothing.
     """
-    _experimental(experimental, "", "TBPO's trust band and dual clip", "B14")
+    _experimental(experimental, "", "TBPO's trust band and dual clip")
     _check_tbpo(low, high, band, "")
     positive(clamp_max, "clamp_max")
     dims = Dims()
@@ -333,7 +334,7 @@ class TBPO:
     bind, so a quantisation "error token" with a tiny behaviour probability cannot give the loss a magnitude
     above :math:`(1+\epsilon_h)|A|\,w_i`. Sequences outside the band get ``keep=False``: exactly zero loss
     and gradient. Reference: QaRL, arXiv 2604.07853; **reconstructed** from the abstract and public
-    summaries (spec B14): the band's form and C, and the ε values, are our choices, hence
+    summaries (``docs/methods/trust_regions.md``): the band's form and C, and the ε values, are our choices, hence
     ``experimental=True`` is required.
 
     TBPO builds its own sequence ratio from ``ctx`` (``logp``, ``ctx.old_logp``, ``ctx.mask``) with
@@ -358,9 +359,10 @@ class TBPO:
     band: float = 2.0
     clamp_max: float = 10.0
     experimental: bool = False
+    requires: ClassVar[tuple[str, ...]] = ("behav_logp",)
 
     def __post_init__(self) -> None:
-        _experimental(self.experimental, "TBPO.", "TBPO's trust band and dual clip", "B14")
+        _experimental(self.experimental, "TBPO.", "TBPO's trust band and dual clip")
         _check_tbpo(self.low, self.high, self.band, "TBPO.")
         positive(self.clamp_max, "TBPO.clamp_max")
 

@@ -18,7 +18,15 @@ from torch import Tensor
 
 from rolloutopt.errors import InputError
 
-__all__ = ["CorrectionOutput", "StageContext", "as_weights", "masked_max", "masked_mean", "masked_quantiles"]
+__all__ = [
+    "CorrectionOutput",
+    "MaskOutput",
+    "StageContext",
+    "as_weights",
+    "masked_max",
+    "masked_mean",
+    "masked_quantiles",
+]
 
 _OPTIONAL = {
     "behav_logp": "the rollout engine's log-probs of the sampled tokens [B, T]",
@@ -87,6 +95,16 @@ class CorrectionOutput:
 
     weight: Tensor
     keep: Tensor | None = None
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MaskOutput:
+    """What every mask function returns (M2PO's, DPPO's, OPSM's, the rejection filters'): a bool ``keep``
+    (``[B, T]`` per token or ``[B]`` per sequence; True where a token or sequence stays in the loss) and
+    detached 0-d metrics (masked fractions, the statistic before and after masking)."""
+
+    keep: Tensor
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 

@@ -5,8 +5,8 @@ the trainer's recompute :math:`\ell^{old}` of the same weights (precision, kerne
 ratio :math:`\rho_{i,t} = \exp(\ell^{old}_{i,t} - \ell^{beh}_{i,t})` is corrected here, as the
 ``correction=`` stage of :func:`rolloutopt.losses.policy_loss` (``(ctx) -> CorrectionOutput``):
 
-- :class:`TIS` — truncated importance sampling, token or sequence level (verl ``rollout_is``, TRL
-  ``*_truncate``, ROLL, slime); ``source="current"`` is the bypass / REINFORCE variant against
+- :class:`TIS` — truncated importance sampling, token, sequence or geometric level (verl ``rollout_is``, TRL
+  ``*_truncate``, ROLL's ``is_weight``, slime); ``source="current"`` is the bypass / REINFORCE variant against
   :math:`\ell^\theta`.
 - :class:`MIS` — masked importance sampling / IcePop: out-of-band tokens or sequences leave the loss (verl
   IcePop ``"lower_upper"`` thresholds, TRL ``*_mask``), token, sequence or geometric level.
@@ -16,9 +16,12 @@ ratio :math:`\rho_{i,t} = \exp(\ell^{old}_{i,t} - \ell^{beh}_{i,t})` is correcte
   ``seq_max_k3``) and ROLL's catastrophic reject.
 
 Every weight is detached; a mask is returned as ``keep`` (tokens with ``keep=False`` leave the loss
-numerator; whether they stay in the denominator is ``policy_loss(removed_in_denominator=...)``, spec §1.5).
+numerator; whether they stay in the denominator is ``policy_loss(removed_in_denominator=...)``, see
+``docs/conventions.md``).
 Log-ratios are clamped to ``±clamp`` (verl: 20) before ``exp``, so every finite input gives finite weights.
-Weights are 0 outside ``mask`` (as verl's). Each stage reports metrics with its own prefix (``tis_``,
+Weights are 0 outside ``mask`` (as verl's). The pure weight functions return a
+:class:`~rolloutopt.ratios.CorrectionOutput` like the stages, the pure mask functions a
+:class:`~rolloutopt.ratios.MaskOutput`. Each stage reports metrics with its own prefix (``tis_``,
 ``mis_``, ``opsm_``, ``rs_``); ``policy_loss`` adds ``is_weight_mean``/``is_weight_max``/``is_ess`` of the
 combined weight. Nothing here synchronises with the host (batch normalisation included).
 """
@@ -28,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -44,7 +47,7 @@ from rolloutopt._validation import (
     require_experimental,
 )
 from rolloutopt.errors import InputError
-from rolloutopt.ratios.context import CorrectionOutput, StageContext, as_weights
+from rolloutopt.ratios.context import CorrectionOutput, MaskOutput, StageContext, as_weights
 from rolloutopt.typing import BoolBT, FloatBT, PerSeqOrToken
 
 __all__ = [
@@ -65,7 +68,7 @@ __all__ = [
     "tis_weight",
 ]
 
-TisLevel = Literal["token", "sequence"]
+TisLevel = Literal["token", "sequence", "geometric"]
 MisLevel = Literal["token", "sequence", "geometric"]
 Source = Literal["old", "current"]
 SAFETY_BOUND = 20.0  # verl's SAFETY_BOUND: |log ratio| clamp before exp
@@ -184,7 +187,7 @@ def _check_tis(cap: Any, lower: Any, level: Any, batch_normalize: Any, clamp: An
         positive(lower, f"{owner}lower", strict=False)
         if cap is not None and lower > cap:
             raise InputError(f"{owner}lower", f"a lower bound <= cap={cap}", repr(lower), "lower the lower bound")
-    choice(level, f"{owner}level", ("token", "sequence"))
+    choice(level, f"{owner}level", ("token", "sequence", "geometric"))
     if not isinstance(batch_normalize, bool):
         raise InputError(f"{owner}batch_normalize", "a bool", repr(batch_normalize), "pass True or False")
     positive(clamp, f"{owner}clamp")
@@ -192,15 +195,29 @@ def _check_tis(cap: Any, lower: Any, level: Any, batch_normalize: Any, clamp: An
 
 def _tis(
     lr: Tensor, m: Tensor, cap: float | None, lower: float | None, level: str, batch_normalize: bool, clamp: float
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """(weight [B, T], raw ratio [B, T] or [B, 1], log ratio at the level, batch-norm factor)."""
+) -> CorrectionOutput:
+    """TIS on a validated, masked log-ratio: the weight ``[B, T]`` and the ``tis_*`` metrics."""
     log_rho = _rho_log(lr, m, level, clamp)
     raw = torch.exp(log_rho)
     w = raw.clamp(min=lower, max=cap).expand_as(lr) * as_weights(m, lr.dtype)
     factor = None
     if batch_normalize:
         w, factor = _batch_normalize(w, m, per_sequence=level != "token")
-    return w, raw, log_rho, factor
+    at = m if level == "token" else m.any(-1, keepdim=True)
+    dt = lr.dtype
+    high = raw > cap if cap is not None else torch.zeros_like(at)
+    low = raw < lower if lower is not None else torch.zeros_like(at)
+    metrics = {
+        "tis_high_frac": _mean(high, at, dt),
+        "tis_low_frac": _mean(low, at, dt),
+        "tis_raw_mean": _mean(raw, at, dt),
+        "tis_raw_max": _max(raw, at),
+        "tis_raw_min": _min(raw, at),
+        "tis_log_ratio_mean": _mean(log_rho, at, dt),
+    }
+    if factor is not None:
+        metrics["tis_batch_norm_factor"] = factor
+    return CorrectionOutput(w, None, metrics)
 
 
 def tis_weight(
@@ -212,44 +229,59 @@ def tis_weight(
     level: TisLevel = "token",
     batch_normalize: bool = False,
     clamp: float = SAFETY_BOUND,
-) -> FloatBT:
-    r"""Truncated importance-sampling weight of the rollout/trainer mismatch, token or sequence level.
+) -> CorrectionOutput:
+    r"""Truncated importance-sampling weight of the rollout/trainer mismatch, token, sequence or geometric level.
 
-    With :math:`\delta_{i,t} = \ell^{old}_{i,t} - \ell^{beh}_{i,t}` (``log_ratio``) and :math:`C` = ``cap``:
+    With :math:`\delta_{i,t} = \ell^{old}_{i,t} - \ell^{beh}_{i,t}` (``log_ratio``), :math:`C` = ``cap``,
+    :math:`C_{low}` = ``lower`` and :math:`L_i = \sum_t m_{i,t}`:
 
     .. math::
         w^{tok}_{i,t} = \min\big(\max(e^{\operatorname{clip}(\delta_{i,t}, \pm c)}, C_{low}), C\big), \qquad
-        w^{seq}_{i} = \min\big(\max(e^{\operatorname{clip}(\sum_t m_{i,t}\delta_{i,t}, \pm c)}, C_{low}), C\big)
+        w^{seq}_{i} = \min\big(\max(e^{\operatorname{clip}(\sum_t m_{i,t}\delta_{i,t}, \pm c)}, C_{low}), C\big),
+
+    .. math::
+        w^{geo}_{i} = \min\Big(\max\big(e^{\frac{1}{\max(L_i, 1)}\sum_t m_{i,t}\operatorname{clip}(\delta_{i,t},
+        \pm c)}, C_{low}\big), C\Big)
 
     The sequence weight is the *product* of the token ratios (the sum of logs, clamped after the sum), as in
-    verl ``rollout_is="sequence"`` and TRL ``sequence_truncate`` — not a geometric mean (token values are
-    bounded at ±1e6 before the sum so that no finite input gives NaN; real log-ratios never get there). With
-    ``batch_normalize`` (verl ``rollout_is_batch_normalize``) the truncated weights are divided by their
-    mean: over loss tokens at token level, over non-empty sequences at sequence level; a mean ≤ 1e-8 leaves
-    them unchanged. The mean is over the local batch (verl uses a distributed mean when torch.distributed is
-    initialised). No paper: the "Your efficient RL framework secretly brings you off-policy RL training"
-    blog (Yao et al., 2025); verl ``compute_rollout_correction_weights``; used by the FP8-RL report,
-    arXiv 2601.18150.
+    verl ``rollout_is="sequence"`` and TRL ``sequence_truncate`` (token values are bounded at ±1e6 before the
+    sum so that no finite input gives NaN; real log-ratios never get there). The geometric weight is their
+    geometric mean, length invariant: ROLL's ``train_infer_correction.is_weight.weight_type="geometric"``
+    (``alibaba/ROLL@8eb27cc`` ``roll/utils/train_infer_corrections.py``: ``exp(masked_mean(old - infer))``
+    clamped to ``[0, upper_bound]``; ROLL divides by :math:`L_i + 10^{-8}` and does not clamp the token
+    log-ratios, so the weights agree to a relative :math:`10^{-8}/L_i` while every :math:`|\delta| \le c`).
+    With ``batch_normalize`` (verl ``rollout_is_batch_normalize``) the truncated weights are divided by their
+    mean: over loss tokens at token level, over non-empty sequences at the sequence levels; a mean ≤ 1e-8
+    leaves them unchanged. The mean is over the local batch (verl uses a distributed mean when
+    torch.distributed is initialised). No paper: the "Your efficient RL framework secretly brings you
+    off-policy RL training" blog (Yao et al., 2025); verl ``compute_rollout_correction_weights``; used by the
+    FP8-RL report, arXiv 2601.18150.
 
     Args:
         log_ratio: :math:`\ell^{old} - \ell^{beh}` (or :math:`\ell^\theta - \ell^{beh}` in bypass mode) ``[B, T]``;
             unclamped (the clamp applies to the token value or the sequence sum).
         mask: loss mask ``[B, T]``.
         cap: upper truncation :math:`C` (default 2.0: verl ``rollout_is_threshold``, ROLL
-            ``infer_is_threshold_max``, slime ``--tis-clip``); None for none (TRL truncate with only a lower bound).
+            ``infer_is_threshold_max``, slime ``--tis-clip``; ROLL's ``is_weight.upper_bound`` defaults to 1.2);
+            None for none (TRL truncate with only a lower bound).
         lower: optional lower clamp :math:`C_{low}` (ROLL ``infer_is_threshold_min``, TRL
-            ``vllm_importance_sampling_clip_min``); None (verl) for none.
-        level: ``"token"`` or ``"sequence"`` (broadcast over the row).
+            ``vllm_importance_sampling_clip_min``); None (verl; ROLL's ``is_weight`` clamps at 0) for none.
+        level: ``"token"``, ``"sequence"`` or ``"geometric"`` (the two sequence levels broadcast over the row).
         batch_normalize: verl's batch normalisation to mean 1.
         clamp: bound on the log before ``exp`` (verl 20; TRL has none, so use a larger one for TRL parity).
 
     Returns:
-        Detached weights ``[B, T]``, 0 outside ``mask``. Edge cases: an empty row has sequence sum 0, weight 1
-        before masking; an all-masked batch gives all zeros.
+        A :class:`~rolloutopt.ratios.CorrectionOutput`: the detached ``weight`` ``[B, T]`` (0 outside ``mask``),
+        ``keep=None``, and the ``tis_*`` metrics of :class:`TIS`.
+
+    Edge cases: an empty row has sequence and geometric weight 1 before masking; ``B = 0``, ``T = 0`` and an
+    all-masked batch give zero weights and zero metrics. Oracle (by hand): :math:`\delta = [\log 3, 0,
+    \log 0.5]` gives token weights ``[2, 1, 0.5]``, sequence weight ``min(1.5, 2) = 1.5`` and geometric weight
+    :math:`1.5^{1/3} = 1.1447`.
     """
     _check_tis(cap, lower, level, batch_normalize, clamp, "")
     lr, m = _validate_lr(log_ratio, mask)
-    return _tis(lr, m, cap, lower, level, batch_normalize, clamp)[0]
+    return _tis(lr, m, cap, lower, level, batch_normalize, clamp)
 
 
 @dataclass(frozen=True)
@@ -259,17 +291,19 @@ class TIS:
     ``source="old"`` (decoupled, verl's default mode): :math:`\rho = \exp(\ell^{old} - \ell^{beh})`;
     ``source="current"`` (bypass / REINFORCE variant): :math:`\rho = \operatorname{sg}(\exp(\ell^\theta -
     \ell^{beh}))`. Needs ``behav_logp``. Defaults: ``cap=2.0`` (verl ``rollout_is_threshold``; FP8-RL's
-    token TIS C=2), token level, no lower clamp, no batch normalisation.
+    token TIS C=2), token level, no lower clamp, no batch normalisation. ``level="geometric"`` is ROLL's
+    ``is_weight.weight_type="geometric"`` (pass ROLL's ``upper_bound``, default 1.2, as ``cap``).
 
-    Reference: the TIS blog (Yao et al., 2025; no arXiv paper), verl ``rollout_is``, FP8-RL arXiv 2601.18150.
-    Edge cases: an empty row has sequence weight 1 before masking; weights are 0 outside ``mask``; an
-    all-masked batch gives zero weights and zero metrics.
+    Reference: the TIS blog (Yao et al., 2025; no arXiv paper), verl ``rollout_is``, FP8-RL arXiv 2601.18150,
+    ROLL ``compute_train_infer_correction``. Edge cases: an empty row has sequence and geometric weight 1 before
+    masking; weights are 0 outside ``mask``; ``B = 0``, ``T = 0`` and an all-masked batch give zero weights and
+    zero metrics.
 
-    Metrics (raw = before truncation, over loss tokens at token level and non-empty rows at sequence level):
-    ``tis_high_frac`` / ``tis_low_frac`` (fraction truncated from above / below), ``tis_raw_mean``,
+    Metrics (raw = before truncation, over loss tokens at token level and non-empty rows at the sequence
+    levels): ``tis_high_frac`` / ``tis_low_frac`` (fraction truncated from above / below), ``tis_raw_mean``,
     ``tis_raw_max``, ``tis_raw_min``, ``tis_log_ratio_mean`` (mean of :math:`\log\rho` at the level, i.e.
-    minus the k1 estimate of KL(π_beh‖π_old) per token or per sequence), and ``tis_batch_norm_factor`` with
-    ``batch_normalize``.
+    minus the k1 estimate of KL(π_beh‖π_old) per token, per sequence or per token of a sequence), and
+    ``tis_batch_norm_factor`` with ``batch_normalize``.
     """
 
     cap: float | None = 2.0
@@ -278,30 +312,16 @@ class TIS:
     batch_normalize: bool = False
     source: Source = "old"
     clamp: float = SAFETY_BOUND
+    requires: ClassVar[tuple[str, ...]] = ("behav_logp",)
+    accepts: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         _check_tis(self.cap, self.lower, self.level, self.batch_normalize, self.clamp, "TIS.")
         _check_source(self.source, "TIS")
 
     def __call__(self, ctx: StageContext) -> CorrectionOutput:
-        m = ctx.mask
         lr = _mismatch_log_ratio(ctx, self.source, "TIS")
-        w, raw, log_rho, factor = _tis(lr, m, self.cap, self.lower, self.level, self.batch_normalize, self.clamp)
-        at = m if self.level == "token" else m.any(-1, keepdim=True)
-        dt = lr.dtype
-        high = raw > self.cap if self.cap is not None else torch.zeros_like(at)
-        low = raw < self.lower if self.lower is not None else torch.zeros_like(at)
-        metrics = {
-            "tis_high_frac": _mean(high, at, dt),
-            "tis_low_frac": _mean(low, at, dt),
-            "tis_raw_mean": _mean(raw, at, dt),
-            "tis_raw_max": _max(raw, at),
-            "tis_raw_min": _min(raw, at),
-            "tis_log_ratio_mean": _mean(log_rho, at, dt),
-        }
-        if factor is not None:
-            metrics["tis_batch_norm_factor"] = factor
-        return CorrectionOutput(w, None, metrics)
+        return _tis(lr, ctx.mask, self.cap, self.lower, self.level, self.batch_normalize, self.clamp)
 
 
 # ----------------------------------------------------------------------------------------------- MIS
@@ -332,19 +352,30 @@ def _mis(
     in_band: str,
     batch_normalize: bool,
     clamp: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-    """(weight [B, T], keep [B, T], too-high, too-low (at the level's shape), batch-norm factor)."""
+) -> CorrectionOutput:
+    """MIS on a validated, masked log-ratio: weight ``[B, T]``, keep ``[B, T]`` (within ``m``), ``mis_*`` metrics."""
     rho = torch.exp(_rho_log(lr, m, level, clamp))
     # Compare ratios, not logs, as verl's IcePop and TRL's *_mask modes do (identical at the bounds).
     too_high = rho > high if high is not None else torch.zeros_like(rho, dtype=torch.bool)
     too_low = rho < low if low is not None else torch.zeros_like(rho, dtype=torch.bool)
-    keep = (~(too_high | too_low)).expand_as(lr)
+    keep = (~(too_high | too_low)).expand_as(lr) & m
     value = rho.expand_as(lr) if in_band == "ratio" else torch.ones_like(lr)
-    w = torch.where(keep & m, value, _zeros(lr))
+    w = torch.where(keep, value, _zeros(lr))
     factor = None
     if batch_normalize:
         w, factor = _batch_normalize(w, m, per_sequence=level != "token")
-    return w, keep, too_high, too_low, factor
+    hi_t, lo_t = too_high.expand_as(m), too_low.expand_as(m)
+    dt = lr.dtype
+    metrics = {
+        "mis_high_frac": _mean(hi_t, m, dt),
+        "mis_low_frac": _mean(lo_t, m, dt),
+        "mis_oob_frac": _mean(hi_t | lo_t, m, dt),
+    }
+    if level != "token":
+        metrics["mis_seq_oob_frac"] = _mean(too_high | too_low, m.any(-1, keepdim=True), dt)
+    if factor is not None:
+        metrics["mis_batch_norm_factor"] = factor
+    return CorrectionOutput(w, keep, metrics)
 
 
 def mis_weight(
@@ -357,7 +388,7 @@ def mis_weight(
     in_band: Literal["ratio", "one"] = "ratio",
     batch_normalize: bool = False,
     clamp: float = SAFETY_BOUND,
-) -> tuple[FloatBT, BoolBT]:
+) -> CorrectionOutput:
     r"""Masked importance sampling (IcePop): keep a token or sequence only while its mismatch ratio is in a band.
 
     .. math::
@@ -370,10 +401,11 @@ def mis_weight(
     Out-of-band tokens (or every token of an out-of-band sequence) get ``keep=False`` and weight 0. Token level
     with ``(0.5, 5.0)`` is verl's ``decoupled_token_icepop`` (``rollout_is_threshold="0.5_5.0"``; verl's
     in-band weight is the ratio); sequence level is TRL's ``sequence_mask`` (a product, like verl's
-    sequence IS); the geometric level is the length-invariant Geo-RS band. ``low=None`` is one-sided
+    sequence IS); the geometric level is the length-invariant Geo-RS band (and, with ``in_band="one"``,
+    ROLL's ratio filter ``agg_type="geometric"``, ``ratio_low``/``ratio_high``). ``low=None`` is one-sided
     (TRL's default ``clip_min=None``). IcePop: Ant Ling/Ring team blog "Small leak can sink a great ship" and
     the Ring-1T report (arXiv id not confirmed); the values 0.5/5.0 and the in-band weight ρ follow verl, not
-    the blog (both are keywords, spec §3 B5).
+    the blog (both are keywords; ``docs/methods/corrections.md``).
 
     Args:
         log_ratio: :math:`\ell^{old} - \ell^{beh}` ``[B, T]`` (unclamped).
@@ -385,13 +417,17 @@ def mis_weight(
         clamp: bound on the log before ``exp`` (verl 20).
 
     Returns:
-        ``(weight, keep)``: detached weights ``[B, T]`` (0 outside ``mask`` and outside the band) and the bool
-        band mask ``[B, T]``. An empty row has sequence ratio 1.
+        A :class:`~rolloutopt.ratios.CorrectionOutput`: the detached ``weight`` ``[B, T]`` (0 outside ``mask``
+        and outside the band), ``keep`` (bool ``[B, T]``, in the band and in ``mask``) and the ``mis_*``
+        metrics of :class:`MIS`.
+
+    Edge cases: an empty row has sequence and geometric ratio 1; ``B = 0``, ``T = 0`` and an all-masked batch
+    give zero weights, an all-False ``keep`` and zero metrics. Oracle (by hand): :math:`\rho = [0.4, 1.2, 6.0]`
+    with the band (0.5, 5) gives weights ``[0, 1.2, 0]``.
     """
     _check_mis(low, high, level, in_band, batch_normalize, clamp, "")
     lr, m = _validate_lr(log_ratio, mask)
-    w, keep, *_ = _mis(lr, m, low, high, level, in_band, batch_normalize, clamp)
-    return w, keep
+    return _mis(lr, m, low, high, level, in_band, batch_normalize, clamp)
 
 
 @dataclass(frozen=True)
@@ -399,14 +435,14 @@ class MIS:
     r"""Correction: masked importance sampling / IcePop (:func:`mis_weight`); out-of-band positions get ``keep=False``.
 
     Defaults ``low=0.5, high=5.0``, token level, in-band weight = ratio: verl's ``decoupled_token_icepop``
-    (spec §3 B5, §6.1). ``source`` as in :class:`TIS`. Needs ``behav_logp``. Masked tokens stay in the
-    denominator with ``policy_loss``'s default ``removed_in_denominator=True`` — as verl's IcePop (weight 0,
-    ``response_mask`` unchanged) and TRL's ``*_mask`` modes.
+    (``docs/methods/corrections.md``). ``source`` as in :class:`TIS`. Needs ``behav_logp``. Masked tokens stay
+    in the denominator with ``policy_loss``'s default ``removed_in_denominator=True`` — as verl's IcePop
+    (weight 0, ``response_mask`` unchanged) and TRL's ``*_mask`` modes.
 
     References: IcePop (Ant Ling/Ring team blog; Ring-1T report, arXiv id not confirmed), verl
     ``compute_rollout_correction_weights``, TRL ``vllm_importance_sampling_mode="*_mask"``. Edge cases: an empty
     row has sequence ratio 1 (kept when 1 is in the band) and contributes nothing; weights are 0 outside
-    ``mask``.
+    ``mask``; ``B = 0``, ``T = 0`` and an all-masked batch give zero weights and zero metrics.
 
     Metrics: ``mis_high_frac`` / ``mis_low_frac`` (fraction of loss tokens whose ratio is above / below the
     band), ``mis_oob_frac`` (their sum; verl ``rollout_is_oob_ratio``), and at the sequence levels
@@ -421,29 +457,16 @@ class MIS:
     batch_normalize: bool = False
     source: Source = "old"
     clamp: float = SAFETY_BOUND
+    requires: ClassVar[tuple[str, ...]] = ("behav_logp",)
+    accepts: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         _check_mis(self.low, self.high, self.level, self.in_band, self.batch_normalize, self.clamp, "MIS.")
         _check_source(self.source, "MIS")
 
     def __call__(self, ctx: StageContext) -> CorrectionOutput:
-        m = ctx.mask
         lr = _mismatch_log_ratio(ctx, self.source, "MIS")
-        w, keep, hi, lo, factor = _mis(
-            lr, m, self.low, self.high, self.level, self.in_band, self.batch_normalize, self.clamp
-        )
-        hi_t, lo_t = hi.expand_as(m), lo.expand_as(m)
-        dt = lr.dtype
-        metrics = {
-            "mis_high_frac": _mean(hi_t, m, dt),
-            "mis_low_frac": _mean(lo_t, m, dt),
-            "mis_oob_frac": _mean(hi_t | lo_t, m, dt),
-        }
-        if self.level != "token":
-            metrics["mis_seq_oob_frac"] = _mean(hi | lo, m.any(-1, keepdim=True), dt)
-        if factor is not None:
-            metrics["mis_batch_norm_factor"] = factor
-        return CorrectionOutput(w, keep, metrics)
+        return _mis(lr, ctx.mask, self.low, self.high, self.level, self.in_band, self.batch_normalize, self.clamp)
 
 
 # ----------------------------------------------------------------------------------------------- FP8-RL
@@ -474,7 +497,7 @@ def fp8_token_mis(
         \text{band:}\ w_{i,t} = \mathbb 1\{C_{low} \le \rho_{i,t} \le C\}
 
     The report (arXiv 2601.18150, abstract and introduction) names token-level MIS without its exact form;
-    both readings are mapped onto :class:`MIS` (spec §3 B6): ``variant="upper"`` is ``MIS(low=None,
+    both readings are mapped onto :class:`MIS` (our reconstruction): ``variant="upper"`` is ``MIS(low=None,
     high=cap)`` with in-band weight ρ; ``variant="band"`` is ``MIS(low=low, high=cap)`` with in-band weight 1
     (``in_band`` overrides the in-band weight of either). ``cap=2.0`` follows the report's TIS C = 2,
     ``low=0.5`` follows IcePop; both unconfirmed. Out-of-band tokens get ``keep=False``.
@@ -482,7 +505,7 @@ def fp8_token_mis(
     require_experimental(
         experimental,
         "the FP8-RL report's MIS form (upper-only ratio mask or double-sided pure mask)",
-        "specs/ratios_and_losses.md §3 B6",
+        "docs/methods/corrections.md",
     )
     choice(variant, "variant", ("upper", "band"))
     positive(cap, "cap")
@@ -495,12 +518,20 @@ def fp8_token_mis(
 # ----------------------------------------------------------------------------------------------- OPSM
 
 
-def _opsm(logp: Tensor, behav: Tensor, adv: Tensor, m: Tensor, delta: float) -> tuple[Tensor, Tensor]:
-    """(keep [B, T], per-sequence mean divergence [B])."""
+def _opsm(logp: Tensor, behav: Tensor, adv: Tensor, m: Tensor, delta: float) -> MaskOutput:
+    """OPSM on validated tensors: keep ``[B, T]`` (within ``m``) and the ``opsm_*`` metrics."""
     kl = torch.where(m, behav - logp.detach(), _zeros(logp)).clamp(-_SUM_BOUND, _SUM_BOUND)
     seq_kl = kl.sum(-1) / _lengths(m, kl.dtype).clamp(min=1)
-    keep = (adv >= 0) | (seq_kl <= delta)[:, None]
-    return keep.expand_as(logp), seq_kl
+    keep = ((adv >= 0) | (seq_kl <= delta)[:, None]).expand_as(logp) & m
+    rows = m.any(-1)
+    dropped = ~keep & m
+    dt = logp.dtype
+    metrics = {
+        "opsm_masked_frac": _mean(dropped, m, dt),
+        "opsm_seq_masked_frac": _mean(dropped.any(-1), rows, dt),
+        "opsm_kl_mean": _mean(seq_kl, rows, dt),
+    }
+    return MaskOutput(keep, metrics)
 
 
 def opsm_keep(
@@ -510,7 +541,7 @@ def opsm_keep(
     mask: BoolBT,
     *,
     delta: float = 1e-4,
-) -> BoolBT:
+) -> MaskOutput:
     r"""DeepSeek-V3.2's off-policy sequence mask: drop negative-advantage sequences that drifted too far.
 
     .. math::
@@ -530,7 +561,12 @@ def opsm_keep(
             the mask; its docs suggest e.g. 0.5).
 
     Returns:
-        Bool keep mask ``[B, T]``. An empty row has divergence 0 and is kept when δ ≥ 0.
+        A :class:`~rolloutopt.ratios.MaskOutput`: ``keep`` (bool ``[B, T]``, a subset of ``mask``) and the
+        ``opsm_*`` metrics of :class:`OPSM`.
+
+    Edge cases: an empty row has divergence 0; ``B = 0``, ``T = 0`` and an all-masked batch give zero metrics.
+    Oracle (by hand): a row with A < 0 whose mean :math:`\ell^{beh} - \ell^\theta` is 0.3 > δ = 0.2 is
+    dropped, the same row with A ≥ 0 is kept.
     """
     _check_delta(delta, "delta")
     dims = Dims()
@@ -541,7 +577,7 @@ def opsm_keep(
     finite(lp, "logp", m)
     finite(behav, "behav_logp", m)
     finite(adv.expand_as(lp), "advantages", m)
-    return _opsm(lp, behav, adv, m, delta)[0]
+    return _opsm(lp, behav, adv, m, delta)
 
 
 def _check_delta(delta: Any, name: str) -> None:
@@ -569,26 +605,27 @@ class OPSM:
     delta: float = 1e-4
     source: Literal["auto", "behav", "old"] = "auto"
 
+    @property
+    def requires(self) -> tuple[str, ...]:
+        """Inputs this stage cannot run without: ``("behav_logp",)`` with ``source="behav"``, else none."""
+        return ("behav_logp",) if self.source == "behav" else ()
+
+    @property
+    def accepts(self) -> tuple[str, ...]:
+        """Inputs consumed when given: ``behav_logp`` with ``source="auto"`` (TRL: used when present)."""
+        return ("behav_logp",) if self.source == "auto" else ()
+
     def __post_init__(self) -> None:
         _check_delta(self.delta, "OPSM.delta")
         choice(self.source, "OPSM.source", ("auto", "behav", "old"))
 
     def __call__(self, ctx: StageContext) -> CorrectionOutput:
         if self.source == "behav" or (self.source == "auto" and ctx.behav_logp is not None):
-            ref: Tensor = ctx.need("behav_logp", "OPSM")
+            ref: Tensor = ctx.need("behav_logp", f"OPSM(source={self.source!r})")
         else:
             ref = ctx.need("old_logp", "OPSM")
-        m = ctx.mask
-        keep, seq_kl = _opsm(ctx.logp, ref.detach(), ctx.advantages, m, self.delta)
-        rows = m.any(-1)
-        dropped = ~keep & m
-        dt = ctx.logp.dtype
-        metrics = {
-            "opsm_masked_frac": _mean(dropped, m, dt),
-            "opsm_seq_masked_frac": _mean(dropped.any(-1), rows, dt),
-            "opsm_kl_mean": _mean(seq_kl, rows, dt),
-        }
-        return CorrectionOutput(torch.ones_like(ctx.logp), keep, metrics)
+        out = _opsm(ctx.logp, ref.detach(), ctx.advantages, ctx.mask, self.delta)
+        return CorrectionOutput(torch.ones_like(ctx.logp), out.keep, out.metrics)
 
 
 # ----------------------------------------------------------------------------------------------- rejection
@@ -709,7 +746,7 @@ def rejection_keep(
     options: Sequence[str] = ("seq_mean_k1",),
     thresholds: Threshold | Sequence[Threshold] = ((0.999, 1.001),),
     clamp: float = SAFETY_BOUND,
-) -> BoolBT:
+) -> MaskOutput:
     r"""verl's rollout rejection sampling: keep a token only if every option's statistic is within its bound.
 
     .. math::
@@ -731,19 +768,23 @@ def rejection_keep(
         clamp: bound on the token log-ratio (verl 20).
 
     Returns:
-        Bool keep mask ``[B, T]`` (positions outside ``mask`` are whatever the statistic gives; the loss
-        ignores them). Edge case: empty rows have statistic 0 (kept by any bounds that contain 0).
+        A :class:`~rolloutopt.ratios.MaskOutput`: ``keep`` (bool ``[B, T]``, a subset of ``mask``) and the
+        ``rs_*`` metrics of :class:`RejectionFilter`.
+
+    Edge cases: empty rows have statistic 0; ``B = 0``, ``T = 0`` and an all-masked batch give zero metrics.
+    Oracle (by hand): ``seq_mean_k1`` with bounds (0.999, 1.001) keeps a row whose mean log-ratio is
+    ``5e-4`` (:math:`e^{-5\cdot 10^{-4}} \ge 0.999`) and drops one at ``2e-3``.
     """
     bounds = _rs_bounds(options, thresholds, "")
     positive(clamp, "clamp")
     lr, m = _validate_lr(log_ratio, mask)
-    return _rejection(lr.clamp(-clamp, clamp), m, tuple(options), bounds)[0]
+    return _rejection(lr.clamp(-clamp, clamp), m, tuple(options), bounds)
 
 
 def _rejection(
     lr: Tensor, m: Tensor, options: tuple[str, ...], bounds: tuple[tuple[float | None, float], ...]
-) -> tuple[Tensor, dict[str, Tensor]]:
-    keep = torch.ones_like(m)
+) -> MaskOutput:
+    keep = m.clone()
     metrics: dict[str, Tensor] = {}
     dt = lr.dtype
     for opt, (lo, hi) in zip(options, bounds, strict=True):  # a loop over the (few) options, not over data
@@ -755,7 +796,7 @@ def _rejection(
     rows = m.any(-1)
     metrics["rs_masked_frac"] = _mean(~keep, m, dt)
     metrics["rs_seq_masked_frac"] = _mean((~keep & m).any(-1), rows, dt)
-    return keep, metrics
+    return MaskOutput(keep, metrics)
 
 
 @dataclass(frozen=True)
@@ -781,6 +822,8 @@ class RejectionFilter:
     thresholds: Threshold | tuple[Threshold, ...] = ((0.999, 1.001),)
     source: Source = "old"
     clamp: float = SAFETY_BOUND
+    requires: ClassVar[tuple[str, ...]] = ("behav_logp",)
+    accepts: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.options, list):
@@ -823,8 +866,8 @@ class RejectionFilter:
     def __call__(self, ctx: StageContext) -> CorrectionOutput:
         lr = _mismatch_log_ratio(ctx, self.source, "RejectionFilter").clamp(-self.clamp, self.clamp)
         bounds = _rs_bounds(self.options, self.thresholds, "RejectionFilter.")
-        keep, metrics = _rejection(lr, ctx.mask, self.options, bounds)
-        return CorrectionOutput(torch.ones_like(lr), keep, metrics)
+        out = _rejection(lr, ctx.mask, self.options, bounds)
+        return CorrectionOutput(torch.ones_like(lr), out.keep, out.metrics)
 
 
 # ----------------------------------------------------------------------------------------------- adapters

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -32,14 +32,13 @@ from rolloutopt._validation import (
     require_experimental,
 )
 from rolloutopt.errors import InputError
-from rolloutopt.ratios.context import StageContext, masked_mean
+from rolloutopt.ratios.context import MaskOutput, StageContext, masked_mean
 from rolloutopt.ratios.reference import TrustOutput, bounded_clip_loss
 from rolloutopt.typing import BoolBT, FloatB, FloatBT, PerSeqOrToken
 
 __all__ = [
     "DPPO",
     "DPPO_DEFAULT_DELTA",
-    "DPPOMask",
     "ECHOClip",
     "binary_kl",
     "binary_tv",
@@ -55,10 +54,13 @@ __all__ = [
 Divergence = Literal["tv", "kl", "topk_kl", "topk_tv"]
 Tail = Literal["aggregate", "uniform"]
 Scope = Literal["token", "policy"]
+WeightRef = Literal["old", "behav"]
 
 _DIVERGENCES: tuple[str, ...] = ("tv", "kl", "topk_kl", "topk_tv")
 _TAILS: tuple[str, ...] = ("aggregate", "uniform")
 _SCOPES: tuple[str, ...] = ("token", "policy")
+_WEIGHT_REFS: tuple[str, ...] = ("old", "behav")
+_WEIGHT_LOG_MAX = 20.0  # Stable-RL compute_policy_loss_with_mask: torch.clamp(log_prob - rollout_log_prob, max=20.0)
 
 # Default thresholds per divergence (low = high). tv / kl: the DPPO authors' verl example
 # ``examples/dppo_trainer/run_qwen30b_dppo.sh`` (clip_ratio 0.15 for dppo_tv, 0.05 for dppo_kl);
@@ -227,7 +229,7 @@ def _require_experimental(experimental: bool, what: str) -> None:
         experimental,
         f"{what}: the Predictive Divergence Mask's closed form A·[(π_k − μ_k) + Σ_j π_j(μ_j − π_j)] and its "
         "top-K tail estimators (from digests of arXiv 2607.10848)",
-        "specs/ratios_and_losses.md B13",
+        "docs/methods/dppo.md",
     )
 
 
@@ -253,7 +255,7 @@ def predicted_kl_change(
                + \underbrace{\textstyle\sum_j \pi_j(\mu_j - \pi_j)}_{\text{global}}\Big] + O(\eta^2)
 
     and this function returns the bracket ``[B, T]``. The local term is DPPO's direction test; the global,
-    vocabulary-coupled term is the new part. **[reconstructed]** (spec B13: re-derived from the mechanism three
+    vocabulary-coupled term is the new part. **[reconstructed]** (our derivation from the mechanism three
     digests of arXiv 2607.10848 describe), so ``experimental=True`` is required.
 
     The sum over the vocabulary is exact when K = V (pass full distributions); with top-K only, the tail
@@ -270,7 +272,8 @@ def predicted_kl_change(
     :math:`\pi_k(\mu_k - \pi_k)` is added exactly, and the uniform tail counts :math:`V - K - 1` tokens.
     Tail masses are clamped at 0. Detached; finite for every finite input.
 
-    Oracle (spec B13): :math:`\pi = [0.1, 0.8, 0.1]`, :math:`\mu = [0.05, 0.5, 0.45]`, :math:`k = 0`: local
+    Oracle (our reconstruction, ``docs/methods/dppo.md``): :math:`\pi = [0.1, 0.8, 0.1]`,
+    :math:`\mu = [0.05, 0.5, 0.45]`, :math:`k = 0`: local
     +0.05, global −0.21, bracket −0.16, so with A > 0 the KL is predicted to *decrease*.
 
     Args:
@@ -306,17 +309,12 @@ def _sampled(x: Any, dims: Dims, device: torch.device) -> Tensor:
 
 
 @dataclass(frozen=True)
-class DPPOMask:
-    """Result of :func:`dppo_mask`: which tokens the divergence trust region keeps, and why the others go.
+class _Parts:
+    """Internal result of :meth:`DPPO._parts`: which tokens the divergence trust region keeps, and why.
 
-    Attributes:
-        keep: bool ``[B, T]``, False where the token is masked.
-        high: bool ``[B, T]``, masked on the positive-advantage side (the update would push the sampled token's
-            probability up, past ``high``).
-        low: bool ``[B, T]``, masked on the non-positive-advantage side (pushed down, past ``low``).
-        divergence: the divergence estimate ``[B, T]`` (detached).
-        flip: with ``predictive=True``, bool ``[B, T]`` where the predictive direction test disagrees with DPPO's
-            local test on a token past its threshold (where the global term changes the verdict); else None.
+    ``keep`` bool ``[B, T]`` (False where masked); ``high`` / ``low`` bool ``[B, T]``, masked on the
+    positive- / non-positive-advantage side; ``divergence`` the estimate ``[B, T]``; ``flip`` (predictive only)
+    where the predictive direction test disagrees with DPPO's local one on a token past its threshold.
     """
 
     keep: Tensor
@@ -338,7 +336,8 @@ class DPPO:
 
     .. math::
         L_t = -A_t\,\operatorname{sg}\big(\min(r_t, c)\big)\,M_t\,\ell^\theta_t, \qquad
-        r_t = e^{\ell^\theta_t - \ell^{old}_t},
+        r_t = e^{\ell^\theta_t - \ell^{old}_t} \ \big(\text{or } e^{\ell^\theta_t - \ell^{beh}_t}
+        \text{ with } \texttt{weight\_ref="behav"}\big),
 
     :math:`M_t = 0` (token masked) when the update moves *away* from the reference policy and the divergence
     :math:`D_t` already exceeds its threshold:
@@ -359,12 +358,28 @@ class DPPO:
     ``stage_inputs={"sampled_in_topk": ...}`` or detected within ``match_tol``). **[reconstructed]**:
     ``experimental=True`` required. :math:`\delta = \delta_{high}` for A > 0, :math:`\delta_{low}` otherwise.
 
-    Which policy is "old". The ratio, the direction test and the binary divergences use the pipeline's
-    ``old_logp``. The paper (and its code's ``dppo_binary_*``/``dppo_topk_*`` modes) anchors the trust region
-    to the **rollout** policy: pass the rollout engine's log-probs as ``old_logp`` (verl ``bypass_mode``). Its
-    ``*_recompute`` variants, and verl's ``dppo_tv``/``dppo_kl`` outside bypass mode, use the trainer's
-    recompute: pass that as ``old_logp``. The top-K arrays are always the rollout engine's top-K
-    (``topk_behav_logp``) and the trained policy at those ids (``topk_logp``).
+    Which policy is "old". The direction test and the binary divergences use the pipeline's ``old_logp``; the
+    truncated IS weight uses the policy named by ``weight_ref``. The paper code (``sail-sg/Stable-RL@c6af1d1``
+    ``verl/trainer/ppo/core_algos.py``, ``compute_policy_loss_with_mask``) always measures the weight against
+    the **rollout** policy, ``min(exp(ℓ^θ − ℓ^{rollout}), c)``, and picks the mask's reference by mode:
+
+    - ``dppo_binary_tv`` / ``dppo_binary_kl`` / ``dppo_topk_*`` (the paper's form): mask against the rollout
+      policy too. Pass the rollout engine's log-probs as ``old_logp`` (verl ``bypass_mode``), ``weight_ref="old"``.
+    - ``dppo_binary_tv_recompute`` / ``dppo_binary_kl_recompute``: mask against the trainer's recompute, weight
+      still against the rollout policy. Pass the recompute as ``old_logp``, the rollout log-probs as
+      ``behav_logp`` and ``weight_ref="behav"``.
+    - verl 0.9.1's ``dppo_tv``/``dppo_kl`` outside bypass mode measure both against the recompute: pass it as
+      ``old_logp`` with ``weight_ref="old"`` (the default).
+
+    With ``weight_ref="behav"`` the log-ratio is clamped at 20 from above only, as Stable-RL does (``exp`` of a
+    very negative finite value is 0, never inf), and the ratio passed in is not used. The top-K arrays are
+    always the rollout engine's top-K (``topk_behav_logp``) and the trained policy at those ids
+    (``topk_logp``).
+
+    Aggregation. Stable-RL's ``seq-mean-token-sum-norm`` (``agg_loss``) divides the token sum by ``L_max``
+    only (``loss_scale_factor``, the padded response length by default), not by the number of sequences as
+    rolloutopt's (Dr.GRPO's) mode does: ``policy_loss(..., agg="seq-mean-token-sum-norm", max_len=L_max,
+    denominators=Denominators(sequences=1))`` reproduces its number.
 
     Defaults and their sources:
 
@@ -377,6 +392,9 @@ class DPPO:
       ``dppo_tv``/``dppo_kl`` fall back to 20, but ``ActorConfig`` defines ``clip_ratio_c = 3.0``, so the
       effective value there is **3.0**: pass ``c=3.0`` for verl parity. The authors' verl example sets 10000
       (truncation off).
+    - ``weight_ref="old"``: the weight uses the ratio the ratio stage built against ``old_logp`` (verl's
+      ``dppo_tv``/``dppo_kl``, exact parity; the paper's form when ``old_logp`` is the rollout's);
+      ``"behav"`` is Stable-RL's ``*_recompute`` (see above).
     - ``scope="token"``: a masked token leaves the loss numerator entirely (``keep=False``, counted in
       ``policy_loss``'s ``masked_frac``, and its KL/entropy terms go too). ``scope="policy"`` zeroes only the
       policy term, as verl does (``keep=None``; KL and entropy terms stay at masked tokens).
@@ -401,9 +419,23 @@ class DPPO:
     scope: Scope = "token"
     match_tol: float = 1e-5
     experimental: bool = False
+    weight_ref: WeightRef = "old"
+
+    @property
+    def requires(self) -> tuple[str, ...]:
+        """The :func:`~rolloutopt.losses.policy_loss` inputs this stage cannot run without: ``topk_logp`` and
+        ``topk_behav_logp`` for the top-K divergences, ``behav_logp`` with ``weight_ref="behav"``."""
+        topk = ("topk_logp", "topk_behav_logp") if self.divergence.startswith("topk_") else ()
+        return topk + (("behav_logp",) if self.weight_ref == "behav" else ())
+
+    @property
+    def accepts(self) -> tuple[str, ...]:
+        """Inputs consumed when given: ``stage_inputs={"sampled_in_topk": ...}`` with ``predictive=True``."""
+        return ("sampled_in_topk",) if self.predictive else ()
 
     def __post_init__(self) -> None:
         choice(self.divergence, "DPPO.divergence", _DIVERGENCES)
+        choice(self.weight_ref, "DPPO.weight_ref", _WEIGHT_REFS)
         default = DPPO_DEFAULT_DELTA[self.divergence]
         if self.low is None:
             object.__setattr__(self, "low", default)
@@ -437,7 +469,7 @@ class DPPO:
                 "set predictive=True, or drop tail/vocab_size",
             )
 
-    def mask(
+    def _parts(
         self,
         logp: Tensor,
         old_logp: Tensor,
@@ -445,7 +477,7 @@ class DPPO:
         topk_logp: Tensor | None = None,
         topk_behav_logp: Tensor | None = None,
         sampled_in_topk: Tensor | None = None,
-    ) -> DPPOMask:
+    ) -> _Parts:
         """The divergence mask for already validated tensors (see :func:`dppo_mask`)."""
         assert self.low is not None and self.high is not None
         lp, old = logp.detach(), old_logp.detach()
@@ -479,7 +511,7 @@ class DPPO:
             flip = (high ^ local_high) | (low ^ local_low)
         else:
             high, low = local_high, local_low
-        return DPPOMask(keep=~(high | low), high=high, low=low, divergence=d, flip=flip)
+        return _Parts(keep=~(high | low), high=high, low=low, divergence=d, flip=flip)
 
     def __call__(
         self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
@@ -494,6 +526,11 @@ class DPPO:
             )
         by = f"DPPO(divergence={self.divergence!r})"
         old = ctx.need("old_logp", by)
+        if self.weight_ref == "behav":
+            behav_logp: Tensor = ctx.need("behav_logp", "DPPO(weight_ref='behav')")
+            lp = logp.detach()
+            lr_w = torch.where(ctx.mask, lp - behav_logp.detach(), torch.zeros_like(lp))
+            ratio = torch.exp(lr_w.clamp(max=_WEIGHT_LOG_MAX))
         topk = behav = sampled = None
         if self.divergence.startswith("topk_"):
             topk = ctx.need("topk_logp", by)
@@ -508,7 +545,7 @@ class DPPO:
                         f"shape {tuple(sampled.shape)}",
                         "pass stage_inputs={'sampled_in_topk': mask [B, T]}",
                     )
-        m = self.mask(logp, old, advantages, topk, behav, sampled)
+        m = self._parts(logp, old, advantages, topk, behav, sampled)
         loss = dppo_loss(logp, ratio, advantages, m.keep, c=self.c)
         ind = {
             "dppo_masked_frac": ~m.keep,
@@ -538,7 +575,8 @@ def dppo_mask(
     sampled_in_topk: BoolBT | None = None,
     match_tol: float = 1e-5,
     experimental: bool = False,
-) -> DPPOMask:
+    mask: BoolBT | None = None,
+) -> MaskOutput:
     r"""DPPO's divergence mask (and, with ``predictive=True``, the Predictive Divergence Mask) as a pure function.
 
     .. math::
@@ -557,8 +595,20 @@ def dppo_mask(
         topk_logp, topk_behav_logp: ``[B, T, K]``, required by the top-K divergences.
         predictive, tail, vocab_size, sampled_in_topk, match_tol, experimental: see :class:`DPPO` and
             :func:`predicted_kl_change`.
+        mask: optional bool loss mask ``[B, T]``: ``keep`` is then a subset of it, the metrics are means over
+            it and non-finite values outside it are allowed; None counts every position.
 
-    Returns a :class:`DPPOMask` (``keep``, ``high``, ``low``, ``divergence``, ``flip``). Detached.
+    Returns:
+        A :class:`~rolloutopt.ratios.MaskOutput`: ``keep`` bool ``[B, T]`` (False where DPPO masks the token),
+        and detached 0-d ``metrics`` (means over ``mask``; 0 when it is empty): ``dppo_masked_frac``,
+        ``dppo_masked_high_frac`` (A > 0 side), ``dppo_masked_low_frac`` (A ≤ 0 side), ``dppo_divergence_mean``
+        and, with ``predictive=True``, ``dppo_direction_flip_frac``. The divergence itself is
+        :func:`binary_tv`, :func:`binary_kl` or :func:`topk_divergence`.
+
+    Edge cases: ``B = 0``, ``T = 0`` and an all-False ``mask`` give an empty (or all-False) ``keep`` and zero
+    metrics.
+    Oracle (by hand, ``sail-sg/Stable-RL`` ``dppo_binary_tv``): δ = 0.15, A > 0, :math:`p_\theta = 0.6`,
+    :math:`p_{old} = 0.4` → masked; :math:`p_\theta = 0.3` → kept.
     """
     cfg = DPPO(
         divergence=divergence,
@@ -574,9 +624,10 @@ def dppo_mask(
     lp = as_float(logp, "logp", dims, "B T")
     old = as_float(old_logp, "old_logp", dims, "B T", device=lp.device)
     adv = _advantages(advantages, dims, lp.device)
-    finite(lp, "logp")
-    finite(old, "old_logp")
-    finite(adv.expand_as(lp), "advantages")
+    m = None if mask is None else as_mask(mask, "mask", dims, "B T", device=lp.device)
+    finite(lp, "logp", m)
+    finite(old, "old_logp", m)
+    finite(adv.expand_as(lp), "advantages", m)
     q = None if topk_logp is None else as_float(topk_logp, "topk_logp", dims, "B T K", device=lp.device)
     p = (
         None
@@ -585,11 +636,28 @@ def dppo_mask(
     )
     for x, name in ((q, "topk_logp"), (p, "topk_behav_logp")):
         if x is not None:
-            finite(x, name)
+            finite(x, name, None if m is None else m[..., None].expand_as(x))
     if q is not None:
         _check_k(vocab_size, q.shape[-1], "topk_logp")
     inside = None if sampled_in_topk is None else _sampled(sampled_in_topk, dims, lp.device)
-    return cfg.mask(lp, old, adv, q, p, inside)
+    if m is not None:  # masked-out positions may hold garbage: neutral values there, so nothing is NaN
+        z = torch.zeros_like(lp)
+        lp, old, adv = torch.where(m, lp, z), torch.where(m, old, z), torch.where(m, adv.expand_as(lp), z)
+        if q is not None and p is not None:
+            m3 = m[..., None]
+            q, p = torch.where(m3, q, torch.zeros_like(q)), torch.where(m3, p, torch.zeros_like(p))
+    parts = cfg._parts(lp, old, adv, q, p, inside)
+    at = torch.ones_like(lp, dtype=torch.bool) if m is None else m
+    keep = parts.keep & at
+    metrics = {
+        "dppo_masked_frac": masked_mean(~parts.keep, at),
+        "dppo_masked_high_frac": masked_mean(parts.high, at),
+        "dppo_masked_low_frac": masked_mean(parts.low, at),
+        "dppo_divergence_mean": masked_mean(parts.divergence, at),
+    }
+    if parts.flip is not None:
+        metrics["dppo_direction_flip_frac"] = masked_mean(parts.flip, at)
+    return MaskOutput(keep, metrics)
 
 
 def _advantages(x: Any, dims: Dims, device: torch.device) -> Tensor:
@@ -770,6 +838,8 @@ class ECHOClip:
     eps_max: float = 0.2
     kappa: float = 4.0
     dual: float | None = 3.0
+    requires: ClassVar[tuple[str, ...]] = ("confidence",)
+    accepts: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         _check_echo(self.eps_min, self.eps_max, self.kappa, "ECHOClip.")

@@ -18,14 +18,14 @@ Like both codebases, the statistic is that of the micro-batch the trainer passes
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
 
 from rolloutopt._validation import Dims, as_float, as_mask, as_seq_or_token, choice, finite, positive
 from rolloutopt.errors import InputError
-from rolloutopt.ratios.context import StageContext
+from rolloutopt.ratios.context import MaskOutput, StageContext
 from rolloutopt.ratios.reference import PPOClip, TrustOutput, bounded_clip_loss, ppo_clip_loss
 from rolloutopt.typing import BoolBT, FloatBT, PerSeqOrToken
 
@@ -85,7 +85,7 @@ def _m2po_mask(d: Tensor, m: Tensor, tau: float) -> tuple[Tensor, Tensor, Tensor
     return keep, m2_before, m2_after
 
 
-def m2po_mask(log_ratio: FloatBT, mask: BoolBT, *, tau: float = 0.04) -> tuple[BoolBT, Tensor, Tensor]:
+def m2po_mask(log_ratio: FloatBT, mask: BoolBT, *, tau: float = 0.04) -> MaskOutput:
     r"""M2PO's second-moment mask: drop the largest :math:`d^2` until the mean of the rest is below τ.
 
     .. math::  M_2(S) = \frac{1}{|S|}\sum_{(i,t)\in S} d_{i,t}^2, \qquad
@@ -109,20 +109,25 @@ def m2po_mask(log_ratio: FloatBT, mask: BoolBT, *, tau: float = 0.04) -> tuple[B
         tau: the second-moment budget τ > 0.
 
     Returns:
-        ``(keep, m2, m2_kept)``: the bool ``[B, T]`` kept tokens (a subset of ``mask``), the batch
-        :math:`\hat M_2` before masking and the :math:`\hat M_2` of the kept tokens (detached 0-d tensors;
-        0 for an empty mask).
+        A :class:`~rolloutopt.ratios.MaskOutput`: ``keep``, the bool ``[B, T]`` kept tokens (a subset of
+        ``mask``), and ``metrics`` (detached 0-d tensors, 0 for an empty mask): ``m2po_m2`` (the batch
+        :math:`\hat M_2` before masking), ``m2po_m2_kept`` (the :math:`\hat M_2` of the kept tokens) and
+        ``m2po_masked_frac`` (the fraction of ``mask`` tokens removed).
 
-    Edge cases: an empty mask keeps nothing and gives 0, 0; all-masked rows are ignored; ``d ≡ 0`` keeps every
-    token. Oracle (spec B10): ``d = [0.1, 0.1, 1.0]`` → :math:`d^2` = [0.01, 0.01, 1.0], mean 0.34 ≥ 0.04 →
-    the 1.0 token is masked, 2 kept with mean 0.01.
+    Edge cases: an empty mask (``B = 0``, ``T = 0`` or all False) keeps nothing and gives 0 for every metric;
+    all-masked rows are ignored; ``d ≡ 0`` keeps every token. Oracle (by hand, following AReaL's rule):
+    ``d = [0.1, 0.1, 1.0]`` → :math:`d^2` = [0.01, 0.01, 1.0],
+    mean 0.34 ≥ 0.04 → the 1.0 token is masked, 2 kept with mean 0.01.
     """
     _check_tau(tau, "tau")
     dims = Dims()
     d = as_float(log_ratio, "log_ratio", dims, "B T")
     m = as_mask(mask, "mask", dims, "B T", device=d.device)
     finite(d, "log_ratio", m)
-    return _m2po_mask(torch.where(m, d, torch.zeros_like(d)), m, tau)
+    keep, m2, m2_kept = _m2po_mask(torch.where(m, d, torch.zeros_like(d)), m, tau)
+    n = m.sum()
+    removed = (n - keep.sum()).to(m2.dtype) / n.clamp(min=1).to(m2.dtype)
+    return MaskOutput(keep, {"m2po_m2": m2, "m2po_m2_kept": m2_kept, "m2po_masked_frac": removed})
 
 
 _PAIRS = ("behav_old", "old_current")
@@ -138,7 +143,8 @@ class M2POMask:
 
     Reference: M2PO, arXiv 2510.01161 (the paper writes the unclipped surrogate :math:`r A` — the default,
     ``clip=None``); AReaL keeps running its PPO loss on the masked tokens: pass ``clip=PPOClip(low=0.2,
-    high=0.2, dual=None)`` (AReaL's ``eps_clip=0.2``, no ``eps_clip_higher``, no ``c_clip``). Defaults:
+    high=0.2, dual=None)`` (AReaL's default ``eps_clip=0.2``, no ``eps_clip_higher``, no ``c_clip``; its M2PO
+    example ``examples/math/gsm8k_m2po.yaml`` sets ``eps_clip: 0.0``, i.e. ``PPOClip(0.0, 0.0)``). Defaults:
     τ = 0.04 (both codebases), ``pair="behav_old"`` (AReaL: ``old_logp`` is the rollout's behaviour log-probs
     and ``prox_logp`` the proximal policy's, ``delta = old_logp - prox_logp``). ``"old_current"`` is the
     alternative reading of the paper (the ratio being optimised, detached); it needs no ``behav_logp``. In
@@ -146,11 +152,23 @@ class M2POMask:
     :math:`d \equiv 0` and masks nothing: use ``"old_current"`` there.
 
     ``r`` is the ratio the ratio stage built (:class:`~rolloutopt.ratios.TokenRatio` against the proximal
-    policy, as in AReaL). Masked tokens have ``keep=False``: no loss, no gradient. AReaL keeps them in the
-    denominator (the original token count), which is ``policy_loss(..., removed_in_denominator=True)``, the
-    default. The statistic needs ``ctx``: ``ctx.old_logp`` (proximal), ``ctx.mask``, and ``ctx.behav_logp``
-    for ``pair="behav_old"``; ``d`` is clamped to ``±clamp`` (20, like every log-ratio here) so that its
-    square stays finite.
+    policy, as in AReaL). Masked tokens have ``keep=False``: no loss, no gradient.
+
+    Denominator. The paper's objective (as AReaL's ``docs/algorithms/m2po.md`` writes it) divides by every
+    response token, :math:`\frac{1}{\sum_i |o_i|}\sum M_{i,t} r_{i,t} A_{i,t}`: masked tokens stay in the
+    denominator, ``policy_loss(..., removed_in_denominator=True)`` (the default and the ``m2po`` preset's; it is
+    also the convention that stays exact with :func:`rolloutopt.distributed.global_denominators`). AReaL's code
+    (``inclusionAI/AReaL@4aef98d`` ``areal/trainer/ppo/actor.py`` ``grpo_loss_fn``) differs: it replaces
+    ``loss_mask`` by the M2PO mask before ``ppo_actor_loss_fn``, which divides by ``loss_mask.count_nonzero()``,
+    the **M2PO-kept** count — ``removed_in_denominator=False`` for AReaL's number. With a masking correction on
+    top (AReaL's M2PO example adds rejection sampling, ``MIS(low=None, high=5.0)``) AReaL still divides by the
+    M2PO-kept count, so the rejected tokens stay in it; neither setting gives that, pass the count:
+    ``denominators=Denominators(tokens=m2po_mask(behav_logp - old_logp, mask, tau=tau).keep.sum())``.
+
+    The statistic needs ``ctx``: ``ctx.old_logp`` (proximal), ``ctx.mask``, and ``ctx.behav_logp`` for
+    ``pair="behav_old"`` (:attr:`requires`); ``d`` is clamped to ``±clamp`` (20, like every log-ratio here) so
+    that its square stays finite. Edge cases: ``B = 0``, ``T = 0`` and all-masked rows give zero loss and
+    metrics.
 
     Indicators: ``m2po_masked_frac`` (plus the clip's own with ``clip``). Metrics: ``m2po_m2`` (batch
     :math:`\hat M_2` before masking), ``m2po_m2_kept`` (after).
@@ -160,6 +178,13 @@ class M2POMask:
     pair: Literal["behav_old", "old_current"] = "behav_old"
     clip: PPOClip | None = None
     clamp: float = 20.0
+    accepts: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def requires(self) -> tuple[str, ...]:
+        """The :func:`~rolloutopt.losses.policy_loss` inputs this stage cannot run without: ``("behav_logp",)``
+        for ``pair="behav_old"``, none for ``"old_current"``."""
+        return ("behav_logp",) if self.pair == "behav_old" else ()
 
     def __post_init__(self) -> None:
         _check_tau(self.tau, "M2POMask.tau")
@@ -232,6 +257,15 @@ def _m2po_bounds(
     a = advantages.detach().expand_as(lr)
     r = torch.exp(lr)
     harmful = m & (((a > _EPS) & (r > 1 + _EPS)) | ((a < -_EPS) & (r < 1 - _EPS)))
+    if lr.numel() == 0:  # B = 0 or T = 0 (a static shape, no host sync): no harmful token, no clipping
+        zero = lr.sum()
+        no = torch.zeros((), dtype=torch.bool, device=lr.device)
+        low, high = 1 + zero, _NO_CLIP_HIGH - 1 + zero
+        if miniclip_low is not None:
+            low = low.clamp(min=miniclip_low)
+        if miniclip_high is not None:
+            high = high.clamp(min=miniclip_high)
+        return M2POBounds(low, high, no, zero, zero, zero, harmful)
     v = (lr * lr).flatten()
     flat_h = harmful.flatten()
     keyed = torch.where(flat_h, v, torch.full_like(v, torch.inf))
@@ -316,9 +350,11 @@ def m2po_clip_bounds(
     Returns:
         :class:`M2POBounds` (batch-level 0-d tensors; no host sync).
 
-    Edge cases: no harmful token (on-policy data, A ≡ 0, empty mask) → no clipping and ``m2 = 0``.
-    Oracle (spec B10): harmful :math:`\Delta^2` = [0.01, 0.01, 1.0], τ = 0.04 → :math:`\tau_c` = 0.1 →
-    :math:`\epsilon_{low}` = 0.0952, :math:`\epsilon_{high}` = 0.1052.
+    Edge cases: no harmful token (on-policy data, A ≡ 0, empty mask, ``B = 0`` or ``T = 0``) → no clipping and
+    ``m2 = 0``.
+    Oracle (by hand, following the official ``compute_m2po_policy_loss``): harmful :math:`\Delta^2` =
+    [0.01, 0.01, 1.0], τ = 0.04 → :math:`\tau_c` = 0.1 → :math:`\epsilon_{low}` = 0.0952,
+    :math:`\epsilon_{high}` = 0.1052.
     """
     _check_bounds_args(tau, miniclip_low, miniclip_high, "")
     dims = Dims()
@@ -357,12 +393,15 @@ class M2POClip:
 
     Indicators: ``clipfrac``, ``clip_low_frac``, ``clip_high_frac``, ``m2po_harmful_frac``. Metrics (the
     code's ``m2po/*``): ``m2po_clip_low``, ``m2po_clip_high`` (the ε bounds), ``m2po_m2``, ``m2po_m2_after``,
-    ``m2po_tau_c``, ``m2po_clipping`` (1 when the budget was exceeded).
+    ``m2po_tau_c``, ``m2po_clipping`` (1 when the budget was exceeded). Edge cases: ``B = 0``, ``T = 0`` and
+    all-masked rows give zero loss, no clipping and zero metrics. Inputs beyond the common ones: none.
     """
 
     tau: float = 0.04
     miniclip_low: float | None = None
     miniclip_high: float | None = None
+    requires: ClassVar[tuple[str, ...]] = ()
+    accepts: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         _check_bounds_args(self.tau, self.miniclip_low, self.miniclip_high, "M2POClip.")

@@ -23,7 +23,7 @@ Proximal stages are called by ``policy_loss(..., proximal=...)`` with the valida
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -55,6 +55,13 @@ __all__ = [
 
 A3POMethod = Literal["loglinear", "linear"]
 _A3PO_METHODS = ("loglinear", "linear")
+_VERSIONS_FIX = "pass versions=versions.to({device!r}) to policy_loss (or the preset), on the log-probs' device"
+
+
+def _on_device(x: Tensor, name: str, device: torch.device, fix: str) -> None:
+    """Raise an InputError naming ``name`` unless ``x`` is on ``device`` (skipped while checks are off)."""
+    if checks_enabled() and x.device != device:
+        raise InputError(name, f"a tensor on {device} (the device of the log-probs)", describe(x), fix)
 
 
 def _int_version(v: Any, name: str) -> int:
@@ -142,6 +149,7 @@ def a3po_proximal_logp(
     lp = as_float(logp, "logp", dims, "B T")
     behav = as_float(behav_logp, "behav_logp", dims, "B T", device=lp.device)
     v = as_index(versions, "versions", dims, "B T")
+    _on_device(v, "versions", lp.device, f"move versions with .to({str(lp.device)!r})")
     m = None if mask is None else as_mask(mask, "mask", dims, "B T", device=lp.device)
     finite(lp, "logp", m)
     finite(behav, "behav_logp", m)
@@ -158,13 +166,16 @@ class A3POProximal:
 
     (``method="linear"`` mixes probabilities instead.) Reads ``ctx.logp`` (detached), ``ctx.behav_logp``,
     ``ctx.versions`` (behaviour version per token) and ``ctx.policy_version`` (:math:`v_\theta`); all three
-    optional inputs are required (an ``InputError`` names a missing one). ``old_logp`` passed to
-    ``policy_loss`` is ignored (may be None). Default ``method="loglinear"`` (AReaL's). Edge cases: prompt tokens
-    (``versions < 0``) and tokens one version behind get ``behav_logp``; 0 outside ``ctx.mask``.
+    optional inputs are required (:attr:`requires`; an ``InputError`` names a missing one, or ``versions`` on
+    another device than the log-probs). ``old_logp`` passed to ``policy_loss`` is ignored (may be None).
+    Default ``method="loglinear"`` (AReaL's). Edge cases: prompt tokens (``versions < 0``) and tokens one
+    version behind get ``behav_logp``; 0 outside ``ctx.mask``; ``B = 0`` and ``T = 0`` give empty log-probs.
     Reference: AReaL arXiv 2505.24298.
     """
 
     method: A3POMethod = "loglinear"
+    requires: ClassVar[tuple[str, ...]] = ("behav_logp", "versions", "policy_version")
+    accepts: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         choice(self.method, "A3POProximal.method", _A3PO_METHODS)
@@ -174,6 +185,7 @@ class A3POProximal:
         behav: Tensor = ctx.need("behav_logp", "A3POProximal")
         versions: Tensor = ctx.need("versions", "A3POProximal")
         vt: int = ctx.need("policy_version", "A3POProximal")
+        _on_device(versions, "versions", ctx.logp.device, _VERSIONS_FIX.format(device=str(ctx.logp.device)))
         alpha = a3po_alpha(versions, vt, dtype=ctx.logp.dtype)
         return _a3po(ctx.logp, behav, alpha, ctx.mask, self.method).detach()
 
@@ -250,14 +262,21 @@ class CoPRISProximal:
     None, the newest version among the loss tokens). Tokens from earlier stages keep their buffered value;
     tokens generated under V take the recompute. Equivalent to :func:`copris_old_logp` when each response's
     versions increase along it. Staleness metrics (``staleness_mean``...) come from ``policy_loss``.
+    Inputs (:attr:`requires`, :attr:`accepts`): ``behav_logp`` and ``versions`` are required, ``policy_version``
+    is read when given; ``versions`` on another device than the log-probs is an ``InputError`` naming it.
+    Edge cases: ``B = 0``, ``T = 0`` and all-masked rows give 0 everywhere (no version is read).
     Reference: CoPRIS arXiv 2511.05589 (script defaults: clip 0.2/0.28, dual clip 10, token-mean).
     """
+
+    requires: ClassVar[tuple[str, ...]] = ("behav_logp", "versions")
+    accepts: ClassVar[tuple[str, ...]] = ("policy_version",)
 
     def __call__(self, ctx: StageContext) -> Tensor:
         """Old log-probs ``[B, T]``, detached, 0 outside ``ctx.mask``."""
         versions: Tensor = ctx.need("versions", "CoPRISProximal")
         behav: Tensor = ctx.need("behav_logp", "CoPRISProximal")
         recompute: Tensor = ctx.need("old_logp", "CoPRISProximal")
+        _on_device(versions, "versions", behav.device, _VERSIONS_FIX.format(device=str(behav.device)))
         m = ctx.mask
         if ctx.policy_version is None:
             low = torch.full_like(versions, torch.iinfo(versions.dtype).min)
@@ -338,7 +357,7 @@ class EWMAProximal:
             experimental,
             "the PPO-EWMA revision (an EWMA of the log-probs used as the missing old logits, from the abstract of "
             "arXiv 2605.12070)",
-            "specs/ratios_and_losses.md B8",
+            "docs/methods/offpolicy.md",
         )
         ok = isinstance(beta, (int, float)) and not isinstance(beta, bool) and 0 <= beta < 1
         if not ok:

@@ -104,14 +104,14 @@ def pnpo_log_ratio(
     A geometric mean of the token ratios along the prefix: the prefix dependence of the cumulative ratio is
     kept, its log scale compressed (σ/√t for i.i.d. per-token noise of s.d. σ). At the first valid token it is
     the token ratio; at the last valid token it equals GSPO's sequence ratio
-    (:func:`~rolloutopt.ratios.sequence_log_ratio`). Reference: PNPO, arXiv 2608.01418 (the weight is quoted in
-    the spec from a digest of the paper; no code is public).
+    (:func:`~rolloutopt.ratios.sequence_log_ratio`). Reference: PNPO, arXiv 2608.01418 (the weight as a digest
+    of the paper quotes it; no code is public).
 
     Args:
         logp: current log-probs ``[B, T]`` (carry the gradient).
         old_logp: proximal log-probs ``[B, T]``.
         mask: loss mask ``[B, T]``; ``t`` counts masked-in positions only.
-        grad: how the gradient is routed — a **[reconstructed]** detail (the spec does not say how the weight
+        grad: how the gradient is routed — a **[reconstructed]** detail (the sources do not say how the weight
             enters the loss):
 
             - ``"prefix"`` (default): exact autograd of the prefix mean; token ``k`` receives
@@ -155,7 +155,7 @@ class PNPORatio:
     """Ratio stage: PNPO's prefix-normalised ratio (:func:`pnpo_log_ratio`) in place of the token ratio.
 
     The loss wiring (a PPO/GSPO-style clipped surrogate with :math:`w_t` replacing the ratio, and how the
-    gradient is routed, ``grad``) is **[reconstructed]** (spec B12: no code, abstract and a digest only), so
+    gradient is routed, ``grad``) is **[reconstructed]** (no code, abstract and a digest only), so
     ``experimental=True`` is required. Defaults: ``clamp=20.0`` (verl), ``grad="prefix"`` (exact autograd of
     the prefix mean). Reference: PNPO, arXiv 2608.01418.
     """
@@ -169,7 +169,7 @@ class PNPORatio:
             self.experimental,
             "PNPO's loss wiring (the prefix-normalised weight in a clipped surrogate, and the gradient routing "
             "'prefix' vs 'token', from the abstract and a digest of arXiv 2608.01418)",
-            "specs/ratios_and_losses.md B12",
+            "docs/methods/offpolicy.md",
         )
         positive(self.clamp, "PNPORatio.clamp")
         choice(self.grad, "PNPORatio.grad", _GRADS)

@@ -151,16 +151,16 @@ def _check_clip(low: float, high: float, dual: float | None, owner: str) -> None
 
 
 def ppo_clip_loss(
-    ratio: FloatBT, advantages: FloatBT, *, low: float = 0.2, high: float = 0.28, dual: float | None = 3.0
+    ratio: FloatBT, advantages: FloatBT, *, low: float = 0.2, high: float = 0.2, dual: float | None = None
 ) -> tuple[FloatBT, dict[str, FloatBT]]:
     r"""PPO clipped surrogate with asymmetric clip ("clip-higher") and dual clip, per token (to minimise).
 
     .. math::  L^{clip} = \max\big(-A r,\ -A\,\operatorname{clip}(r, 1-\epsilon_{low}, 1+\epsilon_{high})\big),
                \qquad L = \begin{cases}\min(L^{clip},\ c\,|A|) & A < 0\\ L^{clip} & A \ge 0\end{cases}
 
-    References: PPO arXiv 1707.06347; dual clip arXiv 1912.09729 (c = 3, verl ``clip_ratio_c``); clip-higher
-    from DAPO arXiv 2503.14476 (0.2 / 0.28). ``dual=None`` turns the dual clip off (TRL has none). ROLL's
-    dual constant is 1+2ε instead; pass it explicitly for parity.
+    Defaults are PPO's (arXiv 1707.06347): the symmetric ε = 0.2 and no dual clip. Dual clip: arXiv
+    1912.09729 (``dual=3.0`` is verl's ``clip_ratio_c``); clip-higher: DAPO arXiv 2503.14476 (``low=0.2,
+    high=0.28``). TRL has no dual clip. ROLL's dual constant is 1+2ε instead; pass it explicitly for parity.
 
     Returns the per-token loss and 0/1 indicators: ``clipfrac`` (the clipped branch is active, verl's
     ``pg_clipfrac``), ``clip_low_frac`` (r < 1-ε_low and A < 0), ``clip_high_frac`` (r > 1+ε_high and A > 0),
@@ -201,12 +201,13 @@ def bounded_clip_loss(
 class PPOClip:
     """Trust region: PPO clip with asymmetric bounds and dual clip (:func:`ppo_clip_loss`).
 
-    Defaults: ``low=0.2, high=0.28`` (DAPO clip-higher), ``dual=3.0`` (verl); ``dual=None`` disables it.
+    Defaults are PPO's (arXiv 1707.06347): ``low=high=0.2``, no dual clip. DAPO's clip-higher is
+    ``PPOClip(0.2, 0.28)``; verl's default loss adds ``dual=3.0``.
     """
 
     low: float = 0.2
-    high: float = 0.28
-    dual: float | None = 3.0
+    high: float = 0.2
+    dual: float | None = None
 
     def __post_init__(self) -> None:
         _check_clip(self.low, self.high, self.dual, "PPOClip")
@@ -317,11 +318,11 @@ class SAPO:
 
 @dataclass(frozen=True)
 class REINFORCE:
-    r"""Trust region: none, the plain policy-gradient term :math:`L = -A\,\ell^	heta` (the ratio is ignored).
+    r"""Trust region: none, the plain policy-gradient term :math:`L = -A\,\ell^\theta` (the ratio is ignored).
 
     With an off-policy correction (e.g. :class:`~rolloutopt.ratios.TIS` with ``source="current"``, weight
-    :math:`\operatorname{sg}(\min(\pi_	heta/\pi_{beh}, C))`) this is verl's bypass-mode ``reinforce`` loss
-    :math:`-\operatorname{sg}(w)\,A\,\ell^	heta` (``compute_policy_loss_reinforce``, default aggregation
+    :math:`\operatorname{sg}(\min(\pi_\theta/\pi_{beh}, C))`) this is verl's bypass-mode ``reinforce`` loss
+    :math:`-\operatorname{sg}(w)\,A\,\ell^\theta` (``compute_policy_loss_reinforce``, default aggregation
     ``seq-mean-token-sum``). Its gradient equals the unclipped surrogate's on-policy. Reference: Williams 1992
     (REINFORCE); verl rollout correction docs.
     """

@@ -10,8 +10,9 @@ higher regret :math:`\max_a \log\pi - \log\pi(a_t)`, lower sampled probability),
 frequent, the value drops, the teacher's top-k drifts away — so :meth:`SimulatedGeneration.premature` can say
 whether a stop rule's stop came too early. ``benchmarks/control.py`` drives every stop rule over it.
 
-The model is the library's own **synthetic** model (issue 7, "Evidence"), not taken from a paper; every
-distributional choice is a keyword of :class:`GenerationSimulator`, documented there. It is deliberately simple:
+The model is the library's own **synthetic** model (``docs/methods/control_benchmark.md``), not taken from a
+paper; every distributional choice is a keyword of :class:`GenerationSimulator`, documented there. It is
+deliberately simple:
 the signals step at the failure point (no gradual drift), tokens are independent given the row's latent state,
 and the rules see exactly the signals the model puts in. What a rule achieves here says how it reacts to such
 signals, not how it does on a real model.
@@ -62,9 +63,9 @@ class SimulatedGeneration:
     Per token (row ``i``, step ``t``; positions ``t >= length[i]`` hold draws of the same model, finite, with
     ``mask`` False — a generation loop passes ``active=mask[:, t]``):
 
-    - ``mask`` bool: ``t < length``; ``logprobs`` float32: the sampled token's log-prob; ``entropy`` float32
-      (nats, of the full-vocabulary distribution); ``topk_logprobs`` float32 ``[N, T, K]`` sorted descending
-      (``logprobs <= topk_logprobs[..., 0]``; the sampled token is one of the top-k or a tail token below them);
+    - ``mask`` bool: ``t < length``; ``logp`` float32: the sampled token's log-prob; ``entropy`` float32
+      (nats, of the full-vocabulary distribution); ``topk_logp`` float32 ``[N, T, K]`` sorted descending
+      (``logp <= topk_logp[..., 0]``; the sampled token is one of the top-k or a tail token below them);
       ``tokens`` int64; ``topk_ids`` int64 ``[N, T, K]`` (distinct per step, in rank order; contains the sampled
       token when it is in the top-k); ``teacher_topk_ids`` int64 ``[N, T, K]`` (distinct per step);
       ``values`` float32 in [0, 1] (the critic's estimate of the success probability);
@@ -79,9 +80,9 @@ class SimulatedGeneration:
     """
 
     mask: Tensor
-    logprobs: Tensor
+    logp: Tensor
     entropy: Tensor
-    topk_logprobs: Tensor
+    topk_logp: Tensor
     tokens: Tensor
     topk_ids: Tensor
     teacher_topk_ids: Tensor
@@ -166,7 +167,7 @@ class GenerationSimulator:
       tail: :math:`l_0 = 0,\ l_j = -\sum_{m<j} e_m` with gaps :math:`e_m \sim \gamma_{i,t}\,\mathrm{Exp}(1)`,
       :math:`m = 0..K-1`; the :math:`V - K` other tokens share the tail logit :math:`l_K`. The gap scale is
       :math:`\gamma_{i,t} = \gamma\, e^{\sigma_\gamma z'_i}` with :math:`\gamma` = ``gap_ok`` (healthy) or
-      ``gap_failed`` (degraded): a smaller gap is a flatter distribution. ``topk_logprobs`` are
+      ``gap_failed`` (degraded): a smaller gap is a flatter distribution. ``topk_logp`` are
       :math:`l_j - \log Z`, the entropy is exact for this distribution, and the sampled token is drawn from it
       (rank :math:`r`; a tail token when :math:`r = K`), so the regret :math:`l_0 - l_r` grows as it flattens:
 
@@ -363,7 +364,7 @@ class GenerationSimulator:
         u = rand(n, t_max)
         rank = (probs.cumsum(-1) < u[..., None]).sum(-1)  # K = a tail token
         in_top = rank < k
-        logprobs = torch.where(in_top, topk_lp.gather(-1, rank.clamp_max(k - 1)[..., None])[..., 0], tail_lp)
+        logp = torch.where(in_top, topk_lp.gather(-1, rank.clamp_max(k - 1)[..., None])[..., 0], tail_lp)
 
         # -- ids: a block of consecutive ordinary indices per step (student top-k, teacher's fresh ids, tail)
         m = self._ordinary
@@ -402,9 +403,9 @@ class GenerationSimulator:
 
         return SimulatedGeneration(
             mask=t[None, :] < length[:, None],
-            logprobs=logprobs,
+            logp=logp,
             entropy=entropy,
-            topk_logprobs=topk_lp,
+            topk_logp=topk_lp,
             tokens=tokens,
             topk_ids=student,
             teacher_topk_ids=teacher,

@@ -1,13 +1,21 @@
-"""A tiny autoregressive policy (embedding → GRU → linear head) and batched sampling in the library convention.
+"""A tiny autoregressive policy (a small causal transformer or a GRU) and batched sampling in the library convention.
 
 Sampling returns right-padded ``[B, T]`` tokens, a bool mask (True up to and including ``<eos>``), and the
 per-token log-probs and entropies of the tempered sampling distribution — exactly what
 :func:`TinyPolicy.log_probs` recomputes with gradients, so ``old_logp`` can be taken from the sampler.
+
+A rollout engine that is not the trained policy is simulated with the same class: :meth:`TinyPolicy.perturbed`
+is a copy with seeded weight noise (an engine whose numerics differ from the trainer's), a ``copy.deepcopy`` of
+an earlier policy is a stale engine, and :func:`sample_from` draws each token from one of several policies (partial
+rollouts whose policy version changes inside a response). The sampler can also record the engine's top-K
+log-probs and ids at every position.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +24,7 @@ from torch import Tensor, nn
 from rolloutopt.errors import InputError
 from rolloutopt.testbed.task import EOS, PAD, VOCAB_SIZE
 
-__all__ = ["Rollouts", "TinyPolicy"]
+__all__ = ["Rollouts", "TinyPolicy", "sample_from"]
 
 
 @dataclass(frozen=True)
@@ -28,12 +36,17 @@ class Rollouts:
         mask: bool ``[B, T]``, True for the response tokens (``<eos>`` included).
         logp: log-prob of each sampled token under the tempered policy ``[B, T]`` (0 where masked out).
         entropy: entropy of the tempered next-token distribution ``[B, T]`` (0 where masked out).
+        topk_ids: with ``topk=K`` in :func:`sample_from`, the K most likely token ids of the sampling distribution at
+            every position ``[B, T, K]`` int64, most likely first (``PAD`` where masked out); else None.
+        topk_logp: their log-probs ``[B, T, K]`` (0 where masked out); else None.
     """
 
     tokens: Tensor
     mask: Tensor
     logp: Tensor
     entropy: Tensor
+    topk_ids: Tensor | None = None
+    topk_logp: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -47,7 +60,8 @@ def _check_temperature(temperature: float) -> None:
 
 
 class TinyPolicy(nn.Module):
-    """Embedding → single-layer GRU → linear head over the testbed vocabulary; a few tens of thousands of params.
+    """Embedding → a single-layer GRU (``arch="gru"``) or a two-layer causal transformer (``"transformer"``) → a
+    linear head over the testbed vocabulary; a few tens of thousands of parameters.
 
     Parameters are initialised from ``generator`` (the global RNG is never touched).
     """
@@ -106,8 +120,9 @@ class TinyPolicy(nn.Module):
         x = self.blocks(x, mask=causal, is_causal=True)
         return self.head(self.norm(x)), None
 
-    def log_probs(self, prompts: Tensor, tokens: Tensor, *, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
-        """Teacher-forced log-probs and entropies ``[B, T]`` of ``tokens`` after ``prompts [B, P]`` (with grad).
+    def log_softmax(self, prompts: Tensor, tokens: Tensor, *, temperature: float = 1.0) -> Tensor:
+        """Teacher-forced log-probabilities ``[B, T, V]`` of every vocabulary token at each response position of
+        ``tokens [B, T]`` after ``prompts [B, P]``, for the tempered distribution (with grad).
 
         Values at padded positions are computed but meaningless; apply the rollout mask.
         """
@@ -117,53 +132,143 @@ class TinyPolicy(nn.Module):
         inputs = torch.cat([prompts, tokens[:, :-1]], dim=1)
         logits, _ = self(inputs)
         logits = logits[:, prompts.shape[1] - 1 :] / temperature
-        logsm = torch.log_softmax(logits.float(), dim=-1)
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def log_probs(self, prompts: Tensor, tokens: Tensor, *, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+        """Teacher-forced log-probs and entropies ``[B, T]`` of ``tokens`` after ``prompts [B, P]`` (with grad).
+
+        Values at padded positions are computed but meaningless; apply the rollout mask.
+        """
+        logsm = self.log_softmax(prompts, tokens, temperature=temperature)
         logp = logsm.gather(-1, tokens[..., None]).squeeze(-1)
         entropy = -(logsm.exp() * logsm).sum(-1)
         return logp, entropy
 
     @torch.no_grad()
+    def perturbed(self, scale: float, generator: torch.Generator) -> TinyPolicy:
+        r"""A frozen copy whose weights carry seeded Gaussian noise: a rollout engine that disagrees with the trainer.
+
+        .. math::  \tilde W = W + \sigma\, \mathrm{rms}(W)\, \varepsilon, \qquad \varepsilon \sim \mathcal N(0, I)
+
+        per parameter tensor, with :math:`\sigma` = ``scale`` (0 returns an exact copy) and
+        :math:`\mathrm{rms}(W) = \sqrt{\operatorname{mean} W^2}`, so the noise is relative to each tensor's size.
+        It stands for the numerical mismatch between an inference engine and the trainer (other kernels, reduced
+        precision), the setting that truncated and masked importance sampling correct; a testbed device, not a
+        published method. The noise is drawn from ``generator`` in parameter order, so a seed gives the same engine.
+        """
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale < 0:
+            raise InputError("scale", "a finite float >= 0", repr(scale), "pass e.g. 0.05 (0 = an exact copy)")
+        engine = copy.deepcopy(self)
+        engine.requires_grad_(False)
+        if scale > 0:
+            for p in engine.parameters():
+                rms = float(p.pow(2).mean().sqrt())
+                p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype), alpha=scale * rms)
+        return engine
+
     def sample(
-        self, prompts: Tensor, max_new_tokens: int, *, temperature: float = 1.0, generator: torch.Generator
+        self,
+        prompts: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        generator: torch.Generator,
+        topk: int = 0,
     ) -> Rollouts:
-        """Sample responses to ``prompts [B, P]`` (int64) until ``<eos>`` or ``max_new_tokens``.
+        """Sample responses to ``prompts [B, P]`` (int64) until ``<eos>`` or ``max_new_tokens`` (:func:`sample_from`).
 
         ``temperature=0`` decodes greedily (log-probs are then those of the untempered policy).
         """
-        _check_temperature(temperature)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InputError("max_new_tokens", "a positive int", repr(max_new_tokens), "pass e.g. 5")
-        if prompts.ndim != 2 or prompts.dtype != torch.int64 or prompts.shape[1] < 1:
-            raise InputError("prompts", "an int64 tensor [B, P] with P >= 1", repr(prompts.shape), "stack prompts")
-        b = prompts.shape[0]
-        logits, h = self(prompts)
-        last = logits[:, -1]
-        seq = prompts
-        alive = torch.ones(b, dtype=torch.bool)
-        toks, lps, ents, masks = [], [], [], []
-        for _ in range(max_new_tokens):
-            logsm = torch.log_softmax(last.float() / (temperature if temperature > 0 else 1.0), dim=-1)
-            if temperature > 0:
-                nxt = torch.multinomial(logsm.exp(), 1, generator=generator).squeeze(-1)
-            else:
-                nxt = logsm.argmax(-1)
-            lp = logsm.gather(-1, nxt[:, None]).squeeze(-1)
-            ent = -(logsm.exp() * logsm).sum(-1)
-            nxt = torch.where(alive, nxt, torch.full_like(nxt, PAD))
-            zero = torch.zeros_like(lp)
-            toks.append(nxt)
-            lps.append(torch.where(alive, lp, zero))
-            ents.append(torch.where(alive, ent, zero))
-            masks.append(alive)
-            alive = alive & (nxt != EOS)
-            if not bool(alive.any()):
-                break
-            seq = torch.cat([seq, nxt[:, None]], dim=1)
-            step_logits, h = self(nxt[:, None], h) if self.arch == "gru" else self(seq)
-            last = step_logits[:, -1]
-        return Rollouts(
-            tokens=torch.stack(toks, 1),
-            mask=torch.stack(masks, 1),
-            logp=torch.stack(lps, 1),
-            entropy=torch.stack(ents, 1),
+        return sample_from([self], prompts, max_new_tokens, temperature=temperature, generator=generator, topk=topk)
+
+
+@torch.no_grad()
+def sample_from(
+    policies: Sequence[TinyPolicy],
+    prompts: Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    generator: torch.Generator,
+    source: Tensor | None = None,
+    topk: int = 0,
+) -> Rollouts:
+    """Sample responses to ``prompts [B, P]`` (int64) until ``<eos>`` or ``max_new_tokens``, token by token.
+
+    With one policy, every token comes from it. With several (all of one architecture), ``source`` (int64
+    ``[B, max_new_tokens]``, values in ``[0, len(policies))``) says which policy draws the token at each position
+    of each row: a response whose generating policy changes mid-way (a partial rollout resumed after a weight
+    update). Every policy reads the whole sequence so far, so a switch continues the same text. The returned
+    log-probs and entropies are those of the policy that drew each token. ``topk=K`` (``1 <= K <= V``) also
+    records that policy's K most likely tokens and their log-probs at every position (``Rollouts.topk_ids`` /
+    ``topk_logp``). ``temperature=0`` decodes greedily (log-probs are then those of the untempered policy).
+    Randomness comes only from ``generator`` (one multinomial draw per position).
+    """
+    _check_temperature(temperature)
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError("max_new_tokens", "a positive int", repr(max_new_tokens), "pass e.g. 5")
+    if prompts.ndim != 2 or prompts.dtype != torch.int64 or prompts.shape[1] < 1:
+        raise InputError("prompts", "an int64 tensor [B, P] with P >= 1", repr(prompts.shape), "stack prompts")
+    models = list(policies)
+    if not models or not all(isinstance(p, TinyPolicy) for p in models):
+        raise InputError("policies", "a non-empty sequence of TinyPolicy", repr(policies), "pass [policy]")
+    if len({p.arch for p in models}) != 1:
+        raise InputError(
+            "policies", "policies of one architecture", repr([p.arch for p in models]), "use copies of one policy"
         )
+    if not isinstance(topk, int) or isinstance(topk, bool) or not 0 <= topk <= VOCAB_SIZE:
+        raise InputError("topk", f"an int in [0, {VOCAB_SIZE}] (0 = none)", repr(topk), "pass e.g. topk=8")
+    b = prompts.shape[0]
+    bad_source = source is None or (
+        source.dtype != torch.int64
+        or source.shape != (b, max_new_tokens)
+        or bool(((source < 0) | (source >= len(models))).any())
+    )
+    if (len(models) > 1 or source is not None) and bad_source:
+        raise InputError(
+            "source",
+            f"an int64 tensor [{b}, {max_new_tokens}] of policy indices in [0, {len(models)})",
+            "None" if source is None else f"{source.dtype} {tuple(source.shape)}",
+            "pass the index of the generating policy at each position",
+        )
+    rows = torch.arange(b)
+    outs = [m(prompts) for m in models]
+    states = [h for _, h in outs]
+    lasts = [logits[:, -1] for logits, _ in outs]
+    seq = prompts
+    alive = torch.ones(b, dtype=torch.bool)
+    toks, lps, ents, masks, kids, klps = [], [], [], [], [], []
+    for t in range(max_new_tokens):
+        last = lasts[0] if len(lasts) == 1 else torch.stack(lasts)[source[:, t], rows]  # type: ignore[index]
+        logsm = torch.log_softmax(last.float() / (temperature if temperature > 0 else 1.0), dim=-1)
+        if temperature > 0:
+            nxt = torch.multinomial(logsm.exp(), 1, generator=generator).squeeze(-1)
+        else:
+            nxt = logsm.argmax(-1)
+        lp = logsm.gather(-1, nxt[:, None]).squeeze(-1)
+        ent = -(logsm.exp() * logsm).sum(-1)
+        nxt = torch.where(alive, nxt, torch.full_like(nxt, PAD))
+        zero = torch.zeros_like(lp)
+        toks.append(nxt)
+        lps.append(torch.where(alive, lp, zero))
+        ents.append(torch.where(alive, ent, zero))
+        masks.append(alive)
+        if topk > 0:
+            top = logsm.topk(topk, dim=-1)
+            kids.append(torch.where(alive[:, None], top.indices, torch.full_like(top.indices, PAD)))
+            klps.append(torch.where(alive[:, None], top.values, torch.zeros_like(top.values)))
+        alive = alive & (nxt != EOS)
+        if not bool(alive.any()):
+            break
+        seq = torch.cat([seq, nxt[:, None]], dim=1)
+        for j, m in enumerate(models):
+            step_logits, states[j] = m(nxt[:, None], states[j]) if m.arch == "gru" else m(seq)
+            lasts[j] = step_logits[:, -1]
+    return Rollouts(
+        tokens=torch.stack(toks, 1),
+        mask=torch.stack(masks, 1),
+        logp=torch.stack(lps, 1),
+        entropy=torch.stack(ents, 1),
+        topk_ids=torch.stack(kids, 1) if topk > 0 else None,
+        topk_logp=torch.stack(klps, 1) if topk > 0 else None,
+    )

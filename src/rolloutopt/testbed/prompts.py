@@ -5,8 +5,8 @@ prompt gives Bernoulli rewards, and :meth:`PromptPopulation.learn` raises each p
 proportion to the learning signal the step gave it, following the GRPO gradient-variance argument: a group whose
 rewards are all equal has zero advantages and teaches nothing, and a prompt's expected improvement per
 informative rollout is :math:`p(1-p)` (the derivative of the pass rate with respect to its logit).
-:func:`run` drives any allocator through the protocol (``DESIGN.md`` §4) on a population and reports how many
-rollouts it needed to reach a target mean pass rate.
+:func:`run` drives any allocator through the allocation protocol (``docs/api/allocators.md``) on a population and
+reports how many rollouts it needed to reach a target mean pass rate.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class PromptPopulation:
     §3.3), times :math:`p(1-p)`, the Bernoulli reward variance that scales the policy gradient of the pass rate.
     Working on the logit keeps every :math:`p_i` in [0, 1]. The optional transfer term (:math:`\tau`,
     ``transfer``, default 0) spreads a share of the total signal evenly over all prompts, a crude model of shared
-    skill. This model is the library's own (``specs/allocators.md``, issue 6 "Evidence"); it is not taken from a
+    skill. This model is the library's own (``docs/methods/dynamic_sampling.md``); it is not taken from a
     paper and rewards no allocator in particular.
 
     Deterministic: the difficulties depend only on ``seed``; :meth:`sample` draws only from the generator it is

@@ -1,28 +1,102 @@
-"""A short, seeded GRPO run on the reverse task: sample, score, :func:`rolloutopt.advantages.grpo`, the
-``"grpo"`` loss preset with a few PPO-style inner steps on each batch, Adam.
+"""A short, seeded GRPO run on the reverse task: sample, score, :func:`rolloutopt.advantages.grpo`, a loss
+preset (``"grpo"`` by default) with a few PPO-style inner steps on each batch, Adam.
+
+Any registered preset runs: the loop passes exactly the optional inputs the preset consumes (its ``requires``
+and ``accepts``) and, when those involve a rollout engine that is not the trained policy, simulates the setting
+the preset was built for (:func:`scenario`):
+
+- **engine mismatch**: the engine samples from :meth:`TinyPolicy.perturbed`, a copy with seeded weight noise of
+  relative size ``mismatch``; ``behav_logp`` are its log-probs of the sampled tokens, ``old_logp`` the trainer's
+  recompute with the real weights;
+- **staleness**: the engine holds the policy of ``staleness`` training steps (policy versions) ago; ``versions``
+  records the generating version of every token and ``policy_version`` the trained one;
+- **partial rollouts** (presets that read per-token ``versions``, e.g. CoPRIS): each response starts under an
+  older snapshot and switches to newer ones at random positions, up to the current policy, so the version
+  changes inside a response;
+- ``topk_behav_logp`` / ``topk_logp``: the engine's top-K log-probs at its top-K ids and the trained policy's at
+  the same ids; ``confidence``: the rollout's tail confidence (mean top-5 probability, ECHO's definition);
+  ``max_len``: the generation limit; ``ref_logp``: the initial policy, for presets with a KL stage.
+
+A preset that does not read ``behav_logp`` but runs under a scenario gets the engine's log-probs as ``old_logp``
+(the coupled form: its trust region sees the engine's distance). Without a scenario the loop is the plain
+on-policy GRPO demo, unchanged: ``old_logp`` are the sampler's log-probs.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from rolloutopt import advantages, losses
+from rolloutopt._validation import check_int, check_real
 from rolloutopt.errors import InputError
-from rolloutopt.testbed.policy import TinyPolicy
-from rolloutopt.testbed.task import ReverseTask
+from rolloutopt.ratios import tail_confidence
+from rolloutopt.testbed.policy import TinyPolicy, sample_from
+from rolloutopt.testbed.task import VOCAB_SIZE, ReverseTask
 
-__all__ = ["EvalResult", "StepRecord", "TrainConfig", "TrainResult", "evaluate", "train"]
+__all__ = [
+    "MISMATCH",
+    "STALENESS",
+    "SUPPLIED_INPUTS",
+    "EvalResult",
+    "Scenario",
+    "StepRecord",
+    "TrainConfig",
+    "TrainResult",
+    "evaluate",
+    "scenario",
+    "train",
+]
+
+MISMATCH = 0.05
+"""Default relative weight noise of a mismatched rollout engine (:meth:`TinyPolicy.perturbed`)."""
+STALENESS = 2
+"""Default number of policy versions (training steps) a stale rollout engine lags behind."""
+CONFIDENCE_TOPK = 5
+"""ECHO's token confidence is the mean probability of the top-5 tokens (arXiv 2602.02150)."""
+
+SUPPLIED_INPUTS: tuple[str, ...] = (
+    "behav_logp",
+    "versions",
+    "policy_version",
+    "topk_logp",
+    "topk_behav_logp",
+    "sampled_in_topk",
+    "confidence",
+    "max_len",
+    "ref_logp",
+    "group",
+    "entropy",
+)
+"""The optional loss inputs the loop can supply; a preset that requires any other one is refused."""
+
+_ENGINE_INPUTS = ("behav_logp", "topk_behav_logp", "topk_logp", "sampled_in_topk")
+_VERSION_INPUTS = ("versions", "policy_version")
+_TOPK_INPUTS = ("topk_logp", "topk_behav_logp", "sampled_in_topk")
+_STALE_PRESETS = frozenset({"decoupled_ppo", "m2po", "m2po_clip", "sat", "cumulative", "pnpo"})
+"""Presets built for stale rollouts whose inputs do not say so (they read at most ``behav_logp``): AReaL's
+decoupled PPO, M2PO (both forms), SAT and the prefix ratios."""
+_MISMATCH_PRESETS = frozenset({"dppo_tv", "dppo_kl"})
+"""Presets built for an engine mismatch that read no engine input (DPPO takes the engine's log-probs as
+``old_logp``)."""
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Settings of :func:`train`; the defaults are the ``demo`` run."""
+    """Settings of :func:`train`; the defaults are the ``demo`` run.
+
+    ``mismatch`` (relative weight noise of the rollout engine, >= 0) and ``staleness`` (policy versions the
+    engine lags behind, >= 0) default to None: the scenario the ``loss`` preset was built for (:func:`scenario`);
+    a value overrides it (0 turns it off). ``topk`` is K of the top-K inputs (``topk_logp``, ``topk_behav_logp``).
+    """
 
     steps: int = 150
     prompts_per_step: int = 16
@@ -35,6 +109,9 @@ class TrainConfig:
     length: int = 4
     holdout: int = 500
     loss: str = "grpo"
+    mismatch: float | None = None
+    staleness: int | None = None
+    topk: int = 8
     entropy_coef: float = 0.0
     max_grad_norm: float = 1.0
     eval_samples: int = 4
@@ -62,6 +139,94 @@ class TrainConfig:
         if not isinstance(self.seed, int):
             raise InputError("seed", "an int", repr(self.seed), "pass e.g. 0")
         ReverseTask(self.length, self.holdout)  # validates length and holdout
+        check_real(self.mismatch, "mismatch", 0.0, fix="pass e.g. 0.05, 0 for no mismatch, None for auto", none=True)
+        check_int(self.staleness, "staleness", 0, "pass e.g. 2, 0 for on-policy rollouts, None for auto", none=True)
+        check_int(self.topk, "topk", 1, f"pass an int in [1, {VOCAB_SIZE}], e.g. 8")
+        if self.topk > VOCAB_SIZE:
+            raise InputError("topk", f"an int in [1, {VOCAB_SIZE}]", repr(self.topk), f"pass at most {VOCAB_SIZE}")
+        if not isinstance(self.entropy_coef, (int, float)) or not math.isfinite(self.entropy_coef):
+            raise InputError("entropy_coef", "a finite float", repr(self.entropy_coef), "pass e.g. 0.0")
+        scenario(self)  # validates the loss name and that the loop can supply the preset's inputs
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What :func:`train` simulates for a preset, and the optional inputs it passes to the loss.
+
+    Attributes:
+        mismatch: relative weight noise of the rollout engine (0: the engine is the trainer's policy).
+        staleness: policy versions the engine lags behind (0: on-policy rollouts).
+        partial: whether responses switch policy version mid-way (partial rollouts).
+        inputs: the optional inputs passed to the preset, sorted.
+        experimental: why the preset is experimental (it then runs with ``experimental=True``), or None.
+    """
+
+    mismatch: float
+    staleness: int
+    partial: bool
+    inputs: tuple[str, ...]
+    experimental: str | None = None
+
+    @property
+    def simulated(self) -> bool:
+        """Whether rollouts come from an engine other than the trained policy."""
+        return self.mismatch > 0 or self.staleness > 0
+
+    def describe(self) -> str:
+        """One line, e.g. ``"engine mismatch (weight noise 0.05), staleness 2"``; empty when nothing is simulated."""
+        parts = []
+        if self.mismatch > 0:
+            parts.append(f"engine mismatch (weight noise {self.mismatch:g})")
+        if self.staleness > 0:
+            kind = "partial rollouts, staleness up to" if self.partial else "staleness"
+            parts.append(f"{kind} {self.staleness} step{'s' if self.staleness != 1 else ''}")
+        return ", ".join(parts)
+
+
+def scenario(config: TrainConfig) -> Scenario:
+    """The scenario :func:`train` simulates for ``config`` and the optional inputs it passes to the preset.
+
+    The preset's consumed inputs are its ``requires`` and ``accepts`` (the inputs every configuration accepts,
+    ``seq_weight``, ``is_weights`` and ``denominators``, are not passed), plus ``entropy`` when
+    ``entropy_coef != 0``. Defaults (``config.mismatch`` / ``config.staleness`` None): staleness
+    :data:`STALENESS` for presets that read ``versions`` or ``policy_version`` and for the presets built for stale
+    rollouts (decoupled PPO, M2PO, SAT, the prefix ratios); otherwise a mismatch :data:`MISMATCH` for presets that
+    read the engine's log-probs (``behav_logp``, top-K) and for DPPO's divergence masks; nothing for the others.
+    Presets that read ``versions`` get partial rollouts. An InputError names a required input the loop cannot
+    supply.
+    """
+    if not isinstance(config.loss, str) or config.loss not in losses.PRESETS:
+        raise InputError(
+            "loss",
+            f"a registered loss preset ({', '.join(losses.names())})",
+            repr(config.loss),
+            "pick one of the listed names, or register yours with rolloutopt.losses.register",
+        )
+    preset = losses.get(config.loss)
+    requires = tuple(getattr(preset, "requires", ()))
+    accepts = tuple(getattr(preset, "accepts", ()))
+    missing = [n for n in requires if n not in SUPPLIED_INPUTS]
+    if missing:
+        raise InputError(
+            "loss",
+            f"a preset whose required inputs the testbed supplies ({', '.join(SUPPLIED_INPUTS)})",
+            f"{config.loss!r}, which requires {', '.join(missing)}",
+            "train it in your own loop, or pick another preset",
+        )
+    consumed = {n for n in (*requires, *accepts) if n in SUPPLIED_INPUTS and n != "entropy"}
+    if config.entropy_coef != 0 or "entropy" in requires:
+        consumed.add("entropy")
+    stale = bool(consumed & set(_VERSION_INPUTS)) or config.loss in _STALE_PRESETS
+    engine = bool(consumed & set(_ENGINE_INPUTS)) or config.loss in _MISMATCH_PRESETS
+    staleness = (STALENESS if stale else 0) if config.staleness is None else config.staleness
+    mismatch = (MISMATCH if engine and not stale else 0.0) if config.mismatch is None else float(config.mismatch)
+    return Scenario(
+        mismatch=mismatch,
+        staleness=staleness,
+        partial=staleness > 0 and "versions" in consumed,
+        inputs=tuple(sorted(consumed)),
+        experimental=getattr(preset, "experimental", None),
+    )
 
 
 @dataclass(frozen=True)
@@ -96,6 +261,7 @@ class TrainResult:
     seconds: float
     num_params: int
     policy: TinyPolicy = field(repr=False)
+    scenario: Scenario = field(default_factory=lambda: Scenario(0.0, 0, False, ()))
 
     @property
     def rewards(self) -> list[float]:
@@ -133,16 +299,37 @@ def evaluate(
     )
 
 
+def _snapshot(policy: TinyPolicy) -> TinyPolicy:
+    frozen = copy.deepcopy(policy)
+    frozen.requires_grad_(False)
+    return frozen
+
+
+def _switch_points(b: int, width: int, switches: int, gen: torch.Generator) -> Tensor:
+    """Source index ``[b, width]`` of a partial rollout: ``switches`` sorted random positions in ``[0, width]`` per
+    row; the index at ``t`` is how many of them are ``<= t`` (0 = the oldest snapshot, ``switches`` = newest)."""
+    cuts = torch.randint(0, width + 1, (b, switches), generator=gen).sort(-1).values
+    return (cuts[:, None, :] <= torch.arange(width)[None, :, None]).sum(-1)
+
+
 def train(config: TrainConfig | None = None, *, callback: Callable[[StepRecord], None] | None = None) -> TrainResult:
-    """Run GRPO on :class:`~rolloutopt.testbed.task.ReverseTask` with a :class:`TinyPolicy`, on the CPU.
+    """Run GRPO advantages and the ``config.loss`` preset on :class:`~rolloutopt.testbed.task.ReverseTask` with a
+    :class:`TinyPolicy`, on the CPU.
 
     Each step draws ``prompts_per_step`` training prompts, samples ``group_size`` responses to each, scores
     them, computes :func:`rolloutopt.advantages.grpo` over the groups and takes ``inner_steps`` Adam steps of
-    the ``config.loss`` preset on that batch (``old_logp`` are the sampler's log-probs). Everything random
+    the preset on that batch. Without a scenario (:func:`scenario`), ``old_logp`` are the sampler's log-probs;
+    with one, the rollout engine is a perturbed and/or stale copy of the policy and the preset gets the inputs it
+    consumes (see the module docstring). Experimental presets run with ``experimental=True``. Everything random
     comes from generators seeded by ``config.seed``. ``callback`` is called after every step.
     """
     cfg = config if config is not None else TrainConfig()
     loss_fn = losses.get(cfg.loss)
+    scen = scenario(cfg)
+    needs = set(scen.inputs)
+    decoupled = "behav_logp" in needs
+    n_topk = cfg.topk if needs & set(_TOPK_INPUTS) else 0
+    n_sample_topk = max(n_topk, CONFIDENCE_TOPK if "confidence" in needs else 0)
     task = ReverseTask(cfg.length, cfg.holdout, seed=cfg.seed)
     train_ids, eval_ids = task.split()
     if eval_ids.numel() == 0:
@@ -152,7 +339,14 @@ def train(config: TrainConfig | None = None, *, callback: Callable[[StepRecord],
     opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
     sample_gen = torch.Generator().manual_seed(cfg.seed + 1)
     eval_seed = cfg.seed + 2
+    scenario_gen = torch.Generator().manual_seed(cfg.seed + 3)
     group = torch.arange(cfg.prompts_per_step, dtype=torch.int64).repeat_interleave(cfg.group_size)
+    width = task.max_response_len
+    snapshots: deque[TinyPolicy] = deque(maxlen=scen.staleness + 1)
+    reference = _snapshot(policy) if "ref_logp" in needs else None
+    call_kw: dict[str, Any] = {"entropy_coef": cfg.entropy_coef}
+    if scen.experimental is not None:
+        call_kw["experimental"] = True
 
     start = time.perf_counter()
     before = evaluate(policy, task, eval_ids, samples=cfg.eval_samples, temperature=cfg.temperature, seed=eval_seed)
@@ -162,18 +356,85 @@ def train(config: TrainConfig | None = None, *, callback: Callable[[StepRecord],
         pick = torch.randint(train_ids.numel(), (cfg.prompts_per_step,), generator=sample_gen)
         ids = train_ids[pick].repeat_interleave(cfg.group_size)
         prompts = task.prompts(ids)
-        roll = policy.sample(prompts, task.max_response_len, temperature=cfg.temperature, generator=sample_gen)
-        rewards = task.reward(ids, roll.tokens, roll.mask)
+        # The rollout engine: the policy itself, or snapshots of the last `staleness` versions (oldest first),
+        # each perturbed when there is a mismatch; `source` picks the generating snapshot per token.
+        engines: list[TinyPolicy] = [policy]
+        source: Tensor | None = None
+        if scen.staleness > 0:
+            snapshots.append(_snapshot(policy))
+            engines = list(snapshots) if scen.partial else [snapshots[0]]
+            if scen.partial and len(engines) > 1:
+                source = _switch_points(ids.numel(), width, len(engines) - 1, scenario_gen)
+        if scen.mismatch > 0:
+            engines = [e.perturbed(scen.mismatch, scenario_gen) for e in engines]
+        roll = sample_from(
+            engines, prompts, width, temperature=cfg.temperature, generator=sample_gen, source=source,
+            topk=n_sample_topk,
+        )  # fmt: skip
+        mask = roll.mask
+        rewards = task.reward(ids, roll.tokens, mask)
         adv = advantages.grpo(rewards, group)
+
+        inputs: dict[str, Any] = {}
+        stage_inputs: dict[str, Any] = {}
+        old_logp = roll.logp
+        if decoupled:
+            with torch.no_grad():
+                recompute, _ = policy.log_probs(prompts, roll.tokens, temperature=cfg.temperature)
+            old_logp = torch.where(mask, recompute, torch.zeros_like(recompute))
+            inputs["behav_logp"] = roll.logp
+        if needs & set(_VERSION_INPUTS):
+            oldest = step - (len(snapshots) - 1) if scen.staleness > 0 else step
+            versions = torch.full(mask.shape, oldest, dtype=torch.int64)
+            if source is not None:
+                versions = versions + source[:, : mask.shape[1]]
+            if "versions" in needs:
+                inputs["versions"] = versions
+            if "policy_version" in needs:
+                inputs["policy_version"] = step
+        topk_ids: Tensor | None = None
+        if n_sample_topk > 0:
+            assert roll.topk_ids is not None and roll.topk_logp is not None
+            topk_ids = roll.topk_ids[..., :n_topk]
+            if "topk_behav_logp" in needs:
+                inputs["topk_behav_logp"] = roll.topk_logp[..., :n_topk]
+            if "sampled_in_topk" in needs:
+                stage_inputs["sampled_in_topk"] = (topk_ids == roll.tokens[..., None]).any(-1) & mask
+            if "confidence" in needs:
+                token_conf = roll.topk_logp[..., :CONFIDENCE_TOPK].exp().mean(-1)
+                inputs["confidence"] = tail_confidence(token_conf, mask)
+        if "max_len" in needs:
+            inputs["max_len"] = width
+        if "group" in needs:
+            inputs["group"] = group
+        if reference is not None:
+            with torch.no_grad():
+                inputs["ref_logp"], _ = reference.log_probs(prompts, roll.tokens, temperature=cfg.temperature)
+        if stage_inputs:
+            inputs["stage_inputs"] = stage_inputs
+
         sums: dict[str, float] = {}
         for _ in range(cfg.inner_steps):
-            logp, entropy = policy.log_probs(prompts, roll.tokens, temperature=cfg.temperature)
-            out = loss_fn(logp, roll.logp, adv.advantages, roll.mask, entropy=entropy, entropy_coef=cfg.entropy_coef)
+            if "topk_logp" in needs:
+                assert topk_ids is not None
+                logsm = policy.log_softmax(prompts, roll.tokens, temperature=cfg.temperature)
+                logp = logsm.gather(-1, roll.tokens[..., None]).squeeze(-1)
+                entropy = -(logsm.exp() * logsm).sum(-1)
+                inputs["topk_logp"] = logsm.gather(-1, topk_ids)
+            else:
+                logp, entropy = policy.log_probs(prompts, roll.tokens, temperature=cfg.temperature)
+            if "entropy" in needs:
+                inputs["entropy"] = entropy
+            out = loss_fn(logp, old_logp, adv.advantages, mask, **call_kw, **inputs)
             opt.zero_grad(set_to_none=True)
             out.loss.backward()  # type: ignore[no-untyped-call]
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
             opt.step()
-            for k, v in {**out.metrics, "loss": out.loss.detach(), "grad_norm": grad_norm}.items():
+            metrics = {**out.metrics, "loss": out.loss.detach(), "grad_norm": grad_norm}
+            if "entropy" not in metrics:
+                ent = entropy.detach()
+                metrics["entropy"] = torch.where(mask, ent, torch.zeros_like(ent)).sum() / mask.sum().clamp(min=1)
+            for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         n_tok = roll.num_tokens
         total_tokens += n_tok
@@ -198,4 +459,5 @@ def train(config: TrainConfig | None = None, *, callback: Callable[[StepRecord],
         seconds=seconds,
         num_params=sum(p.numel() for p in policy.parameters()),
         policy=policy,
+        scenario=scen,
     )
