@@ -6,17 +6,20 @@ peak memory.
 
 Sections (each time-boxed and wrapped so that one failure does not lose the others; progress is flushed):
 
-1. ``correct/fused_policy_loss`` — the Triton path of :func:`rolloutopt.kernels.fused_loss.fused_policy_loss`
-   against the float64 reference ``policy_loss(log_softmax(logits.double() / T).gather(...))`` for every fused
-   preset (fp32 and bf16 logits), value and d/dlogits.
-2. ``correct/token_logprobs`` — :func:`rolloutopt.kernels.token_logprobs.token_logprobs` (Triton) against the
+1. ``correct/logits_logprobs`` — the Triton path of :func:`rolloutopt.kernels.logits_logprobs` against the
+   float64 reference ``log_softmax(logits.double() / T).gather(...)`` and its entropy (fp32 and bf16 logits,
+   V = 32,000 and 151,936), values and d/dlogits for random cotangents on both outputs.
+2. ``correct/fused_policy_loss`` — :func:`rolloutopt.losses.fused_policy_loss` (the Triton kernel, then
+   ``policy_loss``) against the float64 reference ``policy_loss(log_softmax(logits.double() / T).gather(...))``
+   for every registered preset (fp32 and bf16 logits), value and d/dlogits.
+3. ``correct/token_logprobs`` — :func:`rolloutopt.kernels.token_logprobs` (Triton) against the
    float64 reference, value and gradients to ``hidden`` and ``weight``; skipped with a message if absent.
-3. ``bench/logits`` — fused_policy_loss (Triton, in place) against naive torch (fp32 log_softmax + gather +
+4. ``bench/logits`` — fused_policy_loss (Triton, in place) against naive torch (fp32 log_softmax + gather +
    ``policy_loss``), ``torch.compile`` of it, and Liger-Kernel's ``triton_grpo_loss`` when importable, at
    [16384, 151936] and [4096, 131072] bf16: fwd+bwd time (CUDA events, warm-up), peak extra memory
    (``max_memory_allocated`` minus the allocation before the step), ratio to naive, % of HBM bandwidth
    (3 passes over the logits: read, read, write; H200 4.8 TB/s, H100 3.35 TB/s by device name).
-4. ``bench/fused_linear`` — token_logprobs + policy_loss against naive (``h @ W.T`` + the above), compile, and
+5. ``bench/fused_linear`` — token_logprobs + policy_loss against naive (``h @ W.T`` + the above), compile, and
    Liger's ``LigerFusedLinearGRPOLoss`` at N=16384, d=4096, V=151936 and N=4096, d=4096, V=131072 bf16:
    time, peak extra memory beyond dh and dW, ratio, effective TFLOP/s counting the 3 matmuls of fwd+bwd
    (6·N·d·V FLOP; a recomputing backward does 4, so its hardware rate is 4/3 of the figure).
@@ -48,8 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import rolloutopt  # noqa: E402
-from rolloutopt.kernels.fused_loss import FUSED_PRESETS, fused_policy_loss  # noqa: E402
-from rolloutopt.losses import KL, policy_loss  # noqa: E402
+from rolloutopt.kernels import logits_logprobs  # noqa: E402
+from rolloutopt.losses import KL, fused_policy_loss, policy_loss  # noqa: E402
 from rolloutopt.losses.presets import PRESETS  # noqa: E402
 from rolloutopt.ratios import PPOClip  # noqa: E402
 
@@ -188,33 +191,90 @@ def naive_loss(x: torch.Tensor, tgt: torch.Tensor, inp: dict[str, torch.Tensor])
 # ------------------------------------------------------------------------------------------------ correctness
 
 
+def preset_inputs(run: Run, b: int, t: int, v: int, x64: torch.Tensor, lp: torch.Tensor) -> dict[str, Any]:
+    """Every optional input a preset may read (behaviour / reference log-probs, versions, top-K log-probs,
+    confidence, groups, max_len), near on-policy; passed with ``allow_unused=True``."""
+    g = torch.Generator(device=run.dev).manual_seed(3)
+    inp = token_inputs(run, b, t, lp)
+    k = 4
+    with torch.no_grad():
+        lsm = torch.log_softmax(x64 / TEMP, -1)
+        ids = (x64 + torch.randn(x64.shape, generator=g, device=run.dev, dtype=x64.dtype)).topk(k, -1).indices
+        lsm_b = torch.log_softmax((x64 + 0.5 * torch.randn(x64.shape, generator=g, device=run.dev, dtype=x64.dtype))
+                                  / TEMP, -1)  # fmt: skip
+    return {
+        "behav_logp": inp["behav"].clamp(max=0.0), "ref_logp": inp["ref"].clamp(max=0.0),
+        "versions": torch.randint(0, 3, (b, t), generator=g, device=run.dev), "policy_version": 3,
+        "topk_logp": lsm.gather(-1, ids).float(), "topk_behav_logp": lsm_b.gather(-1, ids).float(),
+        "confidence": torch.rand(b, generator=g, device=run.dev), "group": torch.arange(b, device=run.dev) // 2,
+        "max_len": t, "allow_unused": True,
+    }  # fmt: skip
+
+
+def correct_logits_logprobs(run: Run) -> None:
+    sec = "correct/logits_logprobs"
+    with run.section(sec, 45) as end:
+        shapes = [(2, 5, 301), (1, 3, 4099)] if run.dry else [(4, 64, 32_000), (2, 16, 151_936)]
+        for b, t, v in shapes:
+            for dtype in (torch.float32, torch.bfloat16):
+                shape = f"[{b}x{t}, {v}]"
+                if time.monotonic() > end:
+                    run.row(sec, str(dtype)[6:], shape, status="SKIPPED (time box)")
+                    continue
+                g = torch.Generator(device=run.dev).manual_seed(4)
+                logits = (3 * torch.randn(b, t, v, generator=g, device=run.dev)).to(dtype)
+                tgt = torch.randint(0, v, (b, t), generator=g, device=run.dev)
+                mask = torch.rand(b, t, generator=g, device=run.dev) > 0.2
+                gl = torch.randn(b, t, generator=g, device=run.dev, dtype=torch.float64)
+                gh = torch.randn(b, t, generator=g, device=run.dev, dtype=torch.float64)
+                x64 = logits.double().requires_grad_()
+                lp64, ent64 = reference_logp(x64, tgt)
+                zero = torch.zeros_like(lp64)
+                lp64, ent64 = torch.where(mask, lp64, zero), torch.where(mask, ent64, zero)
+                (lp64 * gl + ent64 * gh).sum().backward()
+                x = logits.clone().requires_grad_()
+                lp, ent = logits_logprobs(x, tgt, temperature=TEMP, mask=mask, backend=run.backend, inplace=True)
+                (lp.double() * gl + ent.double() * gh).sum().backward()
+                assert x.grad is not None and x64.grad is not None
+
+                def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+                    return ((a.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+
+                errs = {"logp": rel(lp, lp64.detach()), "entropy": rel(ent, ent64.detach()),
+                        "dlogits": rel(x.grad, x64.grad)}  # fmt: skip
+                tol = 1e-5 if dtype == torch.float32 else 2e-2
+                run.row(
+                    sec, str(dtype)[6:], shape, **{f"{k}_rel_err": f"{e:.2e}" for k, e in errs.items()},
+                    status="PASS" if max(errs.values()) < tol else "FAIL",
+                )  # fmt: skip
+
+
 def correct_fused(run: Run) -> None:
-    with run.section("correct/fused_policy_loss", 75) as end:
-        b, t, v = (2, 5, 301) if run.dry else (4, 64, 32_000)
+    with run.section("correct/fused_policy_loss", 90) as end:
+        b, t, v = (4, 5, 301) if run.dry else (4, 64, 32_000)
         for dtype in (torch.float32, torch.bfloat16):
-            for name in FUSED_PRESETS:
+            for name in PRESETS.names():
                 if time.monotonic() > end:
                     run.row("correct/fused_policy_loss", name, f"[{b}x{t}, {v}]", status="SKIPPED (time box)")
                     continue
+                preset = PRESETS.get(name)
+                experimental = preset.experimental is not None
                 g = torch.Generator(device=run.dev).manual_seed(1)
                 logits = (3 * torch.randn(b, t, v, generator=g, device=run.dev)).to(dtype)
                 tgt = torch.randint(0, v, (b, t), generator=g, device=run.dev)
                 x64 = logits.double().requires_grad_()
                 lp, ent = reference_logp(x64, tgt)
                 inp = token_inputs(run, b, t, lp)
-                kw: dict[str, Any] = {"kl": KL("k3", 0.05), "ref_logp": inp["ref"], "entropy_coef": 0.01}
-                if "behav_logp" in PRESETS.get(name).requires:
-                    kw["behav_logp"] = inp["behav"]
-                if PRESETS.get(name).config["agg"] == "seq-mean-token-sum-norm":
-                    kw["max_len"] = t
-                ref = PRESETS.get(name)(
-                    lp, inp["old"].double(), inp["adv"].double(), inp["mask"], entropy=ent,
-                    **{k: (w.double() if isinstance(w, torch.Tensor) else w) for k, w in kw.items()},
+                kw = {**preset_inputs(run, b, t, v, x64.detach(), lp), "kl": KL("k3", 0.05), "entropy_coef": 0.01}
+                ref = preset(
+                    lp, inp["old"].double(), inp["adv"].double(), inp["mask"], entropy=ent, experimental=experimental,
+                    **{k: (w.double() if isinstance(w, torch.Tensor) and w.is_floating_point() else w)
+                       for k, w in kw.items()},
                 )  # fmt: skip
                 ref.loss.backward()
                 x = logits.clone().requires_grad_()
                 out = fused_policy_loss(x, tgt, inp["old"], inp["adv"], inp["mask"], preset=name, temperature=TEMP,
-                                        backend=run.backend, inplace=True, **kw)  # fmt: skip
+                                        backend=run.backend, inplace=True, experimental=experimental, **kw)  # fmt: skip
                 out.loss.backward()
                 assert x.grad is not None and x64.grad is not None
                 l_err = abs(out.loss.item() - ref.loss.item()) / max(abs(ref.loss.item()), 1e-6)
@@ -575,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run = Run(args.dry_run, args.budget)
     log(f"device {run.device_name}; backend {run.backend}; budget {args.budget:.0f} s")
-    for fn in (correct_fused, correct_token_logprobs, bench_logits, bench_fused_linear):
+    for fn in (correct_logits_logprobs, correct_fused, correct_token_logprobs, bench_logits, bench_fused_linear):
         fn(run)
     text = table(run)
     print(text, flush=True)

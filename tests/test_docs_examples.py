@@ -28,7 +28,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
-_FENCE = re.compile(r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.DOTALL | re.MULTILINE)
+_FENCE = re.compile(
+    r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.DOTALL | re.MULTILINE
+)
 _NOT_RUN = re.compile(r"<!--\s*not-run:(?P<reason>.*?)-->\s*$")
 
 
@@ -98,4 +100,4 @@ def test_page_examples_run(page: Path, monkeypatch: pytest.MonkeyPatch, tmp_path
 @pytest.mark.parametrize("block", SKIPPED, ids=lambda b: b.id)
 def test_not_run_examples(block: Block) -> None:
     """Listed so that ``pytest -rs`` shows how many blocks are not run, and why."""
-    pytest.skip(f"not run: {block.skip_reason}")
+    pytest.skip(f"{block.id} not run: {block.skip_reason}")

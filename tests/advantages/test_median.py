@@ -99,8 +99,8 @@ def naive_gapo(
     eps: float = 1e-6,
     singleton: str = "zero",
 ) -> list[float]:
-    """Per-group loop of the GAPO code's behaviour (``find_shortest_covering_subarray``): sorted Python floats, windows of
-    ``ceil(n * (100 tau) / 100)`` values, strict "<" keeps the first shortest window."""
+    """Per-group loop of the GAPO code's behaviour (``find_shortest_covering_subarray``): sorted Python floats,
+    windows of ``ceil(n * (100 tau) / 100)`` values, strict "<" keeps the first shortest window."""
     ok = valid if valid is not None else [True] * len(rewards)
     members: dict[int, list[int]] = {}
     for i, gid in enumerate(group):
@@ -323,7 +323,8 @@ def test_mc_grpo_all_equal_and_singletons() -> None:
     with pytest.raises(InputError):  # a singleton made by the valid mask
         mc_grpo(t([1.0, 0.0, 2.0]), ids([0, 0, 0]), valid=torch.tensor([True, False, False]))
     for rule in ("rank", "first"):
-        lone = mc_grpo(t([1.0, 0.0, 2.0, 4.0]), ids([0, 0, 0, 5]), singleton="pivot", pivot=rule)  # type: ignore[arg-type]
+        r4, g4 = t([1.0, 0.0, 2.0, 4.0]), ids([0, 0, 0, 5])
+        lone = mc_grpo(r4, g4, singleton="pivot", pivot=rule)  # type: ignore[arg-type]
         assert lone.advantages[3].item() == 0.0
         assert lone.weight[3].item() == 0.0
         close(lone.metrics["singleton_group_frac"], 0.5)

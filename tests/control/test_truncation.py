@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.control import (
-    ECHOPruning,
-    DUETAbort,
     DEER,
+    DUETAbort,
+    ECHOPruning,
     StepGRPOTruncation,
     StopRule,
     StopState,

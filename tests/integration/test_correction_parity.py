@@ -100,7 +100,7 @@ def make_batch(seed: int, b: int = B, t: int = T, spread: float = 0.3) -> Batch:
     lengths[:3] = torch.tensor([0, 1, t])  # an empty row, a one-token row, a full row
     lengths = lengths[torch.randperm(b, generator=gen)]
     mask = torch.arange(t)[None, :] < lengths[:, None]
-    old = -3.0 * rand(b, t) - 0.01
+    old = -3.0 * rand(b, t) - 4.01  # below -4: behav = old - d and logp = old + noise stay log-probs
     d = spread * randn(b, t)
     big = rand(b, t) < 0.15  # rho in e^{±[0.8, 2.3]}: token caps and IcePop bands fire
     d = torch.where(big, torch.sign(randn(b, t)) * (0.8 + 1.5 * rand(b, t)), d)
@@ -252,10 +252,9 @@ def verl_vanilla(batch: Batch, mask: torch.Tensor, weights: torch.Tensor | None,
 
 def ours(batch: Batch, agg: str, **kw: Any) -> tuple[Any, Any]:
     lp = batch.logp.clone().requires_grad_(True)
-    # verl's ActorConfig defaults: clip 0.2 / 0.2 and dual clip 3.0
-    out = policy_loss(
-        lp, batch.old, batch.adv, batch.mask, behav_logp=batch.behav, trust=PPOClip(0.2, 0.2, 3.0), agg=agg, **kw
-    )
+    # verl's ActorConfig defaults: clip 0.2 / 0.2 and dual clip 3.0; behav_logp only where a correction reads it
+    behav = {"behav_logp": batch.behav} if kw.get("correction") is not None else {}
+    out = policy_loss(lp, batch.old, batch.adv, batch.mask, trust=PPOClip(0.2, 0.2, 3.0), agg=agg, **behav, **kw)
     (g,) = torch.autograd.grad(out.loss, lp)
     return out.loss.detach(), g
 
@@ -429,7 +428,7 @@ def test_opsm_matches_trl_get_off_policy_mask(delta: float, per_token_adv: bool)
         mask=batch.mask.long(),
         off_policy_threshold=delta,
     )
-    ours_keep = opsm_keep(lp, batch.behav, adv if per_token_adv else batch.adv, batch.mask, delta=delta)
+    ours_keep = opsm_keep(lp, batch.behav, adv if per_token_adv else batch.adv, batch.mask, delta=delta).keep
     assert torch.equal(on_mask(ours_keep, batch.mask), on_mask(trl.bool(), batch.mask))
     if delta < 0.5:
         assert 0 < on_mask(~ours_keep, batch.mask).double().mean() < 1

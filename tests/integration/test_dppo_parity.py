@@ -89,8 +89,9 @@ def run_verl(name: str, b: dict[str, torch.Tensor], cfg: Any, agg: str, adv: tor
 
 def run_ours(b: dict[str, torch.Tensor], trust: DPPO, agg: str, adv: torch.Tensor, weights: bool) -> Any:
     lp = b["logp"].clone().requires_grad_(True)
+    max_len = {"max_len": T} if agg == "seq-mean-token-sum-norm" else {}  # read by that mode only
     out = policy_loss(
-        lp, b["old"], adv, b["mask"], trust=trust, agg=agg, max_len=T, is_weights=b["w"] if weights else None
+        lp, b["old"], adv, b["mask"], trust=trust, agg=agg, is_weights=b["w"] if weights else None, **max_len
     )
     (grad,) = torch.autograd.grad(out.loss, lp)
     return out.loss.detach(), grad, out.metrics

@@ -11,7 +11,8 @@ loss against the recomputed proximal log-probs, multiplied by precomputed ``roll
   clip_ratio=0.2, clip_ratio_c=1e9)`` (dual clip off), ``token-mean``,
 
 in value and in gradient, float64. Conventions: with the original response mask verl's denominator is the
-original token count (AReaL's, ``removed_in_denominator=True``); verl's rollout rejection instead folds the
+original token count (``removed_in_denominator=True``; AReaL's ``ppo_actor_loss_fn`` takes this count
+before its rejection sampling); verl's rollout rejection instead folds the
 mask into ``response_mask`` (``removed_in_denominator=False``). Both are checked.
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -42,6 +43,7 @@ class BehaviourWeight:
     """AReaL's behaviour weight with token rejection above ``cap`` (test-local stand-in for the MIS stage)."""
 
     cap: float = CAP
+    requires: ClassVar[tuple[str, ...]] = ("behav_logp",)  # the declaration policy_loss checks inputs against
 
     def __call__(self, ctx: StageContext) -> CorrectionOutput:
         assert ctx.old_logp is not None and ctx.behav_logp is not None
@@ -56,7 +58,7 @@ def actor_config(**kwargs: Any) -> Any:
 
 def batch(seed: int, b: int = 12, t: int = 9) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    behav = -2 * torch.rand(b, t, generator=g, dtype=D) - 0.05
+    behav = -2 * torch.rand(b, t, generator=g, dtype=D) - 4.05  # prox and logp below stay log-probs
     prox = behav + 0.8 * torch.randn(b, t, generator=g, dtype=D)  # some e^{prox - behav} > 5
     logp = prox + 0.3 * torch.randn(b, t, generator=g, dtype=D)  # some clipped
     lengths = torch.randint(0, t + 1, (b,), generator=g)

@@ -29,7 +29,9 @@ from typing import Any
 import pytest
 import torch
 
+import rolloutopt.advantages as advantages
 from rolloutopt.advantages import grpo
+from rolloutopt.errors import InputError
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 
@@ -118,3 +120,81 @@ def test_zero_variance_and_singleton_groups_give_zero_like_trl() -> None:
         ours = grpo(rewards, torch.arange(16) // 4, eps=1e-4, scale=SCALE[scale], valid=~rewards.isnan())  # type: ignore[arg-type]
         torch.testing.assert_close(ours.advantages, theirs, atol=1e-5, rtol=1e-5)
         assert torch.equal(ours.advantages[:12], torch.zeros(12))
+
+
+# ---------------------------------------------------------------- estimators by name at TRL's advantage point
+
+
+def bare_trainer(advantage: Any, experimental: bool = False) -> Any:
+    """The adapter's trainer object without TRL's ``__init__`` (no model): enough for its estimator check."""
+    from rolloutopt.integrations import trl as ro_trl
+
+    trainer = object.__new__(ro_trl.GRPOTrainer)
+    trainer._ro_advantage = advantage
+    trainer._ro_experimental = experimental
+    trainer._ro_adv_kwargs = {}
+    trainer._ro_multi_reward = False
+    return trainer
+
+
+def trl_config(multi: bool) -> Any:
+    aggregation = "normalize_then_sum" if multi else "sum_then_normalize"
+    return SimpleNamespace(scale_rewards="group", multi_objective_aggregation=aggregation)
+
+
+@pytest.mark.parametrize("name", advantages.names())
+def test_every_estimator_is_accepted_or_refused_with_its_missing_input(name: str) -> None:
+    """TRL's advantage point has the gathered rewards, the groups and the scorable rows: an estimator that
+    requires more is refused at construction naming it; the others run on exactly what the adapter passes."""
+    est = advantages.get(name)
+    multi = est.reward_dims == "B K"
+    trainer = bare_trainer(advantages.get(name), experimental=True)
+    required = [*est.requires, *est.hyper_required]
+    if required:
+        with pytest.raises(InputError, match=f"^advantage: .*also requires {required[0]}"):
+            trainer._check_advantage(trl_config(multi))
+        return
+    trainer._check_advantage(trl_config(multi))
+    assert trainer._ro_multi_reward is multi
+    assert ("valid" in trainer._ro_adv_kwargs) == ("valid" in est.accepts)
+    per_func = make(3, 6, 4, 2, binary=False, unscorable=0.25)
+    weights = torch.tensor([1.0, 0.5])
+    valid = ~torch.isnan(per_func).all(dim=1)
+    kw: dict[str, Any] = {"valid": valid} if "valid" in trainer._ro_adv_kwargs else {}
+    if multi:
+        rewards, kw["weights"] = per_func.nan_to_num(0.0), weights
+    else:
+        rewards = (per_func * weights).nansum(dim=1)
+    group = torch.arange(len(rewards)) // 4
+    out = trainer._ro_advantage(rewards, group, **kw, experimental=True)  # the adapter's call
+    assert isinstance(out, advantages.AdvantageOutput) and out.advantages.shape == (len(rewards),)
+
+
+def test_experimental_estimator_needs_the_trainer_flag() -> None:
+    def plain(rewards: torch.Tensor, group: Any, *, valid: Any = None) -> advantages.AdvantageOutput:
+        return grpo(rewards, group, valid=valid)
+
+    try:
+        advantages.register("tmp_trl_exp", plain, accepts=("valid",), experimental="a reconstructed detail")
+        with pytest.raises(InputError, match=r"^experimental: expected experimental=True for the 'tmp_trl_exp'"):
+            bare_trainer(advantages.get("tmp_trl_exp"))._check_advantage(trl_config(False))
+        trainer = bare_trainer(advantages.get("tmp_trl_exp"), experimental=True)
+        trainer._check_advantage(trl_config(False))
+        assert trainer._ro_adv_kwargs == {"valid": True, "experimental": True}
+    finally:
+        advantages.REGISTRY._items.pop("tmp_trl_exp", None)
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("fapo_penalty", "is a reward shaper, not an estimator"),
+        ("d3s", "is a selector, not an estimator"),
+        ("nope", "use one of the listed names"),
+    ],
+)
+def test_a_name_that_is_not_an_estimator_is_refused(name: str, match: str) -> None:
+    from rolloutopt.integrations.trl import GRPOTrainer
+
+    with pytest.raises(InputError, match=f"^advantage: expected the name of an advantage estimator.*{match}"):
+        GRPOTrainer(advantage=name)  # refused before TRL's own __init__ (no model needed)

@@ -17,6 +17,10 @@ verl 0.9.1                                              rolloutopt
 each broadcast with ``to_tokens(A, mask)``. Two differences are pinned below: our default singleton convention
 (0, not the raw score) and all-equal groups whose float32 mean is inexact, where verl leaves residues of up to
 ±0.2 (GRPO) and we return exactly 0.
+
+The last part runs every registered estimator through its ``rolloutopt_<name>`` adapter: verl's inputs
+(summed rewards, uid groups, the response mask) either feed it, giving the estimator's own numbers, or the call
+names the input verl cannot supply.
 """
 
 from __future__ import annotations
@@ -28,7 +32,11 @@ import numpy as np
 import pytest
 import torch
 
+import rolloutopt.advantages as advantages
+import rolloutopt.integrations.verl as plugin
 from rolloutopt.advantages import dr_grpo, grpo, reinforce_pp_baseline, rloo, to_tokens
+from rolloutopt.errors import InputError
+from rolloutopt.groups import Groups
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 
@@ -149,3 +157,94 @@ def test_all_equal_groups_are_zero_where_verl_leaves_residues() -> None:
     assert theirs.abs().max() > 1e-2  # verl 0.9.1 behaviour, pinned
     assert torch.equal(grpo(scores, ids).advantages, torch.zeros(len(scores)))
     assert torch.equal(rloo(scores, ids).advantages, torch.zeros(len(scores)))
+
+
+# ------------------------------------------------------------------------ every estimator through the verl adapter
+
+
+def adapter(name: str, batch: dict[str, Any], config: Any = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rolloutopt_<name>`` called as verl's ``compute_advantage`` calls a registered estimator."""
+    fn = core_algos.get_adv_estimator_fn(f"rolloutopt_{name}")
+    return fn(  # type: ignore[no-any-return]
+        token_level_rewards=batch["tlr"].clone(),
+        response_mask=batch["mask"].long(),
+        index=batch["index"],
+        config=config,
+        **kwargs,
+    )
+
+
+def algo_config(name: str, **hyper: Any) -> Any:
+    import omegaconf
+
+    return omegaconf.OmegaConf.create({"norm_adv_by_std_in_grpo": True, "rolloutopt": {name: hyper}})
+
+
+def expected_tokens(name: str, batch: dict[str, Any], **inputs: Any) -> torch.Tensor:
+    """The estimator called directly with what the adapter feeds it, broadcast as the adapter does."""
+    est = advantages.get(name)
+    kw = dict(inputs)
+    if "mask" in (*est.requires, *est.accepts):
+        kw["mask"] = batch["mask"]
+    if "max_len" in est.hyper:
+        kw["max_len"] = T  # the padded response width
+    if est.experimental is not None:
+        kw["experimental"] = True
+    out = est(batch["tlr"].sum(-1), Groups.from_labels(batch["index"]), **kw)
+    w = out.weight if out.advantages.dim() == 1 else out.weight[:, None]
+    return to_tokens(out.advantages * w, batch["mask"])
+
+
+ESTIMATORS = advantages.names()
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_every_estimator_is_registered_and_fed_or_refused(name: str) -> None:
+    """Each rolloutopt estimator is in verl's registry; verl's own inputs (rewards, uid groups, response mask)
+    either suffice, giving the estimator's own numbers, or the call names what verl cannot supply."""
+    assert core_algos.get_adv_estimator_fn(f"rolloutopt_{name}") is plugin.make_advantage_fn(name)
+    est = advantages.get(name)
+    batch = make_batch("equal", 0, binary=True)
+    config = algo_config(name, **({"experimental": True} if est.experimental else {}))
+    missing = [p for p in est.requires if p != "mask"]
+    if est.reward_dims == "B K":
+        with pytest.raises(InputError, match="per-component rewards") as info:
+            adapter(name, batch, config)
+        assert info.value.argument == f"algorithm.adv_estimator=rolloutopt_{name}"
+    elif missing:
+        with pytest.raises(InputError, match="verl does not give") as info:
+            adapter(name, batch, config)
+        assert info.value.argument == missing[0]
+    else:
+        adv, ret = adapter(name, batch, config)
+        assert torch.equal(adv, ret)
+        assert torch.equal(adv, expected_tokens(name, batch))
+
+
+@pytest.mark.parametrize("name", ["ace", "xrpo_sharpen", "drpo"])
+def test_log_prob_inputs_come_from_compute_advantage_kwargs(name: str) -> None:
+    """``logp`` from ``old_log_probs`` and ``ref_logp`` from ``ref_log_prob`` when a trainer passes them (verl's
+    own OTB estimators receive ``old_log_probs``); per-token, with the response mask."""
+    batch = make_batch("equal", 1, binary=True)
+    gen = torch.Generator().manual_seed(3)
+    logp, ref = -torch.rand(len(batch["scores"]), T, generator=gen), -torch.rand(len(batch["scores"]), T, generator=gen)
+    experimental = {"experimental": True} if name == "ace" else {}
+    adv, _ = adapter(name, batch, algo_config(name, **experimental), old_log_probs=logp, ref_log_prob=ref)
+    inputs = {"logp": logp, "ref_logp": ref} if name == "ace" else {"logp": logp}
+    assert torch.equal(adv, expected_tokens(name, batch, **inputs))
+
+
+def test_adapter_refusals_name_the_argument() -> None:
+    batch = make_batch("equal", 2, binary=True)
+    logp, ref = -torch.rand(len(batch["scores"]), T), -torch.rand(len(batch["scores"]), T)
+    with pytest.raises(InputError, match="experimental=True for the 'ace'") as info:  # not acknowledged
+        adapter("ace", batch, algo_config("ace"), old_log_probs=logp, ref_log_prob=ref)
+    assert info.value.argument == "experimental"
+    with pytest.raises(InputError, match="inputs such as mask come from verl's batch") as info:
+        adapter("latent_mask", batch, algo_config("latent_mask", mask=True))  # an input is not a config key
+    assert info.value.argument == "algorithm.rolloutopt.latent_mask.mask"
+    with pytest.raises(InputError, match=r"hyper-parameter of rolloutopt\.advantages\.grpo") as info:
+        adapter("grpo", batch, algo_config("grpo", epsilon=1e-6))
+    assert info.value.argument == "algorithm.rolloutopt.grpo.epsilon"
+    with pytest.raises(ValueError, match="Unknown advantage estimator"):  # shapers are not estimators
+        core_algos.get_adv_estimator_fn("rolloutopt_fapo_penalty")

@@ -1,8 +1,9 @@
 """Kernel tests run the Triton kernels on CPU tensors under Triton's interpreter.
 
-``TRITON_INTERPRET`` must be set before ``triton.jit`` decorates a kernel (see docs/methods/kernels.md); the
-kernel modules are imported lazily, on the first Triton call, so setting it here, at collection time, is early
-enough. ``setdefault`` leaves an explicit ``TRITON_INTERPRET=0`` (e.g. on a GPU runner) alone.
+``TRITON_INTERPRET`` must be on before ``triton`` is first imported by anything in the process
+(``triton.language`` builds its own jitted helpers at import; see docs/methods/kernels.md). The root
+``tests/conftest.py`` sets it before any test module is collected; this ``setdefault`` repeats it for runs that
+start here. An explicit ``TRITON_INTERPRET=0`` (e.g. on a GPU runner) is left alone.
 """
 
 from __future__ import annotations

@@ -280,7 +280,7 @@ def test_inplace_default_and_extra_position(backend: str) -> None:
     _, g = run(d, "gspo", {}, backend)
     full = torch.cat([d["logits"], torch.randn(3, 1, 64)], 1).requires_grad_()  # [B, T + 1, V]
     out = fused_policy_loss(full, *args, preset="gspo", temperature=TEMP, backend=backend)
-    out.loss.backward()
+    out.loss.backward(retain_graph=True)
     assert full.grad is not None and full.grad.data_ptr() == full.data_ptr()
     torch.testing.assert_close(full.grad[:, :4], g)
     assert (full.grad[:, 4] == 0).all()

@@ -23,6 +23,8 @@ from rolloutopt.ratios import (
     OPSM,
     RS_OPTIONS,
     TIS,
+    CorrectionOutput,
+    MaskOutput,
     PPOClip,
     RejectionFilter,
     StageContext,
@@ -62,30 +64,97 @@ def ctx_of(old: torch.Tensor, behav: torch.Tensor | None, mask: torch.Tensor | N
 ORACLE_LR = t([[LN(3.0), 0.0, LN(0.5)]])  # TIS: token weights [2, 1, 0.5]; sequence min(1.5, 2) = 1.5
 
 
+def w_of(out: CorrectionOutput) -> torch.Tensor:
+    assert isinstance(out, CorrectionOutput)
+    return out.weight
+
+
 def test_tis_token_and_sequence_oracle() -> None:
     m = ones_mask(1, 3)
-    torch.testing.assert_close(tis_weight(ORACLE_LR, m), t([[2.0, 1.0, 0.5]]))
-    torch.testing.assert_close(tis_weight(ORACLE_LR, m, level="sequence"), t([[1.5, 1.5, 1.5]]))
-    torch.testing.assert_close(tis_weight(ORACLE_LR, m, level="sequence", cap=1.2), t([[1.2, 1.2, 1.2]]))
+    out = tis_weight(ORACLE_LR, m)
+    assert isinstance(out, CorrectionOutput) and out.keep is None
+    torch.testing.assert_close(out.weight, t([[2.0, 1.0, 0.5]]))
+    assert set(out.metrics) == set(TIS()(ctx_of(ORACLE_LR, torch.zeros_like(ORACLE_LR))).metrics)
+    torch.testing.assert_close(out.metrics["tis_high_frac"], t(1 / 3))
+    torch.testing.assert_close(w_of(tis_weight(ORACLE_LR, m, level="sequence")), t([[1.5, 1.5, 1.5]]))
+    torch.testing.assert_close(w_of(tis_weight(ORACLE_LR, m, level="sequence", cap=1.2)), t([[1.2, 1.2, 1.2]]))
+    # geometric (ROLL's weight_type="geometric"): (3 * 1 * 0.5)^(1/3) = 1.5^(1/3) = 1.1447
+    torch.testing.assert_close(
+        w_of(tis_weight(ORACLE_LR, m, level="geometric")), torch.full((1, 3), 1.5 ** (1 / 3), dtype=D)
+    )
+
+
+def test_tis_geometric_against_roll() -> None:
+    """ROLL's ``train_infer_correction.is_weight`` with ``weight_type="geometric"``, by hand following
+    ``alibaba/ROLL@8eb27cc2dc34`` ``roll/utils/train_infer_corrections.py``.
+
+    ``_compute_all_granularity``: ``log_ratio = old_log_probs - infer_log_probs``, ``ratio_geometric =
+    exp(masked_mean(log_ratio, response_mask, dim=-1))`` broadcast over the row, where ``masked_mean``
+    (``roll/utils/functionals.py``) divides by ``mask_sum + 1e-8`` and gives 0 for an empty row;
+    ``compute_train_infer_correction`` then clamps to ``[0, upper_bound]`` (default 1.2). Rows: [ln 1.2, ln 1.5,
+    ln 0.9] → (1.2 · 1.5 · 0.9)^(1/3) = 1.62^(1/3) = 1.17451, under the cap; [ln 2, ln 2, pad] → 2, capped at
+    1.2; [ln 0.5, pad, pad] → 0.5; an empty row → e^0 = 1 in ROLL, 0 here (weights are 0 outside the mask and
+    the row carries no loss). ROLL's ``+1e-8`` changes the mean log-ratio by a relative 1e-8/L at most.
+    """
+    lr = t([[LN(1.2), LN(1.5), LN(0.9)], [LN(2.0), LN(2.0), 7.0], [LN(0.5), -3.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
+    out = tis_weight(lr, mask, cap=1.2, level="geometric")
+    roll_rows = t([1.62 ** (1 / 3), 1.2, 0.5, 1.0])
+    want = roll_rows[:, None].expand(4, 3) * mask
+    torch.testing.assert_close(out.weight, want, rtol=1e-7, atol=0)
+    torch.testing.assert_close(out.metrics["tis_high_frac"], t(1 / 3))  # over the 3 non-empty rows
+    torch.testing.assert_close(out.metrics["tis_raw_max"], t(2.0))
+    # the stage: TIS(level="geometric", cap=1.2) on old / behav log-probs gives the same weights
+    behav = torch.full_like(lr, -1.0)
+    stage = TIS(cap=1.2, level="geometric")(ctx_of(behav + lr, behav, mask))
+    torch.testing.assert_close(stage.weight, want, rtol=1e-7, atol=0)
+
+
+def test_roll_filter_has_no_effect_under_roll_token_mean_but_ours_removes() -> None:
+    """ROLL's ratio filter (``TrainInferFilterConfig``, ``agg_type="geometric"``, ``ratio_low=0.8``,
+    ``ratio_high=1.2``) zeroes ``final_response_mask`` for the row whose geometric ratio is 2; but ROLL's
+    ``agg_loss`` ``token-mean`` (``alibaba/ROLL@8eb27cc2dc34`` ``roll/utils/functionals.py``) is
+    ``(loss_mat * weights).sum() / batch_num_tokens`` without the mask, so the filtered row stays in the loss.
+
+    Batch: two rows of 2 tokens, A = 1, r = 1 (on-policy), IS weight off: ROLL's loss is -(1 + 1 + 1 + 1) / 4 =
+    -1 with or without the filter. rolloutopt's ``MIS(0.8, 1.2, level="geometric", in_band="one")`` removes the
+    row: -(1 + 1) / 4 = -0.5 (the removed tokens stay in the denominator by default).
+    """
+    old = t([[-1.0, -1.0], [-1.0, -1.0]])
+    behav = old - t([[0.0, 0.0], [LN(2.0), LN(2.0)]])  # row 1: old - behav = ln 2, geometric ratio 2
+    mask = ones_mask(2, 2)
+    filt = MIS(low=0.8, high=1.2, level="geometric", in_band="one")
+    out = policy_loss(
+        old.clone(), old, t([1.0, 1.0]), mask, behav_logp=behav, correction=filt, trust=None, agg="token-mean"
+    )
+    torch.testing.assert_close(out.loss, t(-0.5))
+    roll_loss = -(torch.ones(2, 2, dtype=D)).sum() / mask.sum()  # ROLL: the mask never enters the numerator
+    torch.testing.assert_close(roll_loss, t(-1.0))
 
 
 def test_tis_lower_clamp_and_batch_normalisation_by_hand() -> None:
     m = ones_mask(1, 3)
-    torch.testing.assert_close(tis_weight(ORACLE_LR, m, lower=0.8), t([[2.0, 1.0, 0.8]]))
+    torch.testing.assert_close(w_of(tis_weight(ORACLE_LR, m, lower=0.8)), t([[2.0, 1.0, 0.8]]))
     # token mean of [2, 1, 0.5] is 7/6
-    torch.testing.assert_close(tis_weight(ORACLE_LR, m, batch_normalize=True), t([[12 / 7, 6 / 7, 3 / 7]]))
+    torch.testing.assert_close(w_of(tis_weight(ORACLE_LR, m, batch_normalize=True)), t([[12 / 7, 6 / 7, 3 / 7]]))
     # sequence level: rows with weights 1.5 (3 tokens) and 2 (capped e^1, 1 token): mean over rows 1.75
     lr = t([[LN(3.0), 0.0, LN(0.5)], [1.0, 0.0, 0.0]])
     mask = torch.tensor([[True, True, True], [True, False, False]])
-    w = tis_weight(lr, mask, level="sequence", batch_normalize=True)
+    w = w_of(tis_weight(lr, mask, level="sequence", batch_normalize=True))
     torch.testing.assert_close(w, t([[1.5 / 1.75] * 3, [2 / 1.75, 0.0, 0.0]]))
+    # geometric level, same rows: 1.5^(1/3) and e^1 capped at 2, mean over rows
+    geo = w_of(tis_weight(lr, mask, level="geometric", batch_normalize=True))
+    mean = (1.5 ** (1 / 3) + 2.0) / 2
+    torch.testing.assert_close(geo, t([[1.5 ** (1 / 3) / mean] * 3, [2 / mean, 0.0, 0.0]]))
 
 
 def test_tis_sequence_is_a_product_and_masked_positions_do_not_count() -> None:
     lr = t([[0.5, 0.25, 9.0]])
     mask = torch.tensor([[True, True, False]])
-    w = tis_weight(lr, mask, level="sequence", cap=10.0)
+    w = w_of(tis_weight(lr, mask, level="sequence", cap=10.0))
     torch.testing.assert_close(w, t([[math.exp(0.75), math.exp(0.75), 0.0]]))  # not the geometric mean e^0.375
+    geo = w_of(tis_weight(lr, mask, level="geometric", cap=10.0))
+    torch.testing.assert_close(geo, t([[math.exp(0.375), math.exp(0.375), 0.0]]))
 
 
 def test_tis_stage_metrics_by_hand() -> None:
@@ -119,13 +188,14 @@ def test_tis_source_current_uses_the_policy_log_probs_detached() -> None:
 def test_tis_clamps_before_exp() -> None:
     # +inf and -inf partial sums must not meet in the sequence sum (tokens are bounded at 1e6 before it)
     huge = t([[1e308, 1e308, -1e308, -1e308] * 4])  # torch's vectorised sum of these is NaN
-    assert torch.isfinite(tis_weight(huge, ones_mask(1, 16), level="sequence")).all()
-    assert torch.isfinite(mis_weight(huge, ones_mask(1, 16), level="sequence")[0]).all()
-    assert opsm_keep(huge, -huge, t([-1.0]), ones_mask(1, 16)).shape == (1, 16)
+    for level in ("sequence", "geometric"):
+        assert torch.isfinite(w_of(tis_weight(huge, ones_mask(1, 16), level=level))).all()  # type: ignore[arg-type]
+        assert torch.isfinite(w_of(mis_weight(huge, ones_mask(1, 16), level=level))).all()  # type: ignore[arg-type]
+    assert opsm_keep(huge, -huge, t([-1.0]), ones_mask(1, 16)).keep.shape == (1, 16)
     lr = t([[1e6, -1e6, 30.0]])
-    w = tis_weight(lr, ones_mask(1, 3), cap=1e12)
+    w = w_of(tis_weight(lr, ones_mask(1, 3), cap=1e12))
     torch.testing.assert_close(w, t([[math.exp(20.0), math.exp(-20.0), math.exp(20.0)]]))
-    torch.testing.assert_close(tis_weight(lr, ones_mask(1, 3), cap=1e12, clamp=25.0)[0, 2], t(math.exp(25.0)))
+    torch.testing.assert_close(w_of(tis_weight(lr, ones_mask(1, 3), cap=1e12, clamp=25.0))[0, 2], t(math.exp(25.0)))
 
 
 # ----------------------------------------------------------------------------------------------- MIS oracles
@@ -133,23 +203,30 @@ def test_tis_clamps_before_exp() -> None:
 
 def test_icepop_oracle() -> None:
     lr = torch.log(t([[0.4, 1.2, 6.0]]))  # IcePop (0.5, 5), in-band weight = ratio as in verl -> [0, 1.2, 0]
-    w, keep = mis_weight(lr, ones_mask(1, 3))
+    out = mis_weight(lr, ones_mask(1, 3))
+    assert isinstance(out, CorrectionOutput) and out.keep is not None
+    w, keep = out.weight, out.keep
     torch.testing.assert_close(w, t([[0.0, 1.2, 0.0]]))
     assert keep.tolist() == [[False, True, False]]
-    w1, _ = mis_weight(lr, ones_mask(1, 3), in_band="one")
+    torch.testing.assert_close(out.metrics["mis_oob_frac"], t(2 / 3))
+    assert set(out.metrics) == set(MIS()(ctx_of(lr, torch.zeros_like(lr))).metrics)
+    w1 = w_of(mis_weight(lr, ones_mask(1, 3), in_band="one"))
     torch.testing.assert_close(w1, t([[0.0, 1.0, 0.0]]))
-    w_up, keep_up = mis_weight(lr, ones_mask(1, 3), low=None, high=5.0)  # one-sided
+    up = mis_weight(lr, ones_mask(1, 3), low=None, high=5.0)  # one-sided
+    w_up, keep_up = up.weight, up.keep
+    assert keep_up is not None
     torch.testing.assert_close(w_up, t([[0.4, 1.2, 0.0]]))
     assert keep_up.tolist() == [[True, True, False]]
 
 
 def test_sequence_and_geometric_mis_oracle() -> None:
     lr = t([[0.3, 0.3, 0.3]])  # MIS: product e^0.9 = 2.46 rejected by [0.5, 2]; geometric e^0.3 kept
-    w, keep = mis_weight(lr, ones_mask(1, 3), low=0.5, high=2.0, level="sequence")
-    assert not keep.any() and (w == 0).all()
-    w, keep = mis_weight(lr, ones_mask(1, 3), low=0.5, high=2.0, level="geometric")
-    assert keep.all()
-    torch.testing.assert_close(w, torch.full((1, 3), math.exp(0.3), dtype=D))
+    out = mis_weight(lr, ones_mask(1, 3), low=0.5, high=2.0, level="sequence")
+    assert out.keep is not None and not out.keep.any() and (out.weight == 0).all()
+    torch.testing.assert_close(out.metrics["mis_seq_oob_frac"], t(1.0))
+    out = mis_weight(lr, ones_mask(1, 3), low=0.5, high=2.0, level="geometric")
+    assert out.keep is not None and out.keep.all()
+    torch.testing.assert_close(out.weight, torch.full((1, 3), math.exp(0.3), dtype=D))
 
 
 def test_mis_stage_metrics_and_keep() -> None:
@@ -163,28 +240,19 @@ def test_mis_stage_metrics_and_keep() -> None:
     torch.testing.assert_close(m["mis_oob_frac"], t(2 / 4))
     seq = MIS(low=0.5, high=2.0, level="sequence")(ctx_of(old, torch.zeros_like(old), mask))
     # row 0: product 0.4 * 1.2 * 6 = 2.88 > 2, dropped; row 1 (one token, ratio 1) kept
-    assert seq.keep is not None and seq.keep.tolist() == [[False] * 3, [True] * 3]
+    assert seq.keep is not None and seq.keep.tolist() == [[False] * 3, [True, False, False]]  # within mask
     torch.testing.assert_close(seq.metrics["mis_seq_oob_frac"], t(0.5))
     torch.testing.assert_close(seq.metrics["mis_oob_frac"], t(3 / 4))  # token-weighted, as verl's oob ratio
 
 
 def test_mis_removes_tokens_from_the_loss_and_keeps_the_denominator() -> None:
-    old = torch.log(t([[0.4, 1.2, 6.0]]))
+    old = torch.log(t([[0.4, 1.2, 6.0]])) - 3.0  # log-probs; rho = exp(old - behav) = [0.4, 1.2, 6.0]
+    behav = torch.full_like(old, -3.0)
     logp = old.clone().requires_grad_(True)
-    out = policy_loss(
-        logp, old, t([1.0]), ones_mask(1, 3), behav_logp=torch.zeros_like(old), correction=MIS(), trust=None
-    )
+    kw: dict[str, Any] = {"behav_logp": behav, "correction": MIS(), "trust": None, "agg": "token-mean"}
+    out = policy_loss(logp, old, t([1.0]), ones_mask(1, 3), **kw)
     torch.testing.assert_close(out.loss, t(-1.2 / 3))  # -A * r * w on the kept token, over the 3 tokens
-    out2 = policy_loss(
-        logp,
-        old,
-        t([1.0]),
-        ones_mask(1, 3),
-        behav_logp=torch.zeros_like(old),
-        correction=MIS(),
-        trust=None,
-        removed_in_denominator=False,
-    )
+    out2 = policy_loss(logp, old, t([1.0]), ones_mask(1, 3), removed_in_denominator=False, **kw)
     torch.testing.assert_close(out2.loss, t(-1.2))
     torch.testing.assert_close(out.metrics["masked_frac"], t(2 / 3))
 
@@ -208,7 +276,7 @@ def test_rho_one_leaves_the_loss_bit_identical(agg: str) -> None:
     bit-identical."""
     gen = torch.Generator().manual_seed(0)
     old = -torch.rand(4, 6, generator=gen, dtype=torch.float32) * 3
-    logp0 = old + 0.3 * torch.randn(4, 6, generator=gen, dtype=torch.float32)
+    logp0 = (old + 0.3 * torch.randn(4, 6, generator=gen, dtype=torch.float32)).clamp(max=0.0)
     mask = torch.rand(4, 6, generator=gen) < 0.8
     adv = torch.randn(4, generator=gen)
     base_lp = logp0.clone().requires_grad_(True)
@@ -239,12 +307,16 @@ def test_opsm_oracle() -> None:
     behav = t([[-0.8, -2.0, 5.0], [-1.0, -1.0, -1.0], [-0.2, 9.0, 9.0]])
     mask = torch.tensor([[True, True, False], [True, True, True], [True, False, False]])
     adv = t([-1.0, -1.0, 2.0])
-    keep = opsm_keep(logp, behav, adv, mask, delta=0.05)
-    assert keep.tolist() == [[False] * 3, [True] * 3, [True] * 3]  # row 2 has A >= 0
-    assert opsm_keep(logp, behav, adv, mask, delta=0.1).all()  # <= delta keeps
+    out = opsm_keep(logp, behav, adv, mask, delta=0.05)
+    assert isinstance(out, MaskOutput)
+    assert out.keep.tolist() == [[False, False, False], [True] * 3, [True, False, False]]  # row 2 has A >= 0
+    torch.testing.assert_close(out.metrics["opsm_masked_frac"], t(2 / 6))
+    torch.testing.assert_close(out.metrics["opsm_seq_masked_frac"], t(1 / 3))
+    torch.testing.assert_close(out.metrics["opsm_kl_mean"], t((0.1 + 0.0 + 0.3) / 3))
+    assert torch.equal(opsm_keep(logp, behav, adv, mask, delta=0.1).keep, mask)  # <= delta keeps
     tok_adv = t([[-1.0, 0.0, 1.0], [-1.0, -1.0, -1.0], [-1.0, 1.0, 1.0]])
-    keep_t = opsm_keep(logp, behav, tok_adv, mask, delta=0.05)
-    assert keep_t.tolist() == [[False, True, True], [True] * 3, [False, True, True]]
+    keep_t = opsm_keep(logp, behav, tok_adv, mask, delta=0.05).keep
+    assert keep_t.tolist() == [[False, True, False], [True] * 3, [False, False, False]]
 
 
 def test_opsm_stage_source_and_metrics() -> None:
@@ -291,22 +363,31 @@ def test_rejection_keep_by_hand() -> None:
     lr = t([[LN(2.0), LN(2.0)], [0.5, -0.2]])
     m = ones_mask(2, 2)
     # seq_sum_k1: pi_beh/pi_old = 1/4 and e^-0.3 = 0.74 -> bounds (0.4, 2.5) drop row 0 only
-    assert rejection_keep(lr, m, options=("seq_sum_k1",), thresholds=(0.4, 2.5)).tolist() == [[False] * 2, [True] * 2]
+    out = rejection_keep(lr, m, options=("seq_sum_k1",), thresholds=(0.4, 2.5))
+    assert isinstance(out, MaskOutput)
+    assert out.keep.tolist() == [[False] * 2, [True] * 2]
+    torch.testing.assert_close(out.metrics["rs_masked_frac"], t(0.5))
+    torch.testing.assert_close(out.metrics["rs_seq_sum_k1_mean"], t((2 * -2 * LN(2.0) + 2 * -0.3) / 4))
     # seq_mean_k1: 1/2 and e^-0.15 -> both kept
-    assert rejection_keep(lr, m, options=("seq_mean_k1",), thresholds=(0.4, 2.5)).all()
+    assert rejection_keep(lr, m, options=("seq_mean_k1",), thresholds=(0.4, 2.5)).keep.all()
     # token_k2 0.1: 0.5 ln2^2 = 0.24 dropped, 0.125 dropped, 0.02 kept
-    assert rejection_keep(lr, m, options=("token_k2",), thresholds=0.1).tolist() == [[False, False], [False, True]]
+    keep = rejection_keep(lr, m, options=("token_k2",), thresholds=0.1).keep
+    assert keep.tolist() == [[False, False], [False, True]]
     # chain = AND
-    chain = rejection_keep(lr, m, options=("seq_mean_k1", "token_k2"), thresholds=((0.4, 2.5), 0.2))
+    chain = rejection_keep(lr, m, options=("seq_mean_k1", "token_k2"), thresholds=((0.4, 2.5), 0.2)).keep
     assert chain.tolist() == [[False, False], [True, True]]
     # a single u means [1/u, u]
-    assert rejection_keep(lr, m, options=("token_k1",), thresholds=1.9).tolist() == [[False, False], [True, True]]
+    keep = rejection_keep(lr, m, options=("token_k1",), thresholds=1.9).keep
+    assert keep.tolist() == [[False, False], [True, True]]
+    # keep is a subset of mask
+    part = torch.tensor([[True, False], [True, True]])
+    assert rejection_keep(lr, part, options=("token_k1",), thresholds=1.9).keep.tolist() == [[False] * 2, [True] * 2]
 
 
 def test_k1_bounds_apply_to_the_inverse_ratio() -> None:
     """verl's k1 = -log rho: asymmetric bounds (0.5, 4) reject rho = 3 (pi_beh/pi_old = 1/3 < 0.5)."""
     lr = t([[LN(3.0), LN(1 / 3)]])
-    keep = rejection_keep(lr, ones_mask(1, 2), options=("token_k1",), thresholds=((0.5, 4.0),))
+    keep = rejection_keep(lr, ones_mask(1, 2), options=("token_k1",), thresholds=((0.5, 4.0),)).keep
     assert keep.tolist() == [[False, True]]
 
 
@@ -355,12 +436,27 @@ def test_from_verl_parsers() -> None:
 # ----------------------------------------------------------------------------------------------- edge cases
 
 
+ALL_STAGES = [
+    TIS(),
+    TIS(level="sequence", batch_normalize=True),
+    TIS(level="geometric", lower=0.5),
+    MIS(),
+    MIS(level="sequence", batch_normalize=True),
+    MIS(level="geometric"),
+    OPSM(),
+    OPSM(source="old"),
+    RejectionFilter(),
+    RejectionFilter.from_verl("token_k1,seq_max_k3,seq_sum_k2", "1.5,0.1,0.1"),
+    RejectionFilter(options=("catastrophic",), thresholds=1e-4),
+]
+
+
 def test_empty_mask_and_all_masked_rows() -> None:
-    old = t([[0.3, -0.2], [5.0, 1.0]])
+    old = t([[0.3, -0.2], [5.0, 1.0]]) - 6.0
     mask = torch.tensor([[True, True], [False, False]])
     empty = torch.zeros(2, 2, dtype=torch.bool)
-    behav = torch.zeros_like(old)
-    for corr in (TIS(), TIS(level="sequence", batch_normalize=True), MIS(level="geometric"), OPSM(), RejectionFilter()):
+    behav = torch.full_like(old, -6.0)
+    for corr in ALL_STAGES:
         for m in (mask, empty):
             out = corr(ctx_of(old, behav, m, advantages=t([[-1.0], [-1.0]])))
             assert torch.isfinite(out.weight).all()
@@ -368,11 +464,90 @@ def test_empty_mask_and_all_masked_rows() -> None:
             for v in out.metrics.values():
                 assert v.ndim == 0 and torch.isfinite(v)
             lp = old.clone().requires_grad_(True)
-            loss = policy_loss(lp, old, t([-1.0, -1.0]), m, behav_logp=behav, correction=corr)
+            behav_kw = {"behav_logp": behav} if "behav_logp" in corr.requires + corr.accepts else {}
+            loss = policy_loss(lp, old, t([-1.0, -1.0]), m, correction=corr, **behav_kw)  # type: ignore[arg-type]
             assert torch.isfinite(loss.loss)
-    assert torch.equal(
-        tis_weight(torch.zeros(0, 3, dtype=D), torch.zeros(0, 3, dtype=torch.bool)), torch.zeros(0, 3, dtype=D)
-    )
+
+
+EMPTY_SHAPES = [(0, 4), (3, 0), (0, 0), (2, 3)]  # B = 0, T = 0, both, all-masked rows
+
+
+@pytest.mark.parametrize("shape", EMPTY_SHAPES)
+@pytest.mark.parametrize("corr", ALL_STAGES, ids=repr)
+def test_stages_on_empty_batches_give_zero_loss(shape: tuple[int, int], corr: Any) -> None:
+    lp = torch.full(shape, -1.0, dtype=D, requires_grad=True)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    behav_kw = {"behav_logp": lp.detach() - 0.5} if "behav_logp" in corr.requires + corr.accepts else {}
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        out = policy_loss(
+            lp, lp.detach() - 0.2, -torch.ones(shape[0], dtype=D), mask, correction=corr, agg=agg, **behav_kw
+        )
+        assert float(out.loss.detach()) == 0.0
+        assert all(bool(torch.isfinite(v)) for v in out.metrics.values())
+        (g,) = torch.autograd.grad(out.loss, lp)
+        assert not g.any()
+
+
+@pytest.mark.parametrize("shape", EMPTY_SHAPES)
+def test_pure_functions_on_empty_batches(shape: tuple[int, int]) -> None:
+    lr, m = torch.zeros(shape, dtype=D), torch.zeros(shape, dtype=torch.bool)
+    for level in ("token", "sequence", "geometric"):
+        out = tis_weight(lr, m, level=level, batch_normalize=True)  # type: ignore[arg-type]
+        assert torch.equal(out.weight, torch.zeros(shape, dtype=D)) and out.keep is None
+        assert all(float(v) == 0 for k, v in out.metrics.items() if k != "tis_batch_norm_factor")
+        out = mis_weight(lr, m, level=level)  # type: ignore[arg-type]
+        assert out.keep is not None and out.keep.shape == shape and not out.keep.any()
+        assert all(float(v) == 0 for v in out.metrics.values())
+    for opt in RS_OPTIONS:
+        keep = rejection_keep(lr, m, options=(opt,), thresholds=1e-4 if opt == "catastrophic" else 1.5)
+        assert keep.keep.shape == shape and all(float(v) == 0 for v in keep.metrics.values())
+        assert rs_statistic(lr, m, opt).shape[0] == shape[0]
+    keep = opsm_keep(lr - 1.0, lr - 1.0, torch.ones(shape[0], dtype=D), m)
+    assert keep.keep.shape == shape and all(float(v) == 0 for v in keep.metrics.values())
+    assert all(float(v) == 0 for v in offpolicy_metrics(lr - 1.0, lr - 1.0, m).values())
+
+
+@pytest.mark.parametrize(
+    ("corr", "requires", "accepts"),
+    [
+        (TIS(), ("behav_logp",), ()),
+        (TIS(level="geometric", source="current"), ("behav_logp",), ()),
+        (MIS(level="sequence"), ("behav_logp",), ()),
+        (RejectionFilter(), ("behav_logp",), ()),
+        (OPSM(), (), ("behav_logp",)),
+        (OPSM(source="behav"), ("behav_logp",), ()),
+        (OPSM(source="old"), (), ()),
+    ],
+    ids=repr,
+)
+def test_declared_inputs_match_what_the_stage_reads(
+    corr: Any, requires: tuple[str, ...], accepts: tuple[str, ...]
+) -> None:
+    assert corr.requires == requires and corr.accepts == accepts
+    old = t([[-1.0, -2.0], [-0.5, -0.3]])
+    behav = old - t([[0.1, 0.3], [-0.2, 0.0]])
+    full = ctx_of(old, behav, advantages=t([[-1.0], [1.0]]))
+    assert isinstance(corr(full), CorrectionOutput)
+    bare = ctx_of(old, None, advantages=t([[-1.0], [1.0]]))
+    if "behav_logp" in requires:  # a context lacking a required input raises, naming it
+        with pytest.raises(InputError) as e:
+            corr(bare)
+        assert e.value.argument == "behav_logp"
+    else:  # runs without it
+        assert isinstance(corr(bare), CorrectionOutput)
+    if accepts:  # an accepted input changes what the stage computes when given (OPSM: behav instead of old)
+        assert not torch.equal(corr(full).metrics["opsm_kl_mean"], corr(bare).metrics["opsm_kl_mean"])
+    mask = ones_mask(2, 2)
+    if requires or accepts:
+        policy_loss(old, old, t([-1.0, 1.0]), mask, behav_logp=behav, correction=corr)
+    else:  # policy_loss refuses an input nothing declares
+        with pytest.raises(InputError) as e:
+            policy_loss(old, old, t([-1.0, 1.0]), mask, behav_logp=behav, correction=corr)
+        assert e.value.argument == "behav_logp"
+    given = {"behav_logp": behav} if requires or accepts else {}
+    with pytest.raises(InputError) as e:
+        policy_loss(old, old, t([-1.0, 1.0]), mask, correction=corr, confidence=t([0.5, 0.5]), **given)
+    assert e.value.argument == "confidence"
 
 
 def test_garbage_in_padding_and_dtype() -> None:
@@ -390,8 +565,10 @@ def test_garbage_in_padding_and_dtype() -> None:
         out = corr(ctx_of(old, behav, mask, logp=torch.zeros_like(old)))
         assert out.weight.dtype == torch.float32 and torch.isfinite(out.weight).all()
         assert all(torch.isfinite(v) for v in out.metrics.values())
-    w, _ = mis_weight(old.double(), mask, level="sequence")
-    assert w.dtype == D
+    assert mis_weight(old.double(), mask, level="sequence").weight.dtype == D
+    for level in ("sequence", "geometric"):
+        out = tis_weight(old - behav, mask, level=level)  # type: ignore[arg-type]
+        assert torch.isfinite(out.weight).all() and all(torch.isfinite(v) for v in out.metrics.values())
 
 
 def test_missing_behaviour_log_probs_raise() -> None:
@@ -413,7 +590,7 @@ def test_missing_behaviour_log_probs_raise() -> None:
         (lambda: TIS(cap=None), "TIS.cap"),
         (lambda: TIS(cap=2.0, lower=3.0), "TIS.lower"),
         (lambda: TIS(lower=-1.0), "TIS.lower"),
-        (lambda: TIS(level="geometric"), "TIS.level"),
+        (lambda: TIS(level="segment"), "TIS.level"),
         (lambda: TIS(batch_normalize=1), "TIS.batch_normalize"),
         (lambda: TIS(source="behav"), "TIS.source"),
         (lambda: TIS(clamp=0.0), "TIS.clamp"),
@@ -505,18 +682,18 @@ def batches(draw: Any, max_b: int = 4, max_t: int = 6) -> tuple[torch.Tensor, to
     batches(),
     st.floats(0.01, 100.0),
     st.one_of(st.none(), st.floats(0.0, 0.01)),
-    st.sampled_from(["token", "sequence"]),
+    st.sampled_from(["token", "sequence", "geometric"]),
     st.booleans(),
 )
 def test_prop_tis_weights_finite_and_bounded(
     batch: tuple[torch.Tensor, torch.Tensor], cap: float, lower: float | None, level: str, norm: bool
 ) -> None:
     lr, mask = batch
-    w = tis_weight(lr, mask, cap=cap, lower=lower, level=level, batch_normalize=norm)  # type: ignore[arg-type]
+    w = tis_weight(lr, mask, cap=cap, lower=lower, level=level, batch_normalize=norm).weight  # type: ignore[arg-type]
     assert torch.isfinite(w).all() and (w[~mask] == 0).all()
     if not norm:
         assert (w <= cap).all() and (w[mask] >= (lower or 0.0)).all()
-    if level == "sequence":  # constant within a row (verl's test)
+    if level != "token":  # constant within a row (verl's test)
         assert all(len(set(w[i][mask[i]].tolist())) <= 1 for i in range(w.shape[0]))
 
 
@@ -533,12 +710,13 @@ def test_prop_mis_bounded_and_monotone_in_the_band(
     batch: tuple[torch.Tensor, torch.Tensor], low: float, high: float, dlow: float, dhigh: float, level: str
 ) -> None:
     lr, mask = batch
-    w, keep = mis_weight(lr, mask, low=low, high=high, level=level)  # type: ignore[arg-type]
-    assert torch.isfinite(w).all()
+    out = mis_weight(lr, mask, low=low, high=high, level=level)  # type: ignore[arg-type]
+    w, keep = out.weight, out.keep
+    assert keep is not None and torch.isfinite(w).all() and not (keep & ~mask).any()
     nz = w[w != 0]
     assert (nz <= high).all() and (nz >= low).all()
-    _, wider = mis_weight(lr, mask, low=low * (1 - dlow), high=high + dhigh, level=level)  # type: ignore[arg-type]
-    assert (wider | ~keep).all()  # a wider band keeps a superset
+    wider = mis_weight(lr, mask, low=low * (1 - dlow), high=high + dhigh, level=level).keep  # type: ignore[arg-type]
+    assert wider is not None and (wider | ~keep).all()  # a wider band keeps a superset
 
 
 @settings(max_examples=40, deadline=None)
@@ -552,9 +730,9 @@ def test_prop_rejection_monotone_in_threshold(
         th, th_wide = 1.0 / u, 1.0 / (u + du)  # a lower ratio bound rejects less
     else:
         th, th_wide = small, small + du
-    keep = rejection_keep(lr, mask, options=(opt,), thresholds=th)
-    wide = rejection_keep(lr, mask, options=(opt,), thresholds=th_wide)
-    assert (wide | ~keep).all()
+    keep = rejection_keep(lr, mask, options=(opt,), thresholds=th).keep
+    wide = rejection_keep(lr, mask, options=(opt,), thresholds=th_wide).keep
+    assert (wide | ~keep).all() and not (keep & ~mask).any()
 
 
 @settings(max_examples=40, deadline=None)
@@ -565,22 +743,23 @@ def test_prop_opsm_monotone_in_delta(
     lr, mask = batch
     a = t(adv[: lr.shape[0]])
     logp = lr.clamp(-50, 50) * 0.01
-    keep = opsm_keep(logp, torch.zeros_like(logp), a, mask, delta=delta)
-    wide = opsm_keep(logp, torch.zeros_like(logp), a, mask, delta=delta + dd)
+    keep = opsm_keep(logp, torch.zeros_like(logp), a, mask, delta=delta).keep
+    wide = opsm_keep(logp, torch.zeros_like(logp), a, mask, delta=delta + dd).keep
     assert (wide | ~keep).all()
-    assert keep[a >= 0].all()
+    assert torch.equal(keep[a >= 0], mask[a >= 0])
 
 
 @settings(max_examples=25, deadline=None)
-@given(batches(max_b=3, max_t=5), st.sampled_from(["tis", "tis_seq", "mis", "geo", "rs", "opsm"]))
+@given(batches(max_b=3, max_t=5), st.sampled_from(["tis", "tis_seq", "tis_geo", "mis", "geo", "rs", "opsm"]))
 def test_prop_on_policy_is_the_plain_loss(batch: tuple[torch.Tensor, torch.Tensor], kind: str) -> None:
     lr, mask = batch
-    old = -(lr.abs() % 5.0) - 0.01
+    old = -(lr.abs() % 5.0) - 0.1
     logp = (old + 0.05 * torch.tanh(lr)).requires_grad_(True)
     adv = torch.linspace(-1, 1, lr.shape[0], dtype=D)
     corr = {
         "tis": TIS(),
         "tis_seq": TIS(level="sequence"),
+        "tis_geo": TIS(level="geometric", cap=1.2),
         "mis": MIS(),
         "geo": MIS(level="geometric", low=0.999, high=1.001),
         "rs": RejectionFilter.from_verl("token_k1,seq_mean_k3,seq_max_k2", "1.01,0.001,0.001"),
@@ -597,16 +776,17 @@ def test_prop_on_policy_is_the_plain_loss(batch: tuple[torch.Tensor, torch.Tenso
 
 
 @settings(max_examples=15, deadline=None)
-@given(batches(max_b=3, max_t=4), st.sampled_from(["tis", "tis_seq_norm", "mis", "rs"]))
+@given(batches(max_b=3, max_t=4), st.sampled_from(["tis", "tis_seq_norm", "tis_geo", "mis", "rs"]))
 def test_prop_gradcheck_through_policy_loss(batch: tuple[torch.Tensor, torch.Tensor], kind: str) -> None:
     lr, mask = batch
-    old = -(lr.abs() % 3.0) - 0.1
+    old = -(lr.abs() % 3.0) - 1.1  # behav = old - tanh(lr) stays a log-prob
     behav = old - torch.tanh(lr)  # mismatch in [-1, 1]
     logp = (old + 0.1 * torch.tanh(lr / 7)).requires_grad_(True)
     adv = torch.linspace(-1, 1, lr.shape[0], dtype=D)
     corr = {
         "tis": TIS(cap=1.5),
         "tis_seq_norm": TIS(level="sequence", batch_normalize=True),
+        "tis_geo": TIS(level="geometric", cap=1.2, lower=0.9),
         "mis": MIS(low=0.6, high=1.6),
         "rs": RejectionFilter.from_verl("token_k1,seq_mean_k2", "1.5,0.1"),
     }[kind]

@@ -10,6 +10,8 @@ verl parity (``dppo_tv``/``dppo_kl``) is in ``tests/integration/test_dppo_parity
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from rolloutopt import checks
+from rolloutopt import checks, losses
 from rolloutopt.errors import InputError
 from rolloutopt.losses import Denominators, policy_loss
 from rolloutopt.ratios import (
@@ -221,6 +223,79 @@ def test_dppo_loss_and_gradient_by_hand() -> None:
     assert out.metrics["dppo_masked_high_frac"].item() == pytest.approx(1 / 3)
     assert out.metrics["dppo_ratio_capped_frac"].item() == pytest.approx(1 / 3)
     assert out.metrics["masked_frac"].item() == pytest.approx(1 / 3)
+
+
+# Stable-RL's five-token batch: (p_rollout, p_recompute, p_theta, A); row 1 has one pad.
+SRL_P_ROLL = t([[0.5, 0.2, 0.05], [0.4, 0.3, 0.5]])
+SRL_P_OLD = t([[0.5, 0.5, 0.55], [0.3, 0.35, 0.5]])
+SRL_P = t([[0.7, 0.6, 0.6], [0.1, 0.25, 0.5]])
+SRL_ADV = t([1.0, -1.0])
+SRL_MASK = torch.tensor([[True, True, True], [True, True, False]])
+
+
+@pytest.mark.parametrize("divergence", ["tv", "kl"])
+def test_dppo_recompute_modes_against_stable_rl(divergence: str) -> None:
+    """``dppo_binary_tv_recompute`` / ``dppo_binary_kl_recompute``: mask against the recompute, IS weight against
+    the rollout policy, by hand following ``sail-sg/Stable-RL@c6af1d11`` ``verl/trainer/ppo/core_algos.py``.
+
+    ``_compute_token_mask_for_policy_loss`` (``old_prob`` = the recompute): TV masks p - p_old > 0.15 for A > 0
+    and < -0.15 for A <= 0; KL (0.05) masks KL(Bern(p_old) || Bern(p)) > 0.05 with p > p_old (A > 0) or
+    p < p_old (A <= 0). Both mask tokens (0, 0) (TV 0.2, KL 0.0872) and (1, 0) (TV -0.2, KL 0.1537), and keep
+    (0, 1) (0.1 / 0.0204), (0, 2) (0.05 / 0.0051), (1, 1) (-0.1 / 0.0247). ``compute_policy_loss_with_mask``:
+    ``ratio = exp(clamp(log_prob - rollout_log_prob, max=20)).clamp(max=clip_ratio_c=10)``, detached, so the
+    weights of the kept tokens are 0.6 / 0.2 = 3, min(0.6 / 0.05, 10) = 10 and 0.25 / 0.3 = 5/6; ``pg_losses =
+    -A ratio mask log_prob``, token-mean over the 5 response tokens: (-3 ln 0.6 - 10 ln 0.6 + (5/6) ln 0.25) / 5
+    = 5.4854878 / 5 = 1.0970976; the gradient is -A w / 5 = -0.6, -2.0, +1/6 on the kept tokens.
+    """
+    logp = SRL_P.log().requires_grad_()
+    trust = DPPO(divergence, c=10.0, weight_ref="behav")  # type: ignore[arg-type]
+    kw = {"behav_logp": SRL_P_ROLL.log(), "trust": trust, "agg": "token-mean"}
+    out = policy_loss(logp, SRL_P_OLD.log(), SRL_ADV, SRL_MASK, **kw)  # type: ignore[arg-type]
+    assert_close(out.loss, t(1.0970975616049272), rtol=0, atol=1e-12)
+    (g,) = torch.autograd.grad(out.loss, logp)
+    assert_close(g, t([[0.0, -0.6, -2.0], [0.0, 1 / 6, 0.0]]), rtol=0, atol=1e-12)
+    assert out.metrics["dppo_masked_frac"].item() == pytest.approx(2 / 5)
+    assert out.metrics["dppo_ratio_capped_frac"].item() == pytest.approx(1 / 5)  # the w = 12 -> 10 token
+    # the default weight_ref="old" re-anchors the weight at the recompute (verl's dppo_tv / dppo_kl): not Stable-RL
+    old = DPPO(divergence, c=10.0)  # type: ignore[arg-type]
+    re = policy_loss(logp, SRL_P_OLD.log(), SRL_ADV, SRL_MASK, trust=old, agg="token-mean")
+    assert_close(re.loss, t(0.180044807412036 / 5), rtol=0, atol=1e-12)
+
+
+def test_dppo_tv_preset_with_stable_rl_aggregation() -> None:
+    """``dppo_binary_tv`` (the paper's form: mask and weight against the rollout policy) with Stable-RL's
+    ``loss_agg_mode="seq-mean-token-sum-norm"``: ``agg_loss`` returns ``sum(seq_losses) / loss_scale_factor``
+    (``sail-sg/Stable-RL@c6af1d11`` ``verl/trainer/ppo/core_algos.py``; ``loss_scale_factor`` defaults to the
+    padded length), not divided by the number of sequences.
+
+    Rollout log-probs = the recompute column above: masked (0, 0) and (1, 0); kept weights 0.6 / 0.5 = 1.2,
+    0.6 / 0.55 and 0.25 / 0.35; sum -1.2 ln 0.6 - (12/11) ln 0.6 + (5/7) ln 0.25 = 0.1800448; Stable-RL:
+    0.1800448 / L_max(3) = 0.0600149. rolloutopt's mode (Dr.GRPO's) divides by N_seqs * L_max = 6;
+    ``Denominators(sequences=1)`` gives Stable-RL's number.
+    """
+    preset = losses.get("dppo_tv")
+    logp = SRL_P.log()
+    ours = preset(logp, SRL_P_OLD.log(), SRL_ADV, SRL_MASK, max_len=3)
+    assert_close(ours.loss, t(0.180044807412036 / 6), rtol=0, atol=1e-12)
+    stable = preset(logp, SRL_P_OLD.log(), SRL_ADV, SRL_MASK, max_len=3, denominators=Denominators(sequences=1))
+    assert_close(stable.loss, t(0.060014935804011994), rtol=0, atol=1e-12)
+    kl = losses.get("dppo_kl")(
+        logp, SRL_P_OLD.log(), SRL_ADV, SRL_MASK, max_len=3, denominators=Denominators(sequences=1)
+    )
+    assert_close(kl.loss, t(0.060014935804011994), rtol=0, atol=1e-12)  # the same two tokens masked
+
+
+def test_dppo_mask_with_a_loss_mask() -> None:
+    """``mask`` makes ``keep`` a subset of it, the metrics means over it, and garbage outside it harmless."""
+    lp = lg([[0.6, 0.3, 0.5]])
+    lp[0, 2] = math.nan  # padding garbage
+    out = dppo_mask(lp, lg([[0.4, 0.4, 0.4]]), t([1.0]), mask=torch.tensor([[True, True, False]]))
+    assert out.keep.tolist() == [[False, True, False]]
+    assert out.metrics["dppo_masked_frac"].item() == 0.5
+    assert all(torch.isfinite(v) for v in out.metrics.values())
+    with pytest.raises(InputError) as e:
+        dppo_mask(lp, lg([[0.4, 0.4, 0.4]]), t([1.0]))
+    assert e.value.argument == "logp"
 
 
 def test_dppo_scope_entropy_terms() -> None:
@@ -431,6 +506,113 @@ def test_prop_gradcheck_through_policy_loss(seed: int, which: str) -> None:
     assert torch.autograd.gradcheck(f, (logp,))
 
 
+# ----------------------------------------------------------------------- empty batches and declared inputs
+
+EMPTY_SHAPES = [(0, 4), (3, 0), (0, 0), (2, 3)]  # B = 0, T = 0, both, all-masked rows
+STAGES = [
+    DPPO("tv"),
+    DPPO("kl", scope="policy"),
+    DPPO("tv", weight_ref="behav"),
+    DPPO("topk_kl"),
+    DPPO("topk_tv"),
+    DPPO("topk_kl", predictive=True, experimental=True),
+    DPPO("topk_tv", predictive=True, experimental=True, tail="uniform", vocab_size=9),
+    ECHOClip(),
+]
+
+
+def _inputs(stage: object, b: int, n: int, k: int = 3) -> dict[str, object]:
+    """Every input ``stage`` declares, shaped [b, n] (or [b, n, k], [b])."""
+    values = {
+        "behav_logp": torch.full((b, n), -1.2, dtype=D),
+        "topk_logp": torch.full((b, n, k), -2.0, dtype=D),
+        "topk_behav_logp": torch.full((b, n, k), -1.5, dtype=D),
+        "confidence": torch.full((b,), 0.5, dtype=D),
+    }
+    out: dict[str, object] = {n_: values[n_] for n_ in stage.requires}  # type: ignore[attr-defined]
+    if "sampled_in_topk" in stage.accepts:  # type: ignore[attr-defined]
+        out["stage_inputs"] = {"sampled_in_topk": torch.zeros(b, n, dtype=torch.bool)}
+    return out
+
+
+@pytest.mark.parametrize("shape", EMPTY_SHAPES)
+@pytest.mark.parametrize("stage", STAGES, ids=repr)
+def test_stages_on_empty_batches_give_zero_loss(shape: tuple[int, int], stage: object) -> None:
+    lp = torch.full(shape, -1.0, dtype=D, requires_grad=True)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        out = policy_loss(
+            lp,
+            lp.detach() - 0.3,
+            torch.ones(shape[0], dtype=D),
+            mask,
+            trust=stage,
+            agg=agg,
+            **_inputs(stage, *shape),  # type: ignore[arg-type]
+        )
+        assert float(out.loss.detach()) == 0.0
+        assert all(bool(torch.isfinite(v)) for v in out.metrics.values())
+        (g,) = torch.autograd.grad(out.loss, lp)
+        assert not g.any()
+
+
+@pytest.mark.parametrize("shape", EMPTY_SHAPES)
+def test_pure_functions_on_empty_batches(shape: tuple[int, int]) -> None:
+    b, n = shape
+    lp, m = torch.full(shape, -1.0, dtype=D), torch.zeros(shape, dtype=torch.bool)
+    q, p = torch.full((b, n, 3), -2.0, dtype=D), torch.full((b, n, 3), -1.5, dtype=D)
+    assert binary_tv(lp, lp).shape == shape and binary_kl(lp, lp).shape == shape
+    assert topk_divergence(q, p).shape == shape
+    assert predicted_kl_change(lp, lp, q, p, experimental=True).shape == shape
+    for kw in ({}, {"divergence": "topk_kl", "topk_logp": q, "topk_behav_logp": p}):
+        out = dppo_mask(lp, lp - 0.5, torch.ones(b, dtype=D), mask=m, **kw)  # type: ignore[arg-type]
+        assert out.keep.shape == shape and not out.keep.any()
+        assert all(float(v) == 0 for v in out.metrics.values())
+    assert_close(tail_confidence(lp, m), torch.zeros(b, dtype=D))
+    assert echo_clip_epsilon(torch.zeros(b, dtype=D)).shape == (b,)
+    assert dppo_loss(lp, lp.exp(), torch.ones(b, 1, dtype=D), m).shape == shape
+
+
+@pytest.mark.parametrize(
+    ("stage", "requires", "accepts"),
+    [
+        (DPPO("tv"), (), ()),
+        (DPPO("kl", weight_ref="behav"), ("behav_logp",), ()),
+        (DPPO("topk_kl"), ("topk_logp", "topk_behav_logp"), ()),
+        (DPPO("topk_tv", weight_ref="behav"), ("topk_logp", "topk_behav_logp", "behav_logp"), ()),
+        (DPPO("topk_kl", predictive=True, experimental=True), ("topk_logp", "topk_behav_logp"), ("sampled_in_topk",)),
+        (ECHOClip(), ("confidence",), ()),
+    ],
+    ids=repr,
+)
+def test_declared_inputs_match_what_the_stage_reads(
+    stage: Any, requires: tuple[str, ...], accepts: tuple[str, ...]
+) -> None:
+    assert stage.requires == requires and stage.accepts == accepts
+    lp = lg([[0.5, 0.4, 0.3]])
+    m, a = torch.ones(1, 3, dtype=torch.bool), t([[1.0]])
+    given = {k: v for k, v in _inputs(stage, 1, 3).items() if k != "stage_inputs"}
+    ctx = StageContext(logp=lp, old_logp=lp - 0.2, mask=m, advantages=a, **given)  # type: ignore[arg-type]
+    args = (torch.exp(lp - ctx.old_logp), lp - ctx.old_logp, a, lp)  # type: ignore[operator]
+    assert isinstance(stage(*args, ctx=ctx), TrustOutput)
+    for name in requires:  # a context lacking a required input raises, naming it
+        with pytest.raises(InputError) as e:
+            stage(*args, ctx=replace(ctx, **{name: None}))
+        assert e.value.argument == name
+    for name in accepts:  # an accepted input is read when given
+        extra = {name: torch.ones(1, 3, dtype=torch.bool)}
+        assert isinstance(stage(*args, ctx=replace(ctx, extra=extra)), TrustOutput)
+        with pytest.raises(InputError) as e:
+            stage(*args, ctx=replace(ctx, extra={name: torch.ones(1, 4, dtype=torch.bool)}))
+        assert e.value.argument == name
+    # policy_loss refuses an input the stage does not declare
+    undeclared = "behav_logp" if "behav_logp" not in requires else "confidence"
+    value = lp - 0.1 if undeclared == "behav_logp" else t([0.5])
+    with pytest.raises(InputError) as e:
+        policy_loss(lp, lp - 0.2, a[:, 0], m, trust=stage, **given, **{undeclared: value})  # type: ignore[arg-type]
+    assert e.value.argument == undeclared
+
+
 # ----------------------------------------------------------------------------------------------- defaults, bad input
 
 
@@ -460,6 +642,7 @@ def _arg(exc: pytest.ExceptionInfo[InputError]) -> str:
         ({"tail": "uniform", "vocab_size": 10}, "DPPO.tail"),
         ({"divergence": "topk_kl", "predictive": True, "experimental": True, "vocab_size": 1}, "DPPO.vocab_size"),
         ({"match_tol": -1.0}, "DPPO.match_tol"),
+        ({"weight_ref": "rollout"}, "DPPO.weight_ref"),
     ],
 )
 def test_dppo_bad_config(kwargs: dict[str, object], argument: str) -> None:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rolloutopt import losses
 from rolloutopt.errors import InputError
 from rolloutopt.losses import CorrectionOutput, policy_loss
 from rolloutopt.ratios import (
@@ -110,12 +112,16 @@ def test_a3po_stage_in_policy_loss_equals_precomputed_proximal() -> None:
 def test_a3po_stage_needs_its_inputs() -> None:
     lp, m, adv = torch.zeros(2, 3), ones(2, 3), torch.ones(2)
     v = torch.zeros(2, 3, dtype=torch.long)
-    with pytest.raises(InputError, match=r"behav_logp.*A3POProximal"):
-        policy_loss(lp, None, adv, m, versions=v, policy_version=1, proximal=A3POProximal())
-    with pytest.raises(InputError, match=r"versions.*A3POProximal"):
-        policy_loss(lp, None, adv, m, behav_logp=lp, policy_version=1, proximal=A3POProximal())
-    with pytest.raises(InputError, match=r"policy_version.*A3POProximal"):
-        policy_loss(lp, None, adv, m, behav_logp=lp, versions=v, proximal=A3POProximal())
+    given = {"behav_logp": lp, "versions": v, "policy_version": 1}
+    for name in A3POProximal.requires:
+        kw = {k: x for k, x in given.items() if k != name}
+        with pytest.raises(InputError) as e:
+            policy_loss(lp, None, adv, m, proximal=A3POProximal(), **kw)  # type: ignore[arg-type]
+        assert e.value.argument == name
+        # the stage itself names the missing input and itself
+        ctx = StageContext(logp=lp, old_logp=None, mask=m, advantages=adv[:, None], **kw)  # type: ignore[arg-type]
+        with pytest.raises(InputError, match=rf"^{name}.*A3POProximal"):
+            A3POProximal()(ctx)
 
 
 @settings(max_examples=30, deadline=None)
@@ -163,6 +169,7 @@ class _BehaviourWeight:
     """Test-local correction: AReaL's behaviour weight w = exp(prox - behav), tokens with w > cap masked."""
 
     cap: float = 5.0
+    requires: ClassVar[tuple[str, ...]] = ("behav_logp",)
 
     def __call__(self, ctx: StageContext) -> CorrectionOutput:
         assert ctx.old_logp is not None and ctx.behav_logp is not None
@@ -186,7 +193,7 @@ def _areal_decoupled(
 
 def _decoupled_batch(seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
-    behav = -torch.rand(4, 6, generator=g, dtype=D) - 0.1
+    behav = -torch.rand(4, 6, generator=g, dtype=D) - 4.1  # prox = behav + noise and logp stay log-probs
     prox = behav + 0.8 * torch.randn(4, 6, generator=g, dtype=D)  # some w = e^{prox-behav} > 5
     prox[0, 0] = behav[0, 0] + math.log(6.0)  # at least one rejected token
     logp = prox + 0.3 * torch.randn(4, 6, generator=g, dtype=D)  # some clipped
@@ -264,6 +271,7 @@ def test_decoupled_loss_with_a3po_proximal_equals_areal_formula() -> None:
         proximal=A3POProximal(),
         trust=PPOClip(low=0.2, high=0.2, dual=None),
         correction=_BehaviourWeight(5.0),
+        agg="token-mean",
     )
     out.loss.backward()
     lp2 = logp.clone().requires_grad_()
@@ -343,7 +351,7 @@ def test_copris_stage_equals_buffer_concatenation(seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     n_b, n_t = 5, 8
     buffered = -torch.rand(n_b, n_t, generator=g, dtype=D)
-    recomputed = -torch.rand(n_b, n_t, generator=g, dtype=D)
+    recomputed = -torch.rand(n_b, n_t, generator=g, dtype=D) - 0.3  # logp = recomputed + noise stays < 0
     lengths = torch.randint(0, n_t + 1, (n_b,), generator=g)
     pos = torch.arange(n_t)
     versions = torch.where(pos[None] < lengths[:, None], torch.randint(0, 3, (n_b, 1), generator=g), 3)
@@ -361,7 +369,7 @@ def test_copris_stage_equals_buffer_concatenation(seed: int) -> None:
 
 def test_copris_gradcheck_through_policy_loss() -> None:
     g = torch.Generator().manual_seed(0)
-    buffered, recomputed = -torch.rand(3, 5, generator=g, dtype=D), -torch.rand(3, 5, generator=g, dtype=D)
+    buffered, recomputed = -torch.rand(3, 5, generator=g, dtype=D), -torch.rand(3, 5, generator=g, dtype=D) - 0.1
     versions = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
     logp = recomputed + 0.01 * torch.randn(3, 5, generator=g, dtype=D)
     adv, m = t([1.0, -2.0, 0.5]), ones(3, 5)
@@ -392,12 +400,106 @@ def test_copris_bad_inputs() -> None:
     with pytest.raises(InputError, match=r"^buffered"):
         copris_old_logp(torch.full((2, 3), math.inf), torch.tensor([1, 0]), buf)
     lp, adv, m = torch.zeros(2, 3), torch.ones(2), ones(2, 3)
-    with pytest.raises(InputError, match=r"versions.*CoPRISProximal"):
+    with pytest.raises(InputError) as e:
         policy_loss(lp, lp, adv, m, behav_logp=lp, proximal=CoPRISProximal())
+    assert e.value.argument == "versions"
+    ctx = StageContext(logp=lp, old_logp=lp, mask=m, advantages=adv[:, None], behav_logp=lp)
+    with pytest.raises(InputError, match=r"^versions.*CoPRISProximal"):
+        CoPRISProximal()(ctx)
     with pytest.raises(InputError, match=r"old_logp.*CoPRISProximal"):
         policy_loss(
             lp, None, adv, m, behav_logp=lp, versions=torch.zeros(2, 3, dtype=torch.long), proximal=CoPRISProximal()
         )
+
+
+OTHER_DEVICES = ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", OTHER_DEVICES)
+def test_copris_preset_refuses_versions_on_another_device(device: str) -> None:
+    """``versions`` on another device than the log-probs: an InputError naming ``versions`` and the fix, from the
+    preset, from ``policy_loss`` and from the stage itself (never a raw device error from ``torch.where``)."""
+    lp, adv, m = torch.full((2, 3), -1.0, dtype=D), torch.ones(2, dtype=D), ones(2, 3)
+    versions = torch.zeros(2, 3, dtype=torch.long, device=device)
+    with pytest.raises(InputError) as e:
+        losses.get("copris")(lp, lp, adv, m, behav_logp=lp, versions=versions)
+    assert e.value.argument == "versions" and "versions" in e.value.fix
+    with pytest.raises(InputError) as e:
+        policy_loss(lp, lp, adv, m, behav_logp=lp, versions=versions, proximal=CoPRISProximal())
+    assert e.value.argument == "versions"
+    ctx = StageContext(logp=lp, old_logp=lp, mask=m, advantages=adv[:, None], behav_logp=lp, versions=versions)
+    with pytest.raises(InputError) as e:
+        CoPRISProximal()(ctx)
+    assert e.value.argument == "versions" and ".to(" in e.value.fix
+    ctx = replace(ctx, policy_version=1)
+    with pytest.raises(InputError) as e:
+        A3POProximal()(ctx)
+    assert e.value.argument == "versions"
+    with pytest.raises(InputError) as e:
+        a3po_proximal_logp(lp, lp, versions, 1)
+    assert e.value.argument == "versions"
+
+
+EMPTY_SHAPES = [(0, 4), (3, 0), (0, 0), (2, 3)]  # B = 0, T = 0, both, all-masked rows
+
+
+@pytest.mark.parametrize("shape", EMPTY_SHAPES)
+@pytest.mark.parametrize("method", ["loglinear", "linear"])
+def test_proximal_stages_on_empty_batches_give_zero_loss(shape: tuple[int, int], method: str) -> None:
+    lp = torch.full(shape, -1.0, dtype=D, requires_grad=True)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    adv = torch.ones(shape[0], dtype=D)
+    versions = torch.zeros(shape, dtype=torch.long)
+    behav = lp.detach() - 0.5
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        outs = [
+            policy_loss(lp, lp.detach(), adv, mask, behav_logp=behav, versions=versions, proximal=CoPRISProximal(), agg=agg),
+            policy_loss(
+                lp, None, adv, mask, behav_logp=behav, versions=versions, policy_version=2,
+                proximal=A3POProximal(method=method), agg=agg,  # type: ignore[arg-type]
+            ),
+            losses.get("copris")(lp, lp.detach(), adv, mask, behav_logp=behav, versions=versions),
+        ]  # fmt: skip
+        for out in outs:
+            assert float(out.loss.detach()) == 0.0
+            assert all(bool(torch.isfinite(v)) for v in out.metrics.values())
+            (g,) = torch.autograd.grad(out.loss, lp)
+            assert not g.any()
+    assert a3po_proximal_logp(lp, behav, versions, 2, method=method, mask=mask).shape == shape  # type: ignore[arg-type]
+    assert copris_old_logp(behav, torch.zeros(shape[0], dtype=torch.long), behav, mask=mask).shape == shape
+    assert all(x.shape == shape for x in factorise_log_ratio(lp, behav, behav, mask))
+
+
+@pytest.mark.parametrize(
+    ("stage", "requires", "accepts"),
+    [
+        (A3POProximal(), ("behav_logp", "versions", "policy_version"), ()),
+        (A3POProximal(method="linear"), ("behav_logp", "versions", "policy_version"), ()),
+        (CoPRISProximal(), ("behav_logp", "versions"), ("policy_version",)),
+    ],
+    ids=repr,
+)
+def test_declared_inputs_match_what_the_stage_reads(
+    stage: Any, requires: tuple[str, ...], accepts: tuple[str, ...]
+) -> None:
+    assert stage.requires == requires and stage.accepts == accepts
+    lp, m, adv = t([[-1.0, -2.0, -0.5]]), ones(1, 3), t([[1.0]])
+    given = {"behav_logp": lp - 0.3, "versions": torch.tensor([[0, 1, 2]]), "policy_version": 2}
+    ctx = StageContext(logp=lp, old_logp=lp - 0.1, mask=m, advantages=adv, **given)  # type: ignore[arg-type]
+    full = stage(ctx)
+    for name in requires:  # a context lacking a required input raises, naming it
+        with pytest.raises(InputError) as e:
+            stage(replace(ctx, **{name: None}))
+        assert e.value.argument == name
+    for name in accepts:  # an accepted input is read when given: CoPRIS's V from policy_version, else the newest
+        without = stage(replace(ctx, **{name: None}))
+        assert not torch.equal(stage(replace(ctx, policy_version=1)), without)
+        assert torch.equal(without, full)  # the newest version in ctx.versions is 2 = policy_version
+    # policy_loss and the presets refuse an input the stage does not declare
+    kw = {k: given[k] for k in requires + accepts}
+    with pytest.raises(InputError) as e:
+        policy_loss(lp, lp - 0.1, adv[:, 0], m, proximal=stage, confidence=t([0.5]), **kw)
+    assert e.value.argument == "confidence"
 
 
 # ---------------------------------------------------------------------------------------------- PPO-EWMA

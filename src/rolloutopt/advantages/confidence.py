@@ -146,7 +146,7 @@ def ace(
     scale: Literal["group", "batch"] | None = "group",
     eps: float = 1e-6,
     unbiased: bool = True,
-    singleton: Literal["zero", "raw"] = "zero",
+    singleton: Literal["zero", "raw"] | None = None,
     valid: Any = None,
 ) -> AdvantageOutput:
     r"""ACE: scale the negative advantages of overconfident errors by a softplus of the confidence shift.
@@ -284,7 +284,7 @@ def xrpo_sharpen(
     scale: Literal["group", "batch"] | None = "group",
     eps: float = 1e-6,
     unbiased: bool = True,
-    singleton: Literal["zero", "raw"] = "zero",
+    singleton: Literal["zero", "raw"] | None = None,
     valid: Any = None,
 ) -> AdvantageOutput:
     r"""XRPO novelty-aware advantage sharpening: amplify correct responses the policy found unlikely.

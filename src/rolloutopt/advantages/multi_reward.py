@@ -20,7 +20,7 @@ from torch import Tensor
 
 from rolloutopt._validation import Dims, as_float, as_mask, checks_enabled, choice, describe, finite, positive
 from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
-from rolloutopt.advantages.reference import _outside_package
+from rolloutopt.advantages.reference import _outside_package, _singleton
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups, as_groups
 from rolloutopt.typing import BoolBT, FloatBK, IntB
@@ -227,12 +227,14 @@ def _finish(z: Tensor, keep: Tensor | None, g: Groups, n_rows: Tensor, singleton
     return z[:, None] * m if z.requires_grad else m.mul_(z[:, None])
 
 
-def _warn_singletons(g: Groups, rows: Tensor | None, singleton: str) -> Tensor:
+def _warn_singletons(g: Groups, rows: Tensor | None, warn: bool) -> Tensor:
+    """Per-group row counts; warns (``warn``: ``singleton`` left at its default) when a group has one valid row."""
     n_rows = g.sizes if rows is None else g.count(rows)
-    if singleton == "zero" and (g.min_size == 1 if rows is None else bool((n_rows == 1).any())):
+    if warn and (g.min_size == 1 if rows is None else bool((n_rows == 1).any())):
         warnings.warn(
-            "rolloutopt: a group of size 1 gets advantage 0 (no baseline can be formed); pass singleton='raw' "
-            "for verl's convention (advantage = raw reward)",
+            "rolloutopt: a group of size 1 gets advantage 0 (no baseline can be formed); pass singleton='zero' "
+            "to confirm (and silence this warning) or singleton='raw' for verl's convention (advantage = raw "
+            "reward)",
             stacklevel=_outside_package(),
         )
     return n_rows
@@ -280,7 +282,7 @@ def gdpo(
     eps: float | None = None,
     final_eps: float | None = None,
     unbiased: bool = True,
-    singleton: Singleton = "zero",
+    singleton: Singleton | None = None,
     valid: Any = None,
 ) -> AdvantageOutput:
     r"""GDPO advantage: normalise each reward component inside its group, sum with weights, normalise the batch.
@@ -313,8 +315,8 @@ def gdpo(
         unbiased: Bessel-corrected stds (torch, verl, TRL and NVlabs all use ``torch.std``); False for population.
         singleton: a (group, component) with one valid entry has no baseline: ``"zero"`` (default, TRL/NVlabs,
             whose ``nanstd`` of one value is NaN and ``nansum`` drops it) gives the component 0; ``"raw"`` is
-            verl's GRPO convention (``r / (1 + eps)``). With ``"zero"``, a rollout alone in its group gets final
-            advantage 0 and a warning.
+            verl's GRPO convention (``r / (1 + eps)``). The default None acts as ``"zero"`` and warns when a
+            rollout is alone in its group (final advantage 0); an explicit ``"zero"`` confirms it silently.
         valid: optional mask ``[B]`` (rows) or ``[B, K]`` (entries) of what enters the statistics. An invalid
             entry (TRL: a reward function returned None, NaN) is left out of its component's group statistics
             and contributes 0 to :math:`S_i`; a row with no valid entry is left out of the final normalisation
@@ -349,13 +351,13 @@ def gdpo(
     groups); TRL lets a rollout alone among scorable siblings keep :math:`(0 - \bar S)/\operatorname{std}`,
     which is 0 up to rounding and exactly 0 here (``singleton="zero"``).
     """
-    choice(singleton, "singleton", ("zero", "raw"))
+    singleton, warn = _singleton(singleton)
     p = _prepare(rewards, group, weights, mask, valid, final)
     r, g, w, rows = p.r, p.g, p.w, p.rows
     e = (1e-6 if final == "token" else 1e-4) if eps is None else eps
     positive(e, "eps", strict=False)
     fe = _defaults(final, final_eps)
-    n_rows = _warn_singletons(g, rows, singleton)
+    n_rows = _warn_singletons(g, rows, warn)
     comp, n, std = _component_advantages(r, g, p.v, eps=e, unbiased=unbiased, singleton=singleton)
     s = w @ comp  # sum_k w_k A^(k): one matrix-vector product over [K, B], no [K, B] temporary
     if p.length is None:
@@ -386,7 +388,7 @@ def gd2po(
     ratio_eps: float = 1e-8,
     sign_eps: float = 1e-8,
     unbiased: bool = True,
-    singleton: Singleton = "zero",
+    singleton: Singleton | None = None,
     valid: Any = None,
 ) -> AdvantageOutput:
     r"""GD²PO advantage: GDPO with conflicting rollouts masked out and each query weighted by reward consensus.
@@ -442,14 +444,14 @@ def gd2po(
     Choices: :math:`n_g` counts the group's valid rollouts (the code divides by the group size G; they agree
     without a ``valid`` mask); in ``"sequence"`` mode :math:`L_i = 1`.
     """
-    choice(singleton, "singleton", ("zero", "raw"))
+    singleton, warn = _singleton(singleton)
     choice(filter, "filter", ("snr", "hard"))
     for value, name in ((eps, "eps"), (ratio_eps, "ratio_eps"), (sign_eps, "sign_eps"), (threshold, "threshold")):
         positive(value, name, strict=False)
     p = _prepare(rewards, group, weights, mask, valid, final)
     r, g, w, rows, length = p.r, p.g, p.w, p.rows, p.length
     fe = _defaults(final, final_eps)
-    n_rows = _warn_singletons(g, rows, singleton)
+    n_rows = _warn_singletons(g, rows, warn)
     comp, n, std = _component_advantages(r, g, p.v, eps=eps, unbiased=unbiased, singleton=singleton)
     a = comp.detach() if length is None else comp.detach() * length
     # "some a > delta and some a < -delta", as extrema over the components (one pass each, no [K, B] bools)

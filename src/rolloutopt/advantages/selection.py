@@ -283,7 +283,8 @@ def _token_keep_nonnegative(scale: Tensor, h: Tensor, m: Tensor, keep: Tensor, f
     digits of :func:`_top_by_rank`, shifted up past 0; digit 0 marks the ineligible tokens, all
     tied below every eligible key (as the -inf of the masked sort), so none is kept. Rows outside ``keep``
     get a NaN scale: a NaN product (whatever ``h`` holds) is quiet, so its top bits are at least those of
-    the quiet NaN (0x7FC0 in fp32, 0x7FF8 in fp64), which the clamp and shift map to 0. Every ``[B, T]`` buffer is reused in place,
+    the quiet NaN (0x7FC0 in fp32, 0x7FF8 in fp64), which the clamp and shift map to 0. Every ``[B, T]`` buffer
+    is reused in place,
     since on the CPU a fresh one costs more (page faults) than the arithmetic on it, and there is no
     ``where`` or ``masked_fill`` on ``[B, T]`` (several times slower than the arithmetic).
     """

@@ -40,7 +40,7 @@ from rolloutopt.allocators._base import (
 from rolloutopt.allocators.topup import _rank
 from rolloutopt.errors import InputError
 
-__all__ = ["DOTS", "DOTSPlan", "ReplayedGroups", "XRPO", "t_quantile"]
+__all__ = ["DOTS", "XRPO", "DOTSPlan", "ReplayedGroups", "t_quantile"]
 
 _F64 = torch.float64
 _XRPO_DOCS = "docs/methods/replay.md"

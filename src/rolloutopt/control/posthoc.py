@@ -53,8 +53,8 @@ from rolloutopt._validation import (
 from rolloutopt.advantages.shaping import truncation_penalty
 from rolloutopt.control._base import TruncationOutput
 from rolloutopt.errors import InputError
-from rolloutopt.registry import Entry, Registry
 from rolloutopt.groups import Groups, as_groups
+from rolloutopt.registry import Entry, Registry
 from rolloutopt.typing import BoolBT, FloatB, FloatBT, IntB
 
 __all__ = [

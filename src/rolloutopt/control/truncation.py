@@ -56,9 +56,9 @@ from rolloutopt.groups import Groups, as_groups
 from rolloutopt.typing import BoolBT, FloatB, IntB
 
 __all__ = [
-    "ECHOPruning",
-    "DUETAbort",
     "DEER",
+    "DUETAbort",
+    "ECHOPruning",
     "StepGRPOTruncation",
     "StepRewardOutput",
     "count_steps",

@@ -44,7 +44,7 @@ import rolloutopt.losses as _losses
 from rolloutopt.advantages import Estimator, to_tokens
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
-from rolloutopt.losses import Denominators, Preset, policy_loss
+from rolloutopt.losses import Denominators, declared_inputs, policy_loss
 from rolloutopt.ratios import CISPO, DPPO, OPSM, SAPO, GSPORatio, M2POClip, M2POMask, PPOClip
 
 __all__ = [
@@ -213,18 +213,14 @@ def _correction(correction: Any, extra: dict[str, Any]) -> Any:
     return correction
 
 
-def _needs(preset: Preset, kwargs: dict[str, Any]) -> list[str]:
-    """The preset's extra inputs still needed once the verl wiring is applied (M2PO old_current needs none)."""
-    needs = list(preset.requires)
-    trust = kwargs.get("trust")
-    if (
-        isinstance(trust, M2POMask)
-        and trust.pair == "old_current"
-        and kwargs.get("correction") is None
-        and kwargs.get("proximal") is None
-    ):
-        needs = [n for n in needs if n != "behav_logp"]
-    return needs
+_STAGE_KEYS = ("ratio", "trust", "correction", "proximal", "kl", "entropy_coef", "agg")
+
+
+def _needs(kwargs: dict[str, Any]) -> tuple[list[str], tuple[str, ...]]:
+    """The inputs the objective requires once the verl wiring is applied (``agg=loss_agg_mode``, M2PO's
+    ``pair``, ...) that the keywords do not supply, and all it requires (derived from its stages)."""
+    requires, _ = declared_inputs(**{k: kwargs[k] for k in _STAGE_KEYS if k in kwargs})
+    return [n for n in requires if kwargs.get(n) is None], requires
 
 
 def _global_batch(config: Any, loss_agg_mode: str, response_mask: Tensor) -> dict[str, Any]:
@@ -371,17 +367,19 @@ def make_policy_loss_fn(name: str) -> PolicyLossFn:
         config: Any = None,
         rollout_is_weights: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, float]]:
-        preset = _losses.get(name)
         kw = policy_loss_kwargs(name, config, loss_agg_mode, response_mask)
-        needs = _needs(preset, kw)
+        needs, requires = _needs(kw)
         if needs:
             what, fix = _UNAVAILABLE.get(needs[0], (f"the input {needs[0]}", "call the preset directly"))
             raise InputError(
                 needs[0],
-                f"{what} (the {name!r} preset requires {', '.join(preset.requires)})",
+                f"{what} (the {name!r} preset requires {', '.join(requires)} under this verl config)",
                 f"loss_mode={PREFIX}{name} under verl",
                 fix,
             )
+        # No allow_unused: everything verl hands over is consumed by every configuration. rollout_is_weights
+        # (is_weights) and the global denominators are always accepted, and policy_loss_kwargs passes max_len only
+        # with agg="seq-mean-token-sum-norm"; an input a stage requires and verl lacks raised above.
         out = policy_loss(log_prob, old_log_prob, advantages, response_mask, is_weights=rollout_is_weights, **kw)
         return out.loss, verl_metrics(out.metrics)
 

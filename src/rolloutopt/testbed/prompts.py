@@ -18,7 +18,7 @@ from torch import Tensor
 
 from rolloutopt._validation import check_real as _real
 from rolloutopt._validation import describe
-from rolloutopt.allocators._base import AllocationResult, Allocator, as_prompt_ids, check_budget
+from rolloutopt.allocators import AllocationResult, Allocator, as_prompt_ids, check_budget
 from rolloutopt.errors import InputError
 
 __all__ = ["PromptPopulation", "run"]
