@@ -241,6 +241,16 @@ class GlobalBatchTrust:
                 "GlobalBatchTrust.trust", "a trust stage (callable)", repr(self.trust), "pass e.g. M2POClip()"
             )
 
+    @property
+    def requires(self) -> tuple[str, ...]:
+        """The wrapped stage's required inputs (it is the stage that reads them)."""
+        return tuple(getattr(self.trust, "requires", ()))
+
+    @property
+    def accepts(self) -> tuple[str, ...]:
+        """The wrapped stage's optional inputs."""
+        return tuple(getattr(self.trust, "accepts", ()))
+
     def __call__(
         self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
     ) -> TrustOutput:

@@ -517,9 +517,7 @@ def test_lazy_columns_equal_the_full_table(rows: int, length: int, r: int, first
     st.integers(0, 300),
 )
 def test_spends_everything_when_caps_do_not_bind(kind: str, groups: list[tuple[int, int]], budget: int) -> None:
-    a: CoBA | Knapsack = (
-        CoBA(n_min=2, n_max=10**4) if kind == "coba" else Knapsack(n=4, n_min=2, n_max=10**4)
-    )
+    a: CoBA | Knapsack = CoBA(n_min=2, n_max=10**4) if kind == "coba" else Knapsack(n=4, n_min=2, n_max=10**4)
     ids = seed_history(a, [min(s, t) for s, t in groups], [t for _, t in groups])
     counts = a.plan(ids, budget).counts
     check_caps(counts, budget, 2, 10**4)

@@ -160,8 +160,8 @@ def test_vigor_budget_caps_determinism_permutation(
     # the budget is spent unless no warmed prompt can take more (flat or capped)
     if res.rewards.numel() < budget:
         grp = res.group
-        hi = torch.zeros(p, dtype=torch.float64).scatter_reduce(0, grp, res.rewards, "amax", include_self=False)
-        lo = torch.ones(p, dtype=torch.float64).scatter_reduce(0, grp, res.rewards, "amin", include_self=False)
+        hi = torch.zeros(p, dtype=res.rewards.dtype).scatter_reduce(0, grp, res.rewards, "amax", include_self=False)
+        lo = torch.ones(p, dtype=res.rewards.dtype).scatter_reduce(0, grp, res.rewards, "amin", include_self=False)
         open_ = (c > 0) & (hi != lo) & (torch.ones_like(c, dtype=torch.bool) if n_max is None else c < n_max)
         assert not bool(open_.any())
     again, _ = run(alloc.plan(ids, budget), hashed(seed))

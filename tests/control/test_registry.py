@@ -31,7 +31,10 @@ REQUIRED_ARGS: dict[str, dict[str, Any]] = {
     "prune_opd_window": {"l0": 4, "l_max": 16},
 }
 #: the hyper-parameters a post-hoc rule needs beyond its inputs
-POSTHOC_ARGS: dict[str, dict[str, Any]] = {"dler_truncation_penalty": {"max_len": 6}, "dler_difficulty_penalty": {"max_len": 6}}
+POSTHOC_ARGS: dict[str, dict[str, Any]] = {
+    "dler_truncation_penalty": {"max_len": 6},
+    "dler_difficulty_penalty": {"max_len": 6},
+}
 #: the inputs of the per-training-step controllers' ``observe``
 OBSERVE_INPUTS: dict[str, Any] = {
     "lengths": torch.tensor([3, 5, 8, 8]),
@@ -70,10 +73,14 @@ def tensor_input(rule: StopRule, name: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     if name in ("group", "row_id"):
         return torch.tensor([0, 0, 1, 1]) if name == "group" else torch.arange(N)
-    spec, kind = (STANDARD_INPUTS[name], "float") if name in STANDARD_INPUTS else {
-        **rule.extra_inputs,
-        **rule.init_inputs,
-    }[name]
+    spec, kind = (
+        (STANDARD_INPUTS[name], "float")
+        if name in STANDARD_INPUTS
+        else {
+            **rule.extra_inputs,
+            **rule.init_inputs,
+        }[name]
+    )
     if name == "tokens":
         kind = "int"
     shape = tuple({"N": N, "K": K, "J": J, "D": D}[d] for d in spec.split())

@@ -122,22 +122,34 @@ def loss_of(
 ) -> torch.Tensor:
     logits = model(b["features"])
     logp = torch.log_softmax(logits, -1).gather(-1, b["ids"][..., None])[..., 0]
-    old = logp.detach() + OLD_SCALE.get(name, 1.0) * b["old_shift"]
-    kw: dict[str, Any] = {
-        "agg": mode,
-        "denominators": denominators,
+    old = (logp.detach() + OLD_SCALE.get(name, 1.0) * b["old_shift"]).clamp(max=0.0)  # log-probs are <= 0
+    inputs: dict[str, Any] = {
         "group": b["group"],
         "max_len": MAX_LEN,
-        "seq_weight": b["seq_weight"],
-        "behav_logp": old + b["behav_shift"],
+        "behav_logp": (old + b["behav_shift"]).clamp(max=0.0),
         "confidence": b["confidence"],
     }
+    kw: dict[str, Any] = {"agg": mode, "denominators": denominators, "seq_weight": b["seq_weight"]}
     if trust is not None:
         kw["trust"] = trust
     if name in EXPERIMENTAL:
         kw["experimental"] = True
     kw.update(overrides)
-    return losses.get(name)(logp, old, b["advantages"], b["mask"], **kw).loss
+    preset = losses.get(name)
+    stages = {k: v for k, v in {**preset.config, **kw}.items() if k in ("ratio", "trust", "correction", "proximal")}
+    requires, accepts = losses.declared_inputs(**stages, agg=mode)
+    kw.update({k: v for k, v in inputs.items() if k in requires or k in accepts})  # what the loss consumes
+    return preset(logp, old, b["advantages"], b["mask"], **kw).loss
+
+
+class _M2POClipReadingBehav:
+    """M2POClip declaring optional inputs, so that they reach GlobalBatchTrust (policy_loss refuses a required or
+    undeclared input on each rank before any communication)."""
+
+    accepts = ("behav_logp", "x")  # and a stage input, which GlobalBatchTrust itself must refuse
+
+    def __call__(self, *args: Any, ctx: Any = None) -> Any:
+        return M2POClip()(*args, ctx=ctx)
 
 
 def ddp_case(label: str, mode: str) -> bool:
@@ -183,7 +195,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             loss_of_extra = losses.get("m2po_clip")
             logp = torch.zeros(b["mask"].shape, dtype=torch.float64)
             loss_of_extra(
-                logp, logp, b["advantages"], b["mask"], trust=GlobalBatchTrust(M2POClip()), stage_inputs={"x": 1}
+                logp,
+                logp,
+                b["advantages"],
+                b["mask"],
+                trust=GlobalBatchTrust(_M2POClipReadingBehav()),
+                stage_inputs={"x": 1},
             )
             extra_error = ""
         except InputError as e:
@@ -196,7 +213,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 logp,
                 b["advantages"],
                 b["mask"],
-                trust=GlobalBatchTrust(M2POClip()),
+                trust=GlobalBatchTrust(_M2POClipReadingBehav()),
                 behav_logp=logp if rank == 0 else None,
             )
             mismatch_error = ""

@@ -92,6 +92,8 @@ def make_batch(seed: int, b: int = B, t: int = T) -> dict[str, torch.Tensor]:
     far = rand(b, t) < 0.15  # ref far from logp: k3 > 10, where verl would clamp and TRL does not
     d = torch.where(far, torch.where(rand(b, t) < 0.5, 3.5, -3.0).to(f64), d)
     ref = logp + d
+    # one shift of every log-prob keeps every ratio and KL term and makes them real log-probabilities (<= 0)
+    old, logp, ref = old - 7.0, logp - 7.0, ref - 7.0
     pad = ~mask  # padding holds unrelated finite values
     logp = torch.where(pad, -15.0 * rand(b, t), logp)
     old = torch.where(pad, -15.0 * rand(b, t), old)
@@ -353,6 +355,7 @@ def test_unclamped_log_ratio() -> None:
     """TRL exponentiates the raw log-ratio; ours clamps it to ±20 (verl) unless TokenRatio(clamp=...) is raised."""
     batch = make_batch(9)
     row = int(torch.nonzero(batch["mask"].sum(-1) > 0)[0])
+    batch["old"][row, 0] = -30.0
     batch["logp"][row, 0] = batch["old"][row, 0] + 25.0
     batch["adv"][row] = -1.0  # A < 0: the unclipped branch r·|A| is the loss
     trl = run_trl(batch, loss_type="dapo", epsilon_high=0.28)

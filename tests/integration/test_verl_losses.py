@@ -101,6 +101,8 @@ def make_batch(seed: int, b: int = B, t: int = T) -> Batch:
     far = rand(b, t) < 0.15  # ref far from logp: verl's k3 clamp at 10 fires (e^3.5 - 4.5 > 10)
     d = torch.where(far, torch.where(rand(b, t) < 0.5, 3.5, -3.0).to(f64), d)
     ref = logp + d
+    # one shift of every log-prob keeps every ratio and KL term and makes them real log-probabilities (<= 0)
+    old, logp, ref = old - 7.0, logp - 7.0, ref - 7.0
     pad = ~mask  # padding holds unrelated finite values, as a padded forward pass leaves there
     logp = torch.where(pad, -15.0 * rand(b, t), logp)
     old = torch.where(pad, -15.0 * rand(b, t), old)
@@ -133,6 +135,8 @@ def run_ours(
     lp = batch.logp.clone().requires_grad_(True)
     if weights:
         kwargs["is_weights"] = batch.is_weights
+    if kwargs.get("agg", losses.get(preset).config.get("agg")) != "seq-mean-token-sum-norm":
+        kwargs.pop("max_len", None)  # L_max is read by seq-mean-token-sum-norm only (other modes refuse it)
     out = losses.get(preset)(lp, batch.old, batch.adv if adv is None else adv, batch.mask, **kwargs)
     (grad,) = torch.autograd.grad(out.loss, lp)
     return out.loss.detach(), grad, out.metrics
@@ -256,7 +260,7 @@ def test_vanilla_default_dual_clip(preset: str, low: float, high: float, agg: st
 def test_dual_clip_oracle() -> None:
     """verl's own check (``compute_policy_loss_vanilla``): A = -1 with r = e^3 gives loss 3.0 and pg_clipfrac_lower
     1.0."""
-    old = torch.zeros(1, 1, dtype=torch.float64)
+    old = torch.full((1, 1), -4.0, dtype=torch.float64)
     batch = Batch(
         old + 3.0, old, old, -torch.ones(1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool), old, old
     )
@@ -396,7 +400,7 @@ def test_actor_loss_with_kl_and_entropy_matches_ppo_loss(kl_type: str, agg: str)
     out = policy_loss(
         lp_o, batch.old, batch.adv, batch.mask, ref_logp=batch.ref, entropy=ent_o,
         ratio=TokenRatio(), trust=PPOClip(0.2, 0.28, dual=3.0), kl=KL(kl_type, coef=0.05), entropy_coef=0.01,
-        agg=agg, max_len=T,  # type: ignore[arg-type]
+        agg=agg, max_len=T if agg == "seq-mean-token-sum-norm" else None,  # type: ignore[arg-type]
     )  # fmt: skip
     o_grads = torch.autograd.grad(out.loss, (lp_o, ent_o))
     assert_close(out.loss, v, rtol=1e-7, atol=1e-10)

@@ -150,7 +150,10 @@ def ours(preset: str, batch: Batch, weights: bool, **kwargs: Any) -> tuple[torch
     if weights:
         kwargs["is_weights"] = batch.weights
     p = losses.get(preset)
-    out = losses.policy_loss(lp, batch.old, batch.adv, batch.mask, **{**p.config, **kwargs})
+    kw = {**p.config, **kwargs}
+    if kw.get("agg") != "seq-mean-token-sum-norm":
+        kw.pop("max_len", None)  # L_max is read by seq-mean-token-sum-norm only (other modes refuse it)
+    out = losses.policy_loss(lp, batch.old, batch.adv, batch.mask, **kw)
     (grad,) = torch.autograd.grad(out.loss, lp)
     return out.loss.detach(), grad, out.metrics
 
@@ -345,7 +348,8 @@ def test_dual_clip_off_gives_the_published_preset(preset: str) -> None:
     batch = make_batch(1)
     v_loss, v_grad, _ = call(core_algos.get_policy_loss_fn(f"rolloutopt_{preset}"), batch, cfg, agg, False)
     lp = batch.logp.clone().requires_grad_(True)
-    out = losses.get(preset)(lp, batch.old, batch.adv, batch.mask, max_len=T)
+    p = losses.get(preset)
+    out = p(lp, batch.old, batch.adv, batch.mask, **({"max_len": T} if "max_len" in p.requires else {}))
     (o_grad,) = torch.autograd.grad(out.loss, lp)
     assert_close(v_loss, out.loss.detach(), rtol=1e-12, atol=1e-14)
     assert_close(v_grad, o_grad, rtol=1e-12, atol=1e-14)

@@ -114,9 +114,11 @@ def test_sat_interval_inside_ppo_and_monotone_in_tail(
     large = sat_bounds(old, behav, mask, tail=hi_p, **kw)  # type: ignore[arg-type]
     assert (large.low <= small.low + 1e-15).all() and (large.high <= small.high + 1e-15).all()
     assert not (small.tail & ~large.tail).any()
-    # every finite input gives a finite loss through policy_loss
+    # every finite input gives a finite loss through policy_loss (shifted by -31 to be log-probabilities: the
+    # staleness d = old - behav and the ratio are unchanged)
     logp = old + 0.5
-    out = policy_loss(logp, old, t([1.0]), mask, behav_logp=behav, trust=sat(tail=p1, kappa=kappa, level=level))
+    trust = sat(tail=p1, kappa=kappa, level=level)
+    out = policy_loss(logp - 31, old - 31, t([1.0]), mask, behav_logp=behav - 31, trust=trust)
     assert torch.isfinite(out.loss) and all(torch.isfinite(v) for v in out.metrics.values())
 
 
@@ -240,6 +242,7 @@ def test_tbpo_negative_advantage_bound_and_band_monotone(
 
 def test_tbpo_out_of_band_sequences_contribute_exactly_zero() -> None:
     x = batch(6, B=4, T=5, stale=0.05)
+    x = {k: v - 5.0 if k in ("logp", "old", "behav") else v for k, v in x.items()}  # log-probs stay <= 0 below
     behav = x["behav"].clone()
     behav[1] = x["old"][1] - 3.0  # w = e^3, outside [1/2, 2]
     behav[2] = x["old"][2] + 3.0  # w = e^-3

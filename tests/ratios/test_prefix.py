@@ -193,8 +193,9 @@ def test_pnpo_token_routing_gradient_through_policy_loss() -> None:
 
 def test_ppo_clip_clips_on_the_prefix_weight() -> None:
     # cumulative log-weights [0.2, 0.4, 0.6] -> ratios e^.2=1.22 (inside 1.28), e^.4, e^.6 (clipped, A > 0)
-    logp = t([[0.2, 0.2, 0.2]]).requires_grad_()
-    out = policy_loss(logp, torch.zeros(1, 3, dtype=D), t([1.0]), ones(1, 3), ratio=CumulativeRatio(), trust=PPOClip())
+    logp = t([[-0.8, -0.8, -0.8]]).requires_grad_()
+    old = torch.full((1, 3), -1.0, dtype=D)
+    out = policy_loss(logp, old, t([1.0]), ones(1, 3), ratio=CumulativeRatio(), trust=PPOClip(0.2, 0.28))
     torch.testing.assert_close(out.per_token.detach(), -t([[math.exp(0.2), 1.28, 1.28]]))
     torch.testing.assert_close(out.metrics["clipfrac"], t(2 / 3))
     out.loss.backward()

@@ -296,7 +296,7 @@ def test_ppo_clip_stage_matches_function() -> None:
     assert torch.equal(out.loss, loss)
     assert out.indicators.keys() == ind.keys()
     assert not out.indicators["dual_clip_frac"].any()
-    assert PPOClip() == PPOClip(low=0.2, high=0.28, dual=3.0)
+    assert PPOClip() == PPOClip(low=0.2, high=0.2, dual=None)  # PPO's defaults
 
 
 # ------------------------------------------------------------------------------------------------- CISPO

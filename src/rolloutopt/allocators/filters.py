@@ -352,7 +352,9 @@ class DEPO:
         result = _check_result(result)
         if entropy is None:
             raise InputError(
-                "entropy", "float [N], each rollout's mean token entropy: DEPO requires it", "None",
+                "entropy",
+                "float [N], each rollout's mean token entropy: DEPO requires it",
+                "None",
                 "pass update(result, entropy=...) in result.rewards order",
             )
         e = _check_entropy(entropy, result.rewards.numel(), "entropy")

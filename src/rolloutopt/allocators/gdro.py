@@ -587,7 +587,7 @@ class PromptGDRO:
         experimental: must be True (see above).
     """
 
-    accepts: ClassVar[tuple[str, ...]] = ('hardness',)
+    accepts: ClassVar[tuple[str, ...]] = ("hardness",)
     reference: ClassVar[str] = "arXiv 2601.19280 (Multi-Adversary GDRO, the prompt adversary)"
     experimental: ClassVar[str | None] = (
         "the EMA-debiased multiplicative-weights rule over difficulty bins is reconstructed"
@@ -817,7 +817,7 @@ class RolloutGDRO:
         experimental: must be True (see above).
     """
 
-    accepts: ClassVar[tuple[str, ...]] = ('hardness',)
+    accepts: ClassVar[tuple[str, ...]] = ("hardness",)
     reference: ClassVar[str] = "arXiv 2601.19280 (Multi-Adversary GDRO, the rollout adversary)"
     experimental: ClassVar[str | None] = "the shadow-price controller over rollout arms is reconstructed"
 

@@ -54,8 +54,9 @@ class ReplayedGroups:
     Per group ``[G]``: ``keys`` (int64, unique per stored group, increasing in insertion order), ``prompt_ids``,
     ``steps`` (the ``update`` count when the group was stored: the trainer's step that generated it), ``counts``.
     Per rollout ``[M = counts.sum()]``: ``group`` (``0..G-1``), ``index`` (the rollout's position within its
-    original group, in observation order) and ``rewards`` (float32; the buffer keeps them in float64). The trainer keeps the responses and their
-    behaviour log-probs keyed by ``(steps, prompt_ids, index)`` (or by ``keys``) and fetches them with these.
+    original group, in observation order) and ``rewards`` (float32; the buffer keeps them in float64). The
+    trainer keeps the responses and their behaviour log-probs keyed by ``(steps, prompt_ids, index)`` (or by
+    ``keys``) and fetches them with these.
     """
 
     keys: Tensor

@@ -119,8 +119,12 @@ for _name, _fn, _requires, _reference, _experimental in (
     ),
 ):
     posthoc.REGISTRY.register(
-        _name, _fn, requires=_requires, accepts=("mask",) if _name != "step_aware_reward" else (),
-        reference=_reference, experimental=_experimental,
+        _name,
+        _fn,
+        requires=_requires,
+        accepts=("mask",) if _name != "step_aware_reward" else (),
+        reference=_reference,
+        experimental=_experimental,
     )
 
 

@@ -226,9 +226,7 @@ class StopRule:
         for key, value in inputs.items():
             if key not in self.init_inputs:
                 known = ", ".join(sorted(self.init_inputs)) or "none"
-                raise InputError(
-                    key, f"a keyword {name}.init accepts ({known})", describe(value), f"remove {key}="
-                )
+                raise InputError(key, f"a keyword {name}.init accepts ({known})", describe(value), f"remove {key}=")
         for key in self.requires:
             if key in self.init_inputs and inputs.get(key) is None:
                 spec = ", ".join(self.init_inputs[key][0].split())

@@ -223,9 +223,7 @@ class Abstention(_CheckpointRule):
         beta: float = 1.0,
         experimental: bool = False,
     ) -> None:
-        require_experimental(
-            experimental, "the abstention schedule and value estimator", "docs/methods/early_stop.md"
-        )
+        require_experimental(experimental, "the abstention schedule and value estimator", "docs/methods/early_stop.md")
         self.r_abs = _real(r_abs, "r_abs")
         self.every = _int(every, "every", 1)
         if estimator is not None and not callable(estimator):

@@ -413,6 +413,7 @@ def _trainer_class() -> type:
             config = args_ if args_ is not None else _GRPOConfig("rolloutopt-GRPO")
             rollout_func = kwargs.get("rollout_func")
             self._ro_agg = "token-mean"
+            self._ro_reads_behav = True
             self._ro_has_kl = _objective_config(self._ro_objective).get("kl") is not None
             self._ro_preset_call = False
             if self._ro_objective is not None:
@@ -458,6 +459,15 @@ def _trainer_class() -> type:
                     "agg='seq-mean-token-mean'",
                 )
             self._ro_agg = agg
+            # TRL hands over vLLM's (or a rollout_func's) sampling log-probs whenever it has them: they reach the
+            # objective only when one of its stages reads behav_logp, which the objective would refuse otherwise.
+            # A callable that is not a preset or a partial of policy_loss gets them whenever TRL has them.
+            if isinstance(fn, _losses.Preset) or fn is _losses.policy_loss:
+                stages = {k: cfg[k] for k in ("ratio", "trust", "correction", "proximal", "kl") if k in cfg}
+                requires, accepts = _losses.declared_inputs(**stages, agg=agg)
+                self._ro_reads_behav = "behav_logp" in requires or "behav_logp" in accepts
+            else:
+                self._ro_reads_behav = True
             if isinstance(fn, _losses.Preset):
                 self._ro_preset_call = True
                 if fn.experimental is not None and not self._ro_experimental:
@@ -467,7 +477,8 @@ def _trainer_class() -> type:
                         self._ro_experimental,
                         "pass GRPOTrainer(..., experimental=True) to acknowledge the reconstruction",
                     )
-                missing = [r for r in fn.requires if r not in ("behav_logp",)]
+                # behav_logp comes from vLLM or a rollout_func (checked below); max_len is max_completion_length
+                missing = [r for r in fn.requires if r not in ("behav_logp", "max_len")]
                 if missing:
                     raise _fail(
                         "objective",
@@ -840,7 +851,7 @@ def _trainer_class() -> type:
             proximal = logps.detach() if old is None else old
             kw: dict[str, Any] = {"entropy": entropies}
             behav = inputs.get("sampling_per_token_logps")
-            if behav is not None:  # NaN: a token vLLM could not score; neutral (ratio 1 to the proximal policy)
+            if behav is not None and self._ro_reads_behav:  # NaN: a token vLLM could not score; neutral (ratio 1)
                 kw["behav_logp"] = torch.where(torch.isnan(behav), proximal.to(behav.dtype), behav)
             if self.use_vllm and self.vllm_importance_sampling_correction:
                 w = inputs["importance_sampling_ratio"]

@@ -10,9 +10,8 @@ Two kernels, both computing logits tiles with ``tl.dot`` over ``d`` and never st
   ``dh += G W`` and ``dW += Gᵀ h`` (the 4-matmul schedule, ``docs/methods/kernels.md``).
 
 Interpreter rules (``docs/methods/kernels.md``): every load is cast to fp32 before elementwise math; under
-``TRITON_INTERPRET=1``
-the ``tl.dot`` operands are upcast to fp32 (the interpreter multiplies raw bf16 bits); no libdevice; no autotune
-(one fixed config per mode); launches are wrapped in ``torch.compiler.disable``. Row and column offsets are
+``TRITON_INTERPRET=1`` the ``tl.dot`` operands are upcast to fp32 (the interpreter multiplies raw bf16 bits); no
+libdevice; no autotune (one fixed config per mode); launches are wrapped in ``torch.compiler.disable``. Row and column offsets are
 int64 (every ``x * stride`` multiplies an int64 ``x64``; a test checks the source), so ``N * V`` and ``V * d``
 beyond 2**31 index correctly. ``-inf`` is the max identity, and the first block and masked tail columns are
 guarded so no ``0 * inf`` NaN appears. The kernels call no device functions of their own (and ``tl.full``

@@ -255,21 +255,42 @@ def _acc_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+class _Workspace:
+    """Two reusable chunk buffers ``[rows, V]`` in the compute dtype: every elementwise pass writes into them (``out=``
+    or in place), so a call allocates no fresh chunk-sized tensor per chunk (on a CPU each fresh one page-faults)."""
+
+    def __init__(self, x: Tensor) -> None:
+        rows = min(torch_chunk_rows(x.shape[2]), x.shape[0] * x.shape[1])
+        numel = rows * x.shape[2]
+        dt = _acc_dtype(x)
+        self.a = torch.empty(numel, dtype=dt, device=x.device)
+        self.b = torch.empty(numel, dtype=dt, device=x.device)
+
+    def views(self, rows: int, cols: int) -> tuple[Tensor, Tensor]:
+        return self.a[: rows * cols].view(rows, cols), self.b[: rows * cols].view(rows, cols)
+
+
 def _torch_stats(x: Tensor, tgt: Tensor, m: Tensor, inv_t: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per row: ``(logp, entropy, max of the raw logits, log Σ exp((x - max)/T))``, 0 at masked rows."""
     n = tgt.numel()
     dt = _acc_dtype(x)
     logp, ent, mx, logl = (torch.zeros(n, dtype=dt, device=x.device) for _ in range(4))
+    if n == 0:
+        return logp, ent, mx, logl
+    ws = _Workspace(x)
     for s, e, (rows,) in _row_chunks(x):
-        xr = rows.to(dt)
-        rmx = xr.amax(-1, keepdim=True)
+        u, p = ws.views(e - s, rows.shape[1])
+        rmx = rows.amax(-1, keepdim=True).to(dt)  # the max of half logits is exact; upcast after
         safe = torch.where(torch.isfinite(rmx), rmx, torch.zeros_like(rmx))
-        u = (xr - safe) * inv_t
-        p_un = torch.exp(u)
-        lsum = p_un.sum(-1)
-        su = torch.where(p_un > 0, p_un * u, torch.zeros_like(u)).sum(-1)  # e^u u with no 0 * -inf
-        ll = torch.log(lsum)
+        torch.sub(rows, safe, out=u)  # half logits are upcast exactly by type promotion
+        u.mul_(inv_t)
+        torch.exp(u, out=p)
+        lsum = p.sum(-1)
         ut = u.gather(-1, tgt[s:e, None]).squeeze(-1)
+        # Σ e^u u: at -inf logits e^u = 0 and u = -inf, whose product (NaN) is 0; nothing else can be NaN here
+        # (a NaN logit has already made lsum NaN)
+        su = p.mul_(u).nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf).sum(-1)
+        ll = torch.log(lsum)
         mk = m[s:e]
         logp[s:e] = torch.where(mk, ut - ll, 0.0)
         ent[s:e] = torch.where(mk, ll - su / lsum, 0.0)
@@ -290,17 +311,25 @@ def _torch_backward(
     ent: Tensor,
     inv_t: float,
 ) -> None:
-    """Write ``d loss / d logits`` into ``out`` (``x`` itself when in place), chunk by chunk."""
-    dt = _acc_dtype(x)
+    """Write ``d loss / d logits`` into ``out`` (``x`` itself when in place), chunk by chunk:
+    ``dz = (g_l (1[v = y] - p) - g_H p (u - E_p u)) / T`` with ``p = e^{u - log s}``, 0 at masked rows."""
+    if tgt.numel() == 0:
+        return
     eu_all = logl - ent  # E_p[u] per row, u = (x - max) / T
+    ws = _Workspace(x)
     for s, e, (rows, orows) in _row_chunks(x, out):
-        mk = m[s:e, None]
-        u = (rows.to(dt) - mx[s:e, None]) * inv_t
-        p = torch.exp(u - logl[s:e, None])
+        dz, p = ws.views(e - s, rows.shape[1])
+        off = ~m[s:e, None]
+        torch.sub(rows, mx[s:e, None], out=dz)  # reads the row before the (possibly same) storage is written
+        dz.mul_(inv_t)  # u
+        torch.sub(dz, logl[s:e, None], out=p).exp_()  # p
         g = gl[s:e, None]
-        dz = torch.where(p > 0, -p * (g + gh[s:e, None] * (u - eu_all[s:e, None])), torch.zeros_like(p))
+        # (g_l + g_H (u - E u)) p: at -inf logits p = 0 and u = -inf, whose product (NaN) is 0
+        dz.sub_(eu_all[s:e, None]).mul_(gh[s:e, None]).add_(g).mul_(p).neg_()
+        dz.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
         dz.scatter_add_(-1, tgt[s:e, None], g)
-        orows.copy_(torch.where(mk, dz * inv_t, torch.zeros_like(dz)))
+        dz.mul_(inv_t).masked_fill_(off, 0.0)  # masked rows (which may hold anything) get exactly 0
+        orows.copy_(dz)
 
 
 # ------------------------------------------------------------------------------------------------ autograd
