@@ -632,7 +632,7 @@ def test_selector_allocator_chooses_the_trained_prompts(which: str) -> None:
         assert selected == req.prompt_ids.repeat_interleave(2).tolist()
         assert prompts[: len(selected)] == [ALLOC_PROMPTS[i] for i in selected]
         # update got TRL's rewards of those rollouts
-        assert_close(res.rewards, torch.tensor(rewards[: len(selected)], dtype=torch.float64))
+        assert_close(res.rewards, torch.tensor(rewards[: len(selected)], dtype=torch.float32))  # fp32 results
         plan.observe(req, res.rewards)
         assert plan.next() is None
         replay.update(plan.finish())
@@ -721,7 +721,7 @@ def test_count_allocator_presents_allocated_counts_with_weights(n: int | None) -
         assert prompts[: len(rows)] == [ALLOC_PROMPTS[i] for i in rows]
         if n == 1:  # one padding row: a pool prompt again (no unselected candidate is left)
             assert len(prompts) == 4 and prompts[3] in {ALLOC_PROMPTS[i] for i in pool}
-        assert_close(res.rewards, torch.tensor(rewards[: len(rows)], dtype=torch.float64))
+        assert_close(res.rewards, torch.tensor(rewards[: len(rows)], dtype=torch.float32))  # fp32 results
     group = torch.tensor([0, 0, 1, 2] if n is None else [0, 1, 2, 3])
     weight = torch.tensor([1.0, 1.0, 1.0, 1.0] if n is None else [1.0, 1.0, 1.0, 0.0])
     want = advantages.grpo(torch.tensor(scored[-1]), group, eps=1e-4).advantages * weight

@@ -453,7 +453,9 @@ def test_proximal_stages_on_empty_batches_give_zero_loss(shape: tuple[int, int],
     behav = lp.detach() - 0.5
     for agg in ("token-mean", "seq-mean-token-mean"):
         outs = [
-            policy_loss(lp, lp.detach(), adv, mask, behav_logp=behav, versions=versions, proximal=CoPRISProximal(), agg=agg),
+            policy_loss(
+                lp, lp.detach(), adv, mask, behav_logp=behav, versions=versions, proximal=CoPRISProximal(), agg=agg
+            ),
             policy_loss(
                 lp, None, adv, mask, behav_logp=behav, versions=versions, policy_version=2,
                 proximal=A3POProximal(method=method), agg=agg,  # type: ignore[arg-type]

@@ -216,6 +216,16 @@ class StopRule:
     reference: ClassVar[str] = ""
     experimental: ClassVar[str | None] = None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "uses" in cls.__dict__:  # the former declaration: refuse it rather than ignore it
+            raise InputError(
+                f"{cls.__name__}.uses",
+                "the declarations requires and accepts (uses was replaced by them)",
+                repr(cls.__dict__["uses"]),
+                "declare requires = (...) for the inputs the rule cannot run without and accepts = (...) for the rest",
+            )
+
     # -- the protocol ------------------------------------------------------------------------------------------
     def init(self, batch_size: int, *, device: torch.device | str | None = None, **inputs: Any) -> StopState:
         """A fresh state for ``batch_size`` rows (rule-specific keywords, e.g. ``group=``, go to :meth:`_init`;

@@ -740,7 +740,7 @@ def _trainer_class() -> type:
                 raise RuntimeError("TRL did not call _calculate_rewards; the rolloutopt adapter needs TRL 1.16")
             if req is not None:
                 rewards = (rpf * self.reward_weights.to(rpf.device).unsqueeze(0)).nansum(dim=1)
-                plan.observe(req, rewards[: req.total].detach().double().cpu())
+                plan.observe(req, rewards[: req.total].detach().float().cpu())  # fp32 result rows
                 if plan.next() is not None:
                     raise RuntimeError("the allocator requested a second round; the TRL adapter generates once")
             result = plan.finish()

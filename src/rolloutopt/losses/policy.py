@@ -382,7 +382,7 @@ def policy_loss(
             (ent, entropy, "entropy"),
         ):
             if x is not None:  # a per-sequence [B] input is checked (and reported) in its own shape
-                finite(x[:, 0], name, seq_m) if raw.ndim == 1 else finite(x, name, m)
+                finite(x[:, 0], name, seq_m) if getattr(raw, "ndim", 2) == 1 else finite(x, name, m)
         for x, name in ((tk, "topk_logp"), (tkb, "topk_behav_logp")):
             if x is not None:
                 finite(x, name, m[..., None].expand_as(x))

@@ -34,7 +34,15 @@ from rolloutopt.ratios.offpolicy import *  # noqa: F403
 from rolloutopt.ratios.prefix import *  # noqa: F403
 from rolloutopt.ratios.reference import *  # noqa: F403
 
-__all__ = ["CorrectionOutput", "MaskOutput", "StageContext", "as_weights", "masked_max", "masked_mean", "masked_quantiles"]
+__all__ = [
+    "CorrectionOutput",
+    "MaskOutput",
+    "StageContext",
+    "as_weights",
+    "masked_max",
+    "masked_mean",
+    "masked_quantiles",
+]
 __all__ += reference.__all__
 __all__ += corrections.__all__
 __all__ += offpolicy.__all__

@@ -595,7 +595,9 @@ class OPSM:
     per-token loss by the mask and keeps the denominator). Default ``delta=1e-4`` (slime ``--opsm-delta``;
     TRL's ``off_policy_mask_threshold`` defaults to None = off).
 
-    Edge cases: an empty row has divergence 0; a row with A ≥ 0 is always kept.
+    Edge cases: an empty row has divergence 0; a row with A ≥ 0 is always kept; ``B = 0``, ``T = 0`` and an
+    all-masked batch give zero metrics. Inputs (:attr:`requires`, :attr:`accepts`): ``behav_logp`` is accepted
+    with ``source="auto"`` and required with ``"behav"``.
 
     Metrics: ``opsm_masked_frac`` (fraction of loss tokens dropped), ``opsm_seq_masked_frac`` (fraction of
     non-empty sequences with a dropped token), ``opsm_kl_mean`` (mean over non-empty sequences of the
@@ -811,7 +813,7 @@ class RejectionFilter:
 
     References: verl 0.9.1 ``compute_rollout_rejection_mask`` and "When Speed Kills Stability" (Yao et al.,
     2025; no arXiv id); ROLL ``InferCorrectionHandler`` for ``catastrophic``. Edge cases: an empty row has
-    statistic 0; an all-masked batch gives zero metrics.
+    statistic 0; ``B = 0``, ``T = 0`` and an all-masked batch give zero metrics.
 
     Metrics: per option ``rs_<opt>_masked_frac`` (fraction of loss tokens the option rejects, verl's
     ``rollout_rs_<opt>_masked_fraction``) and ``rs_<opt>_mean`` (token-weighted mean of its statistic); overall

@@ -402,9 +402,12 @@ class DPPO:
     Indicators (masked means over the loss mask): ``dppo_masked_frac`` (verl ``pg_clipfrac``),
     ``dppo_masked_high_frac``, ``dppo_masked_low_frac``, ``dppo_ratio_capped_frac`` (r > c among kept tokens,
     verl's ``pg_clipfrac_lower``), and with ``predictive`` ``dppo_direction_flip_frac``. Metric:
-    ``dppo_divergence_mean``.
+    ``dppo_divergence_mean``. Inputs beyond the common ones (:attr:`requires`, :attr:`accepts`): the two top-K
+    tensors for the top-K divergences, ``behav_logp`` with ``weight_ref="behav"``, and
+    ``stage_inputs={"sampled_in_topk": ...}`` (optional) with ``predictive=True``.
 
-    Edge cases: all-masked rows and an empty mask give 0 loss and 0 metrics; A = 0 gives 0 loss and gradient;
+    Edge cases: ``B = 0``, ``T = 0``, all-masked rows and an empty mask give 0 loss and 0 metrics; A = 0 gives 0
+    loss and gradient;
     every finite input gives finite outputs (log-probs above 0 count as probability 1). Reference: DPPO,
     arXiv 2602.04879; verl 0.9.1 ``compute_policy_loss_dppo_tv``/``_kl`` (exact float64 parity with ``c=3``).
     """
@@ -830,8 +833,8 @@ class ECHOClip:
     ``eps_min == eps_max`` gives plain :class:`~rolloutopt.ratios.PPOClip` with that radius.
 
     Indicators: ``clipfrac``, ``clip_low_frac``, ``clip_high_frac``, ``dual_clip_frac``; metric
-    ``echo_clip_eps_mean`` (token-weighted mean radius). Edge cases: all-masked rows and an empty mask are
-    harmless (0 loss, 0 metrics). Reference: ECHO, arXiv 2602.02150, §3.2.
+    ``echo_clip_eps_mean`` (token-weighted mean radius). Requires ``confidence``. Edge cases: ``B = 0``,
+    ``T = 0``, all-masked rows and an empty mask are harmless (0 loss, 0 metrics). Reference: ECHO, arXiv 2602.02150, §3.2.
     """
 
     eps_min: float = 0.05
