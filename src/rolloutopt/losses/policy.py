@@ -35,12 +35,13 @@ from rolloutopt.ratios.context import (
     masked_mean,
     masked_quantiles,
 )
-from rolloutopt.registry import check_inputs
+from rolloutopt.registry import Registry, check_inputs
 from rolloutopt.typing import BoolBT, FloatB, FloatBT, IntB, PerSeqOrToken
 
 __all__ = [
     "ALWAYS_ACCEPTED",
     "OPTIONAL_INPUTS",
+    "PRESETS",
     "Correction",
     "CorrectionOutput",
     "LossOutput",
@@ -200,9 +201,12 @@ def _fix_missing(name: str) -> str:
     return f"pass stage_inputs={{{name!r}: ...}} (a custom stage's input)"
 
 
-def _users(name: str) -> list[str]:
-    from rolloutopt.losses.presets import PRESETS  # presets import this module: look them up when raising
+PRESETS: Registry[Any] = Registry("loss preset")
+"""The loss presets by name (filled by :mod:`rolloutopt.losses.presets`): kept here so that an input refused by
+:func:`policy_loss` names the presets that would use it."""
 
+
+def _users(name: str) -> list[str]:
     return PRESETS.users(name)
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from rolloutopt.errors import InputError
+from rolloutopt.losses import policy
 from rolloutopt.losses.policy import OPTIONAL_INPUTS, LossOutput, declared_inputs, policy_loss
 from rolloutopt.ratios import (
     CISPO,
@@ -114,9 +115,11 @@ class Preset:
         return policy_loss(logp, old_logp, advantages, mask, **{**self.config, **kwargs})
 
 
+PRESETS = cast(Registry[Preset], policy.PRESETS)
+"""The loss presets by name (the registry lives beside :func:`policy_loss`, which names presets in its errors)."""
+
 _POLICY_KEYWORDS = frozenset(inspect.signature(policy_loss).parameters) - {"logp", "old_logp", "advantages", "mask"}
 
-PRESETS: Registry[Preset] = Registry("loss preset")
 
 for _preset in (
     Preset(
