@@ -7,8 +7,6 @@ checkpoint it. :class:`PromptHistory` is the shared, bounded per-prompt store.
 
 from __future__ import annotations
 
-from typing import Any
-
 from rolloutopt.allocators import (
     adaptive,
     baselines,
@@ -59,7 +57,7 @@ __all__ += adaptive.__all__
 __all__ += replay.__all__
 __all__ += filters.__all__
 
-from rolloutopt.registry import Entry, Registry  # noqa: E402
+from rolloutopt.registry import Registry  # noqa: E402
 
 REGISTRY: Registry[type] = Registry("allocator")
 """Allocator classes by name, the snake_case of the class name, for trainers whose configs hold strings
@@ -92,27 +90,11 @@ for _name, _cls in (
     REGISTRY.register(_name, _cls)
 
 
-def get(name: str) -> Any:
-    """The allocator class registered as ``name`` (an :class:`~rolloutopt.errors.InputError` lists the names)."""
-    return REGISTRY.get(name)
-
-
-def entry(name: str) -> Entry[type]:
-    """The :class:`~rolloutopt.registry.Entry` of allocator ``name``: the class, ``requires``, ``accepts``,
-    ``reference`` and ``experimental``."""
-    return REGISTRY.entry(name)
-
-
-def names() -> list[str]:
-    """Names of every registered allocator, sorted."""
-    return REGISTRY.names()
-
-
-def register(name: str, cls: type, *, overwrite: bool = False) -> type:
-    """Register an allocator class under ``name`` (its ``requires``, ``accepts``, ``reference`` and
-    ``experimental`` class attributes are its declarations); a different class under a taken name raises unless
-    ``overwrite``."""
-    return REGISTRY.register(name, cls, overwrite=overwrite)
-
+# The family's four registry functions are the registry's own (rolloutopt.registry.Registry): get(name) returns the
+# class, entry(name) its Entry (requires, accepts, reference, experimental), names() and register(name, cls).
+get = REGISTRY.get
+entry = REGISTRY.entry
+names = REGISTRY.names
+register = REGISTRY.register
 
 __all__ += ["REGISTRY", "entry", "get", "names", "register"]

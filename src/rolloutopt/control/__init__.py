@@ -49,9 +49,7 @@ __all__ += opd.__all__
 __all__ += posthoc.__all__
 __all__ += partial.__all__
 
-from typing import Any  # noqa: E402
-
-from rolloutopt.registry import Entry, Registry  # noqa: E402
+from rolloutopt.registry import Registry  # noqa: E402
 
 REGISTRY: Registry[type] = Registry("control rule")
 """Rule classes by name (the snake_case of the class name): ``get("espo")()`` constructs ESPO."""
@@ -128,26 +126,11 @@ for _name, _fn, _requires, _reference, _experimental in (
     )
 
 
-def get(name: str) -> Any:
-    """The rule class registered as ``name`` (an :class:`~rolloutopt.errors.InputError` lists the names)."""
-    return REGISTRY.get(name)
-
-
-def entry(name: str) -> Entry[type]:
-    """The :class:`~rolloutopt.registry.Entry` of rule ``name``: the class, ``requires``, ``accepts``,
-    ``reference`` and ``experimental``."""
-    return REGISTRY.entry(name)
-
-
-def names() -> list[str]:
-    """Names of every registered rule class, sorted."""
-    return REGISTRY.names()
-
-
-def register(name: str, cls: type, *, overwrite: bool = False) -> type:
-    """Register a rule class under ``name`` (its ``requires``, ``accepts``, ``reference`` and ``experimental``
-    class attributes are its declarations); a different class under a taken name raises unless ``overwrite``."""
-    return REGISTRY.register(name, cls, overwrite=overwrite)
-
+# The family's four registry functions are the registry's own (rolloutopt.registry.Registry): get(name) returns the
+# class, entry(name) its Entry (requires, accepts, reference, experimental), names() and register(name, cls).
+get = REGISTRY.get
+entry = REGISTRY.entry
+names = REGISTRY.names
+register = REGISTRY.register
 
 __all__ += ["REGISTRY", "entry", "get", "names", "register"]
