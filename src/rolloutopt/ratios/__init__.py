@@ -31,8 +31,8 @@ from rolloutopt.ratios.corrections import *  # noqa: F403
 from rolloutopt.ratios.dppo import *  # noqa: F403
 from rolloutopt.ratios.echo import *  # noqa: F403
 from rolloutopt.ratios.m2po import *  # noqa: F403
-from rolloutopt.ratios.proximal import *  # noqa: F403
 from rolloutopt.ratios.prefix import *  # noqa: F403
+from rolloutopt.ratios.proximal import *  # noqa: F403
 from rolloutopt.ratios.reference import *  # noqa: F403
 from rolloutopt.ratios.sat import *  # noqa: F403
 from rolloutopt.ratios.tbpo import *  # noqa: F403
