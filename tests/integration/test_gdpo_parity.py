@@ -1,4 +1,4 @@
-"""Parity of :func:`rolloutopt.advantages.multi_reward.gdpo` with verl 0.9.1 and TRL 1.16 on identical inputs.
+"""Parity of :func:`rolloutopt.advantages.gdpo.gdpo` with verl 0.9.1 and TRL 1.16 on identical inputs.
 
 verl: ``core_algos.compute_gdpo_outcome_advantage`` is called as the trainer calls it, with ``config`` holding
 ``gdpo_reward_keys`` / ``gdpo_reward_weights``, the components in ``non_tensor_batch`` and a ``batch`` with
@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 
-from rolloutopt.advantages.multi_reward import gdpo
+from rolloutopt.advantages.gdpo import gdpo
 
 pytestmark = pytest.mark.filterwarnings("ignore:rolloutopt. a group of size 1")
 

@@ -57,8 +57,8 @@ from typing import Any, Literal
 
 from rolloutopt.advantages._base import REGISTRY, SELECTORS, SHAPERS, AdvantageOutput, Estimator
 from rolloutopt.advantages.confidence import ace, xrpo_sharpen
+from rolloutopt.advantages.gdpo import gd2po, gdpo
 from rolloutopt.advantages.median import gapo, mc_grpo
-from rolloutopt.advantages.multi_reward import gd2po, gdpo
 from rolloutopt.advantages.prior import DAREOutput, V05Output, dare_rewards, v05
 from rolloutopt.advantages.reference import dr_grpo, grpo, reinforce_pp_baseline, rloo, to_tokens
 from rolloutopt.advantages.selection import D3SOutput, TokenSubsample, d3s, d3s_schedule, latent_mask, nat_weights

@@ -1,4 +1,6 @@
-"""Multi-reward advantage estimators: GDPO and GD²PO (arXiv 2601.05242, 2606.16771; ``docs/methods/multi_reward.md``).
+"""The GDPO family of multi-reward advantage estimators: GDPO and its conflict-aware extension GD²PO.
+
+References: arXiv 2601.05242, 2606.16771 (``docs/methods/multi_reward.md``).
 
 Both take K reward components per rollout (``rewards [B, K]``) and normalise each component inside its group
 before combining them, so that one dominant reward cannot drown the others and distinct reward combinations do

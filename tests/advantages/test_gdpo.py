@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import rolloutopt
 from rolloutopt.advantages._base import REGISTRY
-from rolloutopt.advantages.multi_reward import gd2po, gdpo
+from rolloutopt.advantages.gdpo import gd2po, gdpo
 from rolloutopt.advantages.reference import grpo
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
