@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rolloutopt.advantages.prior import v05
+from rolloutopt.advantages.v05 import v05
 from rolloutopt.allocators import AllocationResult, Request
 from rolloutopt.allocators.adaptive import (
     AERO,

@@ -57,9 +57,9 @@ from typing import Any, Literal
 
 from rolloutopt.advantages._base import REGISTRY, SELECTORS, SHAPERS, AdvantageOutput, Estimator
 from rolloutopt.advantages.confidence import ace, xrpo_sharpen
+from rolloutopt.advantages.dare import DAREOutput, dare_rewards
 from rolloutopt.advantages.gdpo import gd2po, gdpo
 from rolloutopt.advantages.median import gapo, mc_grpo
-from rolloutopt.advantages.prior import DAREOutput, V05Output, dare_rewards, v05
 from rolloutopt.advantages.reference import dr_grpo, grpo, reinforce_pp_baseline, rloo, to_tokens
 from rolloutopt.advantages.selection import D3SOutput, TokenSubsample, d3s, d3s_schedule, latent_mask, nat_weights
 from rolloutopt.advantages.shaping import (
@@ -70,6 +70,7 @@ from rolloutopt.advantages.shaping import (
     fapo_penalty,
     truncation_penalty,
 )
+from rolloutopt.advantages.v05 import V05Output, v05
 from rolloutopt.registry import Entry
 
 __all__ = [

@@ -765,9 +765,9 @@ class _V05Plan(Conversation):
         self._got_extra = torch.zeros(p, dtype=torch.bool)
 
     def consume(self, output: Any) -> None:
-        """Use a :class:`~rolloutopt.advantages.prior.V05Output` the trainer computed (its ``group_ids`` are this
+        """Use a :class:`~rolloutopt.advantages.v05.V05Output` the trainer computed (its ``group_ids`` are this
         plan's prompt ids) for the next top-up round, instead of calling ``v05`` with the allocator's keywords."""
-        from rolloutopt.advantages.prior import V05Output
+        from rolloutopt.advantages.v05 import V05Output
 
         if not isinstance(output, V05Output):
             raise InputError("output", "a V05Output (rolloutopt.advantages.v05)", describe(output), "pass v05(...)")
@@ -776,7 +776,7 @@ class _V05Plan(Conversation):
         self._extra = extra
 
     def _request_from_v05(self) -> Tensor:
-        from rolloutopt.advantages.prior import v05
+        from rolloutopt.advantages.v05 import v05
 
         o = self.o
         pos, r = self.rollouts()

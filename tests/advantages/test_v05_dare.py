@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 import rolloutopt
 from rolloutopt.advantages import get
-from rolloutopt.advantages.prior import DAREOutput, V05Output, dare_rewards, v05
+from rolloutopt.advantages.dare import DAREOutput, dare_rewards
+from rolloutopt.advantages.v05 import V05Output, v05
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 
