@@ -10,7 +10,7 @@ from torch import Tensor
 from rolloutopt.errors import InputError
 from rolloutopt.registry import Method, MethodRegistry
 
-__all__ = ["REGISTRY", "SELECTORS", "SHAPERS", "AdvantageOutput", "Estimator"]
+__all__ = ["REGISTRY", "SELECTORS", "SHAPERS", "AdvantageOutput", "Estimator", "ShapedRewards"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,20 @@ class AdvantageOutput:
 
     advantages: Tensor
     weight: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ShapedRewards:
+    """What a reward-shaping function returns.
+
+    Attributes:
+        rewards: the shaped per-sequence rewards ``[B]`` (fp32; fp64 for fp64 input), to be passed to an
+            advantage estimator.
+        metrics: detached 0-d tensors (fraction of rollouts the shaping changed, mean shaped reward).
+    """
+
+    rewards: Tensor
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 

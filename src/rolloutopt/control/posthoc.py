@@ -50,7 +50,7 @@ from rolloutopt._validation import (
 from rolloutopt._validation import (
     check_real as _real,
 )
-from rolloutopt.advantages.shaping import truncation_penalty
+from rolloutopt.advantages.dler import truncation_penalty
 from rolloutopt.control._base import TruncationOutput
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups, as_groups
@@ -514,8 +514,8 @@ def dler_truncation_penalty(
     revisits "the simplest length penalty — truncation" and makes it work with batch-wise reward normalisation,
     higher clipping and dynamic sampling. **Reconstructed** (``experimental=True`` required; every choice a
     keyword): the strict ``>``, the zero reward (``truncated_reward``), the mask cut (``cut_mask``). The reward
-    part is :func:`rolloutopt.advantages.shaping.truncation_penalty`. DLER's batch-wise reward normalisation is
-    :func:`rolloutopt.advantages.shaping.dler_normalise` (group-mean centring, batch whitening) or
+    part is :func:`rolloutopt.advantages.dler.truncation_penalty`. DLER's batch-wise reward normalisation is
+    :func:`rolloutopt.advantages.dler.dler_normalise` (group-mean centring, batch whitening) or
     ``rolloutopt.advantages.grpo(..., scale="batch")`` (TRL ``scale_rewards="batch"``); apply it to
     ``out.rewards``. Higher clipping is ``PPOClip(high=0.28)``; dynamic sampling is the allocators' filter.
 
@@ -636,7 +636,7 @@ def dler_difficulty_penalty(
     Reference: DLER, arXiv 2510.15110 (abstract only). **Reconstructed** (``experimental=True`` required): see
     :func:`dler_difficulty_budget` for the budget rule and :func:`dler_truncation_penalty` for the cut. The pass
     rate is read from ``rewards`` before the penalty. Normalise the resulting rewards batch-wise
-    (:func:`rolloutopt.advantages.shaping.dler_normalise`).
+    (:func:`rolloutopt.advantages.dler.dler_normalise`).
 
     Args:
         rewards, lengths, group, mask: as in :func:`dot`.

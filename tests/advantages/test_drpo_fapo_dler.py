@@ -21,13 +21,9 @@ from hypothesis import strategies as st
 
 import rolloutopt
 from rolloutopt.advantages import dr_grpo, grpo, names, reinforce_pp_baseline
-from rolloutopt.advantages.shaping import (
-    dler_normalise,
-    drpo,
-    drpo_trust_penalty,
-    fapo_penalty,
-    truncation_penalty,
-)
+from rolloutopt.advantages.dler import dler_normalise, truncation_penalty
+from rolloutopt.advantages.drpo import drpo, drpo_trust_penalty
+from rolloutopt.advantages.fapo import fapo_penalty
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 from rolloutopt.losses import Denominators, policy_loss
