@@ -57,14 +57,16 @@ from typing import Any, Literal
 
 from rolloutopt.advantages._base import REGISTRY, SELECTORS, SHAPERS, AdvantageOutput, Estimator, ShapedRewards
 from rolloutopt.advantages.confidence import ace, xrpo_sharpen
+from rolloutopt.advantages.d3s import D3SOutput, d3s, d3s_schedule
 from rolloutopt.advantages.dare import DAREOutput, dare_rewards
 from rolloutopt.advantages.dler import dler_normalise, truncation_penalty
 from rolloutopt.advantages.drpo import drpo, drpo_trust_penalty
 from rolloutopt.advantages.fapo import fapo_penalty
 from rolloutopt.advantages.gdpo import gd2po, gdpo
+from rolloutopt.advantages.latent import latent_mask
 from rolloutopt.advantages.median import gapo, mc_grpo
+from rolloutopt.advantages.nat import TokenSubsample, nat_weights
 from rolloutopt.advantages.reference import dr_grpo, grpo, reinforce_pp_baseline, rloo, to_tokens
-from rolloutopt.advantages.selection import D3SOutput, TokenSubsample, d3s, d3s_schedule, latent_mask, nat_weights
 from rolloutopt.advantages.v05 import V05Output, v05
 from rolloutopt.registry import Entry
 

@@ -21,8 +21,10 @@ from hypothesis import strategies as st
 
 import rolloutopt
 from rolloutopt.advantages._base import REGISTRY, SELECTORS, AdvantageOutput
+from rolloutopt.advantages.d3s import D3SOutput, d3s, d3s_schedule
+from rolloutopt.advantages.latent import latent_mask
+from rolloutopt.advantages.nat import nat_weights
 from rolloutopt.advantages.reference import grpo
-from rolloutopt.advantages.selection import D3SOutput, d3s, d3s_schedule, latent_mask, nat_weights
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 
@@ -731,7 +733,7 @@ def _reference_token_keep(key: torch.Tensor, eligible: torch.Tensor, frac: float
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_d3s_fast_token_selection_equals_full_sort(dtype: torch.dtype, seed: int) -> None:
-    from rolloutopt.advantages.selection import _token_keep, _token_keep_nonnegative
+    from rolloutopt.advantages.d3s import _token_keep, _token_keep_nonnegative
 
     g = gen(seed)
     b, t_ = 300, 7
@@ -758,7 +760,7 @@ def test_d3s_fast_token_selection_equals_full_sort(dtype: torch.dtype, seed: int
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_d3s_one_sort_selection_equals_group_ranks(dtype: torch.dtype, seed: int) -> None:
-    from rolloutopt.advantages.selection import _select_balanced, _split_budget
+    from rolloutopt.advantages.d3s import _select_balanced, _split_budget
 
     g = gen(seed)
     ids_ = torch.randint(0, 40, (400,), generator=g)
