@@ -56,7 +56,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from rolloutopt.advantages._base import REGISTRY, SELECTORS, SHAPERS, AdvantageOutput, Estimator, ShapedRewards
-from rolloutopt.advantages.confidence import ace, xrpo_sharpen
+from rolloutopt.advantages.ace import ace
 from rolloutopt.advantages.d3s import D3SOutput, d3s, d3s_schedule
 from rolloutopt.advantages.dare import DAREOutput, dare_rewards
 from rolloutopt.advantages.dler import dler_normalise, truncation_penalty
@@ -68,6 +68,7 @@ from rolloutopt.advantages.median import gapo, mc_grpo
 from rolloutopt.advantages.nat import TokenSubsample, nat_weights
 from rolloutopt.advantages.reference import dr_grpo, grpo, reinforce_pp_baseline, rloo, to_tokens
 from rolloutopt.advantages.v05 import V05Output, v05
+from rolloutopt.advantages.xrpo import xrpo_sharpen
 from rolloutopt.registry import Entry
 
 __all__ = [

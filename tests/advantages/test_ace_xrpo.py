@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 
 import rolloutopt
 from rolloutopt.advantages._base import REGISTRY
-from rolloutopt.advantages.confidence import ace, xrpo_sharpen
+from rolloutopt.advantages.ace import ace
 from rolloutopt.advantages.reference import grpo
+from rolloutopt.advantages.xrpo import xrpo_sharpen
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 
