@@ -404,6 +404,7 @@ def test_clip_bounds_match_official_transcription(
     adv = t(advs)
     old = -4.0 * torch.ones_like(lr)  # logp = old + lr stays a log-prob (|lr| <= 3)
     logp = old + lr
+    lr = logp - old  # the log-ratio both sides see (old + lr - old rounds: a 1e-6 entry is not exactly 1e-6)
     b = m2po_clip_bounds(lr, adv, mask, tau=tau)
     low, high, m2_now, after = official_bounds(old, logp, adv, mask, tau)
     assert float(b.low) == pytest.approx(low, abs=1e-12)
