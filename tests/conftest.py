@@ -9,11 +9,14 @@ import os
 # helpers are built at import. An explicit TRITON_INTERPRET=0 (a GPU runner) is left alone.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import _shapecheck  # noqa: I001 - the shape checker's import hook goes in before rolloutopt is imported
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-import rolloutopt
+_shapecheck.install()
+
+import rolloutopt  # noqa: E402
 
 settings.register_profile(
     "dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -83,6 +83,7 @@ class AllocationResult:
         return self.reason_names[int(self.reasons[int(hit[0, 0])])]
 
 
+@runtime_checkable
 class Allocator(Protocol):
     """An allocator: keyword-only construction with the paper's defaults, a plan per step, an update after it."""
 

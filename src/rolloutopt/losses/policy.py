@@ -94,6 +94,7 @@ ALWAYS_ACCEPTED: tuple[str, ...] = ("seq_weight", "is_weights", "denominators", 
 per-token entropies (reported as the ``entropy`` metric; the bonus also needs ``entropy_coef != 0``)."""
 
 
+@runtime_checkable
 class RatioStage(Protocol):
     """A ratio construction: ``log_ratio(logp, old_logp, mask) -> [B, T]`` (e.g. TokenRatio, GSPORatio).
 
@@ -105,6 +106,7 @@ class RatioStage(Protocol):
     def log_ratio(self, logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor: ...
 
 
+@runtime_checkable
 class TrustStage(Protocol):
     """A trust region: ``(ratio, log_ratio, advantages, logp, *, ctx) -> TrustOutput`` (e.g. PPOClip, CISPO).
 
@@ -117,6 +119,7 @@ class TrustStage(Protocol):
     ) -> TrustOutput: ...
 
 
+@runtime_checkable
 class ProximalStage(Protocol):
     """Builds the proximal log-probs ``[B, T]`` (detached) from the context, when the trainer has none to give.
 
