@@ -15,8 +15,8 @@ is always raised.
 Not instrumented, with the reason: functions defined inside other functions (a wrapper per closure creation
 would dominate the suite's time), Triton kernels (``triton.jit`` compiles the function's own source and
 globals), and every call made while ``torch.compile`` traces (the checks are Python-side and data-dependent).
-Functions whose annotations do not resolve at run time are recorded in :data:`UNRESOLVED`, which a test keeps
-empty, so that no signature is silently unchecked.
+A test keeps :func:`unresolved` empty: a function whose annotations do not resolve at run time would go
+unchecked.
 """
 
 from __future__ import annotations
@@ -33,17 +33,30 @@ import jaxtyping
 import torch
 from beartype import BeartypeConf, beartype
 
-ENABLED = os.environ.get("ROLLOUTOPT_SHAPECHECK", "0") != "0"
+ENABLED = os.environ.get("ROLLOUTOPT_SHAPECHECK", "1") != "0"
 """Whether the suite runs under the checker (``ROLLOUTOPT_SHAPECHECK=0`` turns it off)."""
 
 CHECKER = beartype(conf=BeartypeConf(is_pep484_tower=True))
 """beartype, with ``int`` accepted where ``float`` is annotated (PEP 484's numeric tower)."""
 
-UNRESOLVED: list[str] = []
-"""``module.qualname: error`` of every instrumented function whose annotations did not resolve."""
+INSTRUMENTED: dict[str, Callable[..., Any]] = {}
+"""``module.qualname`` -> function, for every function the checker wraps (a test resolves their annotations)."""
 
-INSTRUMENTED: list[str] = []
-"""``module.qualname`` of every function the checker wraps (a test asserts the package's are there)."""
+
+def unresolved() -> list[str]:
+    """``module.qualname: error`` of every instrumented function whose annotations do not resolve at run time.
+
+    Resolved after the modules have finished executing (a method may name its own class); a test keeps this
+    empty, so that no signature is silently unchecked.
+    """
+    out = []
+    for name, fn in INSTRUMENTED.items():
+        try:
+            typing.get_type_hints(fn, include_extras=True)
+        except Exception as error:  # any failure to resolve leaves the signature unchecked
+            out.append(f"{name}: {type(error).__name__}: {error}")
+    return out
+
 
 _COLLECT = os.environ.get("ROLLOUTOPT_SHAPECHECK_COLLECT", "")
 _SEEN: set[str] = set()
@@ -59,17 +72,9 @@ def _is_triton_kernel(fn: Callable[..., Any]) -> bool:
     return "triton.jit" in head
 
 
-def _record_unresolved(fn: Callable[..., Any]) -> None:
-    try:
-        typing.get_type_hints(fn, include_extras=True)
-    except Exception as error:  # any failure to resolve leaves the signature unchecked
-        UNRESOLVED.append(f"{fn.__module__}.{fn.__qualname__}: {type(error).__name__}: {error}")
-
-
 def _lenient(fn: Callable[..., Any], typechecker: Any) -> Callable[..., Any]:
     checked = _jaxtyped(fn, typechecker=typechecker)
-    _record_unresolved(fn)
-    INSTRUMENTED.append(f"{fn.__module__}.{fn.__qualname__}")
+    INSTRUMENTED[f"{fn.__module__}.{fn.__qualname__}"] = fn
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:

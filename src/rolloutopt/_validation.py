@@ -14,9 +14,11 @@ from types import TracebackType
 from typing import Any, Literal, overload
 
 import torch
+from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor
 
 from rolloutopt.errors import InputError
+from rolloutopt.typing import FloatAny, FloatBTb
 
 __all__ = [
     "Dims",
@@ -98,7 +100,7 @@ class Dims:
     def __getitem__(self, dim: str) -> int:
         return self.sizes[dim][0]
 
-    def check(self, x: Tensor, name: str, spec: str) -> None:
+    def check(self, x: Shaped[Tensor, " ..."], name: str, spec: str) -> None:
         """Check that ``x`` has the shape ``spec`` (names separated by spaces) and bind new names."""
         dims = spec.split()
         if x.ndim != len(dims):
@@ -137,7 +139,7 @@ def as_float(
     spec: str | None = None,
     *,
     device: torch.device | None = None,
-) -> Tensor:
+) -> FloatAny:
     """Validate a floating tensor and return it in fp32 (float64 stays float64, for gradcheck).
 
     bf16 and fp16 inputs are upcast, so that arithmetic runs in fp32 (the tensor convention, ``docs/guide.md``).
@@ -155,7 +157,7 @@ def as_float(
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
-def as_seq_or_token(x: Any, name: str, dims: Dims, *, device: torch.device | None = None) -> Tensor:
+def as_seq_or_token(x: Any, name: str, dims: Dims, *, device: torch.device | None = None) -> FloatBTb:
     """Validate a per-sequence ``[B]`` or per-token ``[B, T]`` float tensor; return it as ``[B, 1]`` or ``[B, T]``."""
     t = as_float(x, name, device=device)
     if t.ndim == 1:
@@ -172,7 +174,7 @@ def as_mask(
     spec: str | None = None,
     *,
     device: torch.device | None = None,
-) -> Tensor:
+) -> Bool[Tensor, " ..."]:
     """Validate a mask and return it as bool: bool, or 0/1 floats or ints (converted)."""
     if checks_enabled():
         mask = _require_tensor(mask, name)
@@ -193,7 +195,7 @@ def as_mask(
 
 def as_index(
     group: Any, name: str, dims: Dims | None = None, spec: str = "B", *, device: torch.device | None = None
-) -> Tensor:
+) -> Int[Tensor, " ..."]:
     """Validate integer ids ``[B]`` (any integer dtype; returned as int64)."""
     if checks_enabled():
         group = _require_tensor(group, name)
@@ -210,7 +212,7 @@ LOGP_MAX = 0.01
 a low-precision log-softmax; a probability passed for a log-prob is almost always above it."""
 
 
-def check_log_probs(x: Tensor, name: str, mask: Tensor) -> None:
+def check_log_probs(x: Float[Tensor, "*#shape"], name: str, mask: Shaped[Tensor, "*#shape"]) -> None:
     """Raise unless every masked-in value of the log-probs ``x`` is finite and <= :data:`LOGP_MAX` (one host sync;
     skipped while checks are off)."""
     if not checks_enabled():
@@ -246,7 +248,13 @@ def refuse_compiling() -> None:
         )
 
 
-def finite(x: Tensor, name: str, mask: Tensor | None = None, *, exclude: str | None = "mask") -> None:
+def finite(
+    x: Shaped[Tensor, "*#shape"],
+    name: str,
+    mask: Shaped[Tensor, "*#shape"] | None = None,
+    *,
+    exclude: str | None = "mask",
+) -> None:
     """Raise if a masked-in value of ``x`` is NaN or infinite (skipped while checks are off).
 
     ``exclude`` names the caller's keyword that leaves entries out (the advice in the message): ``"mask"``

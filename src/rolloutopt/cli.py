@@ -9,9 +9,10 @@ bar and the result table; without it the output is plain text. Bad arguments are
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import IO, Any, TextIO, cast
 
 import torch
 
@@ -195,7 +196,7 @@ def _title(cfg: Any) -> str:
     return f"rolloutopt demo: reverse {cfg.length} digits with {method} (seed {cfg.seed})"
 
 
-def _demo_plain(config: Any, train: Callable[..., Any], out: TextIO) -> Any:
+def _demo_plain(config: Any, train: Callable[..., Any], out: TextIO | io.TextIOBase) -> Any:
     n = config.steps
     every = max(1, n // 10)
     for note in _notes(config):
@@ -214,13 +215,13 @@ def _demo_plain(config: Any, train: Callable[..., Any], out: TextIO) -> Any:
     return result
 
 
-def _demo_rich(config: Any, train: Callable[..., Any], out: TextIO) -> Any:
+def _demo_rich(config: Any, train: Callable[..., Any], out: TextIO | io.TextIOBase) -> Any:
     from rich.console import Console
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    console = Console(file=out)
+    console = Console(file=cast(IO[str], out))  # a TextIOBase (StringIO) writes str like any IO[str]
     for note in _notes(config):
         console.print(escape(note), style="yellow" if note.startswith("note") else None)
     label = "GRPO" if config.loss == "grpo" else escape(config.loss)
@@ -260,7 +261,7 @@ def _demo_rich(config: Any, train: Callable[..., Any], out: TextIO) -> Any:
     return result
 
 
-def demo(args: argparse.Namespace, out: TextIO) -> Any:
+def demo(args: argparse.Namespace, out: TextIO | io.TextIOBase) -> Any:
     """Run the demo training (``rolloutopt.testbed.train``), print a progress bar and a result table, and return
     the :class:`~rolloutopt.testbed.TrainResult`."""
     from rolloutopt.testbed import train
@@ -276,7 +277,7 @@ def demo(args: argparse.Namespace, out: TextIO) -> Any:
     return _demo_rich(config, train, out) if use_rich else _demo_plain(config, train, out)
 
 
-def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, out: TextIO | io.TextIOBase | None = None) -> int:
     """Entry point of ``rolloutopt`` / ``python -m rolloutopt``; returns the exit status.
 
     A bad argument, or a combination the demo refuses, is a one-line usage error on stderr (``SystemExit(2)``).

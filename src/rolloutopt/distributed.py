@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from jaxtyping import Float
 from torch import Tensor
 
 from rolloutopt._validation import Dims, as_float, as_mask
@@ -26,7 +27,7 @@ from rolloutopt.groups import Groups, as_groups
 from rolloutopt.losses.aggregation import Denominators
 from rolloutopt.losses.policy import TrustStage
 from rolloutopt.ratios import StageContext, TrustOutput
-from rolloutopt.typing import BoolBT, FloatB, IntB
+from rolloutopt.typing import BoolBT, FloatB, FloatBT, FloatBTb, IntB
 
 __all__ = ["GlobalBatchTrust", "gather_rewards", "global_denominators", "rank_generator", "rank_seed", "request_shard"]
 
@@ -162,7 +163,7 @@ def request_shard(total: int, *, rank: int | None = None, world_size: int | None
     return slice(start, start + base + (1 if rank < extra else 0))
 
 
-def gather_rewards(local: Tensor, total: int, *, process_group: Any = None) -> Tensor:
+def gather_rewards(local: FloatB, total: int, *, process_group: Any = None) -> Float[Tensor, " total"]:
     """All ranks' shares of a request's rewards, in rank order: the full ``[total]`` reward vector on every rank.
 
     The counterpart of :func:`request_shard` (rank ``k`` passes the rewards of ``request_shard(total)[k]``).
@@ -252,7 +253,13 @@ class GlobalBatchTrust:
         return tuple(getattr(self.trust, "accepts", ()))
 
     def __call__(
-        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+        self,
+        ratio: FloatBT,
+        log_ratio: FloatBT,
+        advantages: FloatBTb,
+        logp: FloatBT,
+        *,
+        ctx: StageContext | None = None,
     ) -> TrustOutput:
         if not _dist_ready():
             return self.trust(ratio, log_ratio, advantages, logp, ctx=ctx)

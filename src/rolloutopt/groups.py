@@ -23,11 +23,12 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from jaxtyping import Int, Shaped
 from torch import Tensor
 
 from rolloutopt._validation import Dims, as_float, as_index, as_mask, checks_enabled, choice
 from rolloutopt.errors import InputError
-from rolloutopt.typing import FloatB, FloatG, IntB
+from rolloutopt.typing import BoolB, FloatB, FloatG, IntB
 
 __all__ = ["Groups", "as_groups"]
 
@@ -169,8 +170,8 @@ class Groups:
             x = x.index_select(0, self.order)
         return x.reshape(self.num_groups, self.dense_size)
 
-    def broadcast(self, stat: FloatG) -> Tensor:
-        """Broadcast a per-group statistic ``[G]`` to its rows ``[B]``."""
+    def broadcast(self, stat: Shaped[Tensor, " G *K"]) -> Shaped[Tensor, " B *K"]:
+        """Broadcast a per-group statistic ``[G]`` (or ``[G, ...]``, of any dtype) to its rows ``[B]`` (``[B, ...]``)."""
         if checks_enabled() and (not isinstance(stat, Tensor) or stat.ndim == 0 or stat.shape[0] != self.num_groups):
             # a per-row [B] tensor passed by mistake would otherwise be gathered silently when B >= G
             raise InputError(
@@ -182,14 +183,14 @@ class Groups:
         return stat.index_select(0, self.inverse)  # several times faster than stat[inverse] on the CPU
 
     # --------------------------------------------------------------- reductions
-    def count(self, valid: Any = None) -> Tensor:
+    def count(self, valid: BoolB | None = None) -> Int[Tensor, " G"]:
         """Number of (valid) rows per group, int64 ``[G]``."""
         v = self._valid(valid)
         if v is None:
             return self.sizes
         return torch.zeros(self.num_groups, dtype=torch.long, device=v.device).index_add_(0, self.inverse, v.long())
 
-    def sum(self, x: FloatB, valid: Any = None) -> FloatG:
+    def sum(self, x: FloatB, valid: BoolB | None = None) -> FloatG:
         """Sum of ``x`` over the (valid) rows of each group, ``[G]``."""
         x = self._x(x)
         valid = self._valid(valid)
@@ -199,7 +200,7 @@ class Groups:
             x = torch.where(valid, x, torch.zeros_like(x))
         return torch.zeros(self.num_groups, dtype=x.dtype, device=x.device).index_add(0, self.inverse, x)
 
-    def mean(self, x: FloatB, valid: Any = None) -> FloatG:
+    def mean(self, x: FloatB, valid: BoolB | None = None) -> FloatG:
         """Mean of ``x`` over the (valid) rows of each group, ``[G]``; 0 for a group with no valid row."""
         x = self._x(x)
         valid = self._valid(valid)
@@ -207,7 +208,7 @@ class Groups:
             return self._dense(x).mean(dim=1)
         return self.sum(x, valid) / self.count(valid).clamp(min=1).to(x.dtype)
 
-    def var(self, x: FloatB, valid: Any = None, *, unbiased: bool = True) -> FloatG:
+    def var(self, x: FloatB, valid: BoolB | None = None, *, unbiased: bool = True) -> FloatG:
         """Variance per group, ``[G]``: unbiased (n-1, torch/verl/TRL default) or population (n).
 
         Two-pass (mean first, then squared deviations) for numerical stability. Groups with fewer rows than
@@ -226,7 +227,7 @@ class Groups:
         ss = self.sum(dev * dev, valid)
         return torch.where(n > correction, ss / (n - correction).clamp(min=1).to(x.dtype), torch.zeros_like(ss))
 
-    def std(self, x: FloatB, valid: Any = None, *, unbiased: bool = True) -> FloatG:
+    def std(self, x: FloatB, valid: BoolB | None = None, *, unbiased: bool = True) -> FloatG:
         """Standard deviation per group, ``[G]``: ``sqrt(var)``, with a zero (not NaN) gradient where var = 0."""
         v = self.var(x, valid, unbiased=unbiased)
         positive = v > 0
@@ -247,15 +248,15 @@ class Groups:
             out = torch.where(self.count(valid) > 0, out, torch.zeros_like(out))
         return out
 
-    def min(self, x: FloatB, valid: Any = None) -> FloatG:
+    def min(self, x: FloatB, valid: BoolB | None = None) -> FloatG:
         """Minimum per group, ``[G]``."""
         return self._extreme(x, valid, "amin")
 
-    def max(self, x: FloatB, valid: Any = None) -> FloatG:
+    def max(self, x: FloatB, valid: BoolB | None = None) -> FloatG:
         """Maximum per group, ``[G]``."""
         return self._extreme(x, valid, "amax")
 
-    def sort(self, x: FloatB, valid: Any = None) -> tuple[Tensor, Tensor]:
+    def sort(self, x: FloatB, valid: BoolB | None = None) -> tuple[IntB, Int[Tensor, " G"]]:
         """Rows sorted by (group, validity, value), ties kept in row order.
 
         Returns ``(perm, count)``: ``x[perm]`` lists group 0's valid values in increasing order, then its invalid
@@ -279,7 +280,7 @@ class Groups:
         idx = (self.offsets[:-1] + k).clamp(0, self.num_rows - 1)
         return x[perm[idx]]
 
-    def median(self, x: FloatB, valid: Any = None, *, mode: MedianMode = "average") -> FloatG:
+    def median(self, x: FloatB, valid: BoolB | None = None, *, mode: MedianMode = "average") -> FloatG:
         """Median per group, ``[G]``.
 
         For an even number ``n`` of valid rows, ``mode`` picks the lower (rank ``n/2 - 1``), upper (rank
@@ -295,7 +296,7 @@ class Groups:
         out = {"lower": lower, "upper": upper, "average": (lower + upper) / 2}[mode]
         return torch.where(n > 0, out, torch.zeros_like(out))
 
-    def quantile(self, x: FloatB, q: float, valid: Any = None) -> FloatG:
+    def quantile(self, x: FloatB, q: float, valid: BoolB | None = None) -> FloatG:
         """Quantile ``q`` in [0, 1] per group, ``[G]``, with linear interpolation (numpy's default ``linear``):
         position ``q·(n-1)`` between the sorted values ``floor`` and ``ceil`` of it."""
         if not isinstance(q, (int, float)) or isinstance(q, bool) or not 0.0 <= q <= 1.0:
@@ -311,7 +312,7 @@ class Groups:
         out = v_lo + (v_hi - v_lo) * frac
         return torch.where(n > 0, out, torch.zeros_like(out))
 
-    def loo_mean(self, x: FloatB, valid: Any = None) -> FloatB:
+    def loo_mean(self, x: FloatB, valid: BoolB | None = None) -> FloatB:
         """Leave-one-out mean per row, ``[B]``: the mean of the other (valid) rows of its group.
 
         A row with no other valid row in its group gets 0. Invalid rows get the mean of all valid rows of
@@ -328,7 +329,7 @@ class Groups:
         others = n - one
         return torch.where(others > 0, (total - own) / others.clamp(min=1), torch.zeros_like(x))
 
-    def rank(self, x: FloatB, valid: Any = None, *, descending: bool = False) -> Tensor:
+    def rank(self, x: FloatB, valid: BoolB | None = None, *, descending: bool = False) -> IntB:
         """Ordinal rank of each row inside its group, int64 ``[B]``: 0 for the smallest (largest with
         ``descending``) valid value; ties are broken by row position; invalid rows get -1."""
         x = self._x(x)
@@ -341,7 +342,7 @@ class Groups:
         return ranks
 
 
-def as_groups(group: Groups | Tensor, dims: Dims | None = None) -> Groups:
+def as_groups(group: Groups | IntB, dims: Dims | None = None) -> Groups:
     """Accept either a :class:`Groups` or a tensor of ids ``[B]`` and return a :class:`Groups`.
 
     With ``dims``, checks that the number of rows agrees with the ``B`` bound by the other arguments.

@@ -10,14 +10,15 @@ The aliases are jaxtyping annotations. They document shapes and dtype kinds in e
 test suite runs the package under jaxtyping's runtime checker so that a signature cannot lie, but the library
 does not depend on a runtime checker: its own validation at the public boundary is the error users see.
 ``Float`` is any floating dtype (bf16, fp16, fp32, fp64), ``Shaped`` any dtype (a mask may be bool or 0/1
-numbers, a reward bool, int or float: the function converts it), ``Int`` any signed integer dtype.
+numbers, a reward bool, int or float: the function converts it), ``Integer`` any integer dtype, signed or
+unsigned (ids are converted to int64).
 """
 
 from __future__ import annotations
 
 from typing import TypeAlias
 
-from jaxtyping import Float, Int, Shaped
+from jaxtyping import Float, Integer, Shaped
 from torch import Tensor
 
 __all__ = [
@@ -45,7 +46,7 @@ FloatBTb: TypeAlias = Float[Tensor, "B #T"]
 """Per-token floating tensor ``[B, T]`` or its per-sequence column ``[B, 1]`` (advantages inside a stage)."""
 BoolBT: TypeAlias = Shaped[Tensor, "B T"]
 """Per-token mask ``[B, T]``: bool, or 0/1 floats/ints that are converted to bool."""
-IntBT: TypeAlias = Int[Tensor, "B T"]
+IntBT: TypeAlias = Integer[Tensor, "B T"]
 """Per-token integer tensor ``[B, T]`` (token ids)."""
 FloatBTK: TypeAlias = Float[Tensor, "B T topk"]
 """Top-K log-probs per position ``[B, T, topk]``."""
@@ -59,9 +60,9 @@ FloatBK: TypeAlias = Float[Tensor, "B K"]
 """Multi-component rewards ``[B, K]``."""
 FloatG: TypeAlias = Float[Tensor, " G"]
 """Per-group statistic ``[G]``, ordered as :attr:`rolloutopt.groups.Groups.unique_ids`."""
-IntB: TypeAlias = Int[Tensor, " B"]
+IntB: TypeAlias = Integer[Tensor, " B"]
 """Group ids ``[B]`` (int64, any values, any order)."""
-IntP: TypeAlias = Int[Tensor, " P"]
+IntP: TypeAlias = Integer[Tensor, " P"]
 """Prompt ids or per-prompt counts ``[P]`` (allocators)."""
 FloatP: TypeAlias = Float[Tensor, " P"]
 """Per-prompt floating statistic ``[P]`` (allocators)."""

@@ -329,7 +329,12 @@ def test_to_tokens_non_finite_advantages() -> None:
     assert torch.equal(to_tokens(per_token, mask), t([[1.0, -3.0, 0.0], [0.0, 0.0, 0.0]]))
     with pytest.raises(InputError) as err:
         to_tokens(t([math.nan, 1.0]), mask)
-    assert err.value.argument == "advantages" and "(0, 0)" in err.value.got and "mask" in err.value.fix
+    assert err.value.argument == "advantages" and "mask" in err.value.fix
+    # reported with the [B] shape passed: one bad row, at index (0,), not the broadcast [B, 1]
+    assert "shape (2,)" in err.value.got and "1 non-finite" in err.value.got and "(0,)" in err.value.got
+    with pytest.raises(InputError) as err:
+        to_tokens(per_token, torch.ones(2, 3, dtype=torch.bool))
+    assert "shape (2, 3)" in err.value.got and "3 non-finite" in err.value.got and "(0, 2)" in err.value.got
     with rolloutopt.checks(False):  # no check, but masked-out positions still 0
         assert torch.equal(to_tokens(t([2.0, math.nan]), mask), t([[2.0, 2.0, 0.0], [0.0, 0.0, 0.0]]))
 

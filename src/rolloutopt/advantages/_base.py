@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable  # noqa: F401 - resolves the annotations of Estimator's generated __init__
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -9,6 +10,7 @@ from torch import Tensor
 
 from rolloutopt.errors import InputError
 from rolloutopt.registry import Method, MethodRegistry
+from rolloutopt.typing import FloatB, PerSeqOrToken
 
 __all__ = ["REGISTRY", "SELECTORS", "SHAPERS", "AdvantageOutput", "Estimator", "ShapedRewards"]
 
@@ -27,8 +29,8 @@ class AdvantageOutput:
             reward mean and std); no host synchronisation.
     """
 
-    advantages: Tensor
-    weight: Tensor
+    advantages: PerSeqOrToken
+    weight: FloatB
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
@@ -42,7 +44,7 @@ class ShapedRewards:
         metrics: detached 0-d tensors (fraction of rollouts the shaping changed, mean shaped reward).
     """
 
-    rewards: Tensor
+    rewards: FloatB
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 

@@ -11,11 +11,10 @@ reconstructed, so ``experimental=True`` is required (see ``docs/methods/confiden
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 
 from rolloutopt._validation import (
     Dims,
@@ -28,7 +27,7 @@ from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
 from rolloutopt.advantages.likelihood import Reduce, _base_advantages, _frac, _sequence_logp
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
-from rolloutopt.typing import FloatB, IntB
+from rolloutopt.typing import BoolB, BoolBT, FloatB, FloatBT, IntB
 
 __all__ = ["ace"]
 
@@ -42,10 +41,10 @@ _LN2 = math.log(2.0)
 def ace(
     rewards: FloatB | None,
     group: Groups | IntB,
-    logp: Tensor,
-    ref_logp: Tensor,
+    logp: FloatB | FloatBT,
+    ref_logp: FloatB | FloatBT,
     *,
-    mask: Any = None,
+    mask: BoolBT | None = None,
     advantages: FloatB | None = None,
     alpha: float = 1.0,
     confidence: Reduce = "sum",
@@ -57,7 +56,7 @@ def ace(
     eps: float = 1e-6,
     unbiased: bool = True,
     singleton: Literal["zero", "raw"] | None = None,
-    valid: Any = None,
+    valid: BoolB | None = None,
 ) -> AdvantageOutput:
     r"""ACE: scale the negative advantages of overconfident errors by a softplus of the confidence shift.
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from jaxtyping import Bool
 from torch import Tensor
 
 from rolloutopt._validation import (
@@ -30,7 +31,14 @@ from rolloutopt.advantages._base import SELECTORS, AdvantageOutput
 from rolloutopt.advantages.reference import _emptied
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups, as_groups
-from rolloutopt.typing import BoolBT, FloatBT, IntB, PerSeqOrToken
+from rolloutopt.typing import (
+    BoolB,
+    BoolBT,
+    FloatB,  # noqa: F401 - resolves the inherited fields of D3SOutput's generated __init__
+    FloatBT,
+    IntB,
+    PerSeqOrToken,
+)
 
 __all__ = ["D3SOutput", "d3s", "d3s_schedule"]
 
@@ -73,7 +81,7 @@ class D3SOutput(AdvantageOutput):
             variance of the kept advantages).
     """
 
-    token_mask: Tensor
+    token_mask: Bool[Tensor, "B T"]
 
 
 def d3s_schedule(
@@ -323,7 +331,7 @@ def d3s(
     split: Literal["balanced", "optimal"] = "balanced",
     pos_frac: float = 0.5,
     token_level: Literal["batch", "sequence"] = "batch",
-    valid: Any = None,
+    valid: BoolB | None = None,
 ) -> D3SOutput:
     r"""D³S: keep the rollouts that maximise advantage variance and, in them, the tokens with the largest |A|·H.
 

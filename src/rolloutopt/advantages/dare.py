@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from jaxtyping import Bool
 from torch import Tensor
 
 from rolloutopt._validation import (
@@ -27,7 +28,7 @@ from rolloutopt.advantages._base import SHAPERS
 from rolloutopt.advantages.v05 import _experimental, _frac
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups, as_groups
-from rolloutopt.typing import FloatB, IntB
+from rolloutopt.typing import BoolB, FloatB, IntB
 
 __all__ = ["DAREOutput", "dare_rewards"]
 
@@ -53,13 +54,13 @@ class DAREOutput:
         bonus: the exploration bonus added to each row ``[B]``.
     """
 
-    rewards: Tensor
-    weight: Tensor
+    rewards: FloatB
+    weight: FloatB
     metrics: dict[str, Tensor]
-    answer_prob: Tensor
-    majority: Tensor
-    pruned: Tensor
-    bonus: Tensor
+    answer_prob: FloatB
+    majority: Bool[Tensor, " B"]
+    pruned: Bool[Tensor, " B"]
+    bonus: FloatB
 
 
 _DIRECT_CELLS = 4  # a direct (group, answer) table up to this many cells per row; a sort beyond it
@@ -103,7 +104,7 @@ def dare_rewards(
     bonus_pruned: bool = False,
     null_answer: int | None = None,
     experimental: bool = False,
-    valid: Any = None,
+    valid: BoolB | None = None,
 ) -> DAREOutput:
     r"""DARE reward for test-time RL: the share of the group that agrees with a rollout's answer.
 

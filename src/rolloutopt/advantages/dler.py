@@ -7,7 +7,7 @@ is the estimator that normalises the group-relative rewards over the whole batch
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -18,7 +18,7 @@ from rolloutopt.advantages.fapo import _frac
 from rolloutopt.advantages.reference import _emptied, _empty_batch, _prepare, _shifted
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
-from rolloutopt.typing import FloatB, IntB
+from rolloutopt.typing import BoolB, FloatB, IntB, NumB
 
 __all__ = ["dler_normalise", "truncation_penalty"]
 
@@ -31,7 +31,7 @@ def dler_normalise(
     batch: Literal["all", "informative"] = "all",
     unbiased: bool = True,
     eps: float = 1e-6,
-    valid: Any = None,
+    valid: BoolB | None = None,
 ) -> AdvantageOutput:
     r"""DLER batch-wise reward normalisation: centre on the group mean, then whiten over the whole batch.
 
@@ -111,9 +111,9 @@ def dler_normalise(
 
 def truncation_penalty(
     rewards: FloatB,
-    lengths: Tensor,
+    lengths: NumB,
     *,
-    budget: int | Tensor,
+    budget: int | NumB,
     truncated_reward: float = 0.0,
 ) -> ShapedRewards:
     r"""DLER truncation length penalty: a response longer than the length budget gets reward 0.

@@ -12,6 +12,7 @@ import math
 from typing import Any, Literal
 
 import torch
+from jaxtyping import Shaped
 from torch import Tensor
 
 from rolloutopt._validation import Dims, as_float, as_mask, checks_enabled, choice, describe, finite, positive
@@ -19,7 +20,7 @@ from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
 from rolloutopt.advantages.reference import _emptied, _empty_batch
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups, as_groups
-from rolloutopt.typing import BoolBT, FloatB, FloatBT, IntB, Scalar
+from rolloutopt.typing import BoolB, BoolBT, FloatBT, IntB, NumB, Scalar
 
 __all__ = ["drpo", "drpo_trust_penalty"]
 
@@ -88,7 +89,7 @@ def _masked_max(g: Groups, x: Tensor, count: Tensor) -> Tensor:
 
 
 def drpo(
-    rewards: FloatB,
+    rewards: NumB,
     group: Groups | IntB,
     logp: FloatBT,
     mask: BoolBT,
@@ -97,7 +98,7 @@ def drpo(
     lam: float = 0.1,
     tau: float = 10.0,
     threshold: float | None = None,
-    valid: Any = None,
+    valid: BoolB | None = None,
 ) -> AdvantageOutput:
     r"""DRPO: length-weighted positives against a log-sum-exp of negatives, as per-sequence gradient coefficients.
 
@@ -259,7 +260,7 @@ def drpo_trust_penalty(
     delta: float = 1e-4,
     beta: float = 1e3,
     kl_type: Literal["kl", "low_var_kl"] = "kl",
-    tokens: float | Tensor | None = None,
+    tokens: float | Shaped[Tensor, ""] | None = None,
 ) -> Scalar:
     r"""DisCO/DRPO trust region: a squared-hinge penalty on the batch KL to the proximal policy.
 

@@ -7,7 +7,6 @@ rewarded less.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -15,7 +14,7 @@ from torch import Tensor
 from rolloutopt._validation import Dims, as_float, as_mask, checks_enabled, describe, finite, positive
 from rolloutopt.advantages._base import SHAPERS, ShapedRewards
 from rolloutopt.errors import InputError
-from rolloutopt.typing import FloatB
+from rolloutopt.typing import BoolB, FloatB, NumB
 
 __all__ = ["fapo_penalty"]
 
@@ -29,11 +28,11 @@ def _frac(x: Tensor, over: Tensor | None = None) -> Tensor:
 
 def fapo_penalty(
     rewards: FloatB,
-    is_flawed: Tensor,
+    is_flawed: NumB,
     *,
     lam: float = 1.0,
     correct_above: float = 0.0,
-    valid: Any = None,
+    valid: BoolB | None = None,
 ) -> ShapedRewards:
     r"""FAPO flawed-positive penalty: a correct rollout whose reasoning has an error loses :math:`\lambda`.
 

@@ -15,9 +15,11 @@ the dense group index of a :class:`~rolloutopt.groups.Groups`); nothing loops ov
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
+from jaxtyping import Float, Shaped
 from torch import Tensor
 
 from rolloutopt._validation import Dims, as_float, as_mask, checks_enabled, choice, describe, finite, positive
@@ -25,7 +27,7 @@ from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
 from rolloutopt.advantages.reference import _outside_package, _singleton
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups, as_groups
-from rolloutopt.typing import BoolBT, FloatBK, IntB
+from rolloutopt.typing import BoolB, BoolBT, FloatBK, IntB
 
 __all__ = ["gd2po", "gdpo"]
 
@@ -278,14 +280,14 @@ def gdpo(
     rewards: FloatBK,
     group: Groups | IntB,
     *,
-    weights: Any = None,
+    weights: Float[Tensor, " K"] | Sequence[float] | None = None,
     final: Final = "sequence",
     mask: BoolBT | None = None,
     eps: float | None = None,
     final_eps: float | None = None,
     unbiased: bool = True,
     singleton: Singleton | None = None,
-    valid: Any = None,
+    valid: BoolB | Shaped[Tensor, "B K"] | None = None,
 ) -> AdvantageOutput:
     r"""GDPO advantage: normalise each reward component inside its group, sum with weights, normalise the batch.
 
@@ -381,7 +383,7 @@ def gd2po(
     group: Groups | IntB,
     mask: BoolBT | None = None,
     *,
-    weights: Any = None,
+    weights: Float[Tensor, " K"] | Sequence[float] | None = None,
     filter: Literal["snr", "hard"] = "snr",
     threshold: float = 0.8,
     final: Final = "token",
@@ -391,7 +393,7 @@ def gd2po(
     sign_eps: float = 1e-8,
     unbiased: bool = True,
     singleton: Singleton | None = None,
-    valid: Any = None,
+    valid: BoolB | Shaped[Tensor, "B K"] | None = None,
 ) -> AdvantageOutput:
     r"""GD²PO advantage: GDPO with conflicting rollouts masked out and each query weighted by reward consensus.
 

@@ -6,7 +6,7 @@ them out of their group's statistics, so they do not shift their siblings' basel
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -22,7 +22,7 @@ from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
 from rolloutopt.advantages.reference import grpo
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
-from rolloutopt.typing import FloatB, IntB
+from rolloutopt.typing import BoolB, BoolBT, FloatB, IntB
 
 __all__ = ["latent_mask"]
 
@@ -31,8 +31,8 @@ def latent_mask(
     rewards: FloatB,
     group: Groups | IntB,
     *,
-    invalid: Any = None,
-    mask: Any = None,
+    invalid: BoolB | None = None,
+    mask: BoolBT | None = None,
     max_len: int | None = None,
     scale: Literal["group", "batch"] | None = "group",
     unbiased: bool = True,

@@ -35,7 +35,7 @@ from rolloutopt.advantages.reference import (
 )
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
-from rolloutopt.typing import FloatB, IntB
+from rolloutopt.typing import BoolB, FloatB, IntB
 
 __all__ = ["gapo", "mc_grpo"]
 
@@ -115,7 +115,7 @@ def mc_grpo(
     pivot: Literal["rank", "first"] = "rank",
     rescale_nonzero: bool = False,
     singleton: Literal["raise", "pivot"] = "raise",
-    valid: Any = None,
+    valid: BoolB | None = None,
 ) -> AdvantageOutput:
     r"""MC-GRPO advantage: median-centred, MAD-scaled, with the median rollout (the pivot) excluded.
 
@@ -293,7 +293,7 @@ def gapo(
     unbiased: bool = True,
     eps: float = 1e-6,
     singleton: Literal["zero", "raw"] | None = None,
-    valid: Any = None,
+    valid: BoolB | None = None,
 ) -> AdvantageOutput:
     r"""GAPO advantage: the median of the group's densest interval as the baseline, RMS deviation around it as scale.
 

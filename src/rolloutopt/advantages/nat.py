@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from jaxtyping import Bool
 from torch import Tensor
 
 from rolloutopt._validation import (
@@ -22,7 +23,7 @@ from rolloutopt._validation import (
 from rolloutopt.advantages._base import SELECTORS
 from rolloutopt.advantages.d3s import _fraction
 from rolloutopt.errors import InputError
-from rolloutopt.typing import BoolBT
+from rolloutopt.typing import BoolBT, FloatBT
 
 __all__ = ["TokenSubsample", "nat_weights"]
 
@@ -41,9 +42,9 @@ class TokenSubsample:
             of masked-in tokens), ``weight_max`` and ``weight_mean`` (over kept tokens).
     """
 
-    mask: Tensor
-    weight: Tensor
-    inclusion: Tensor
+    mask: Bool[Tensor, "B T"]
+    weight: FloatBT
+    inclusion: FloatBT
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 

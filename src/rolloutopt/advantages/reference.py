@@ -31,7 +31,7 @@ from rolloutopt._validation import (
 )
 from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
 from rolloutopt.groups import Groups, as_groups
-from rolloutopt.typing import BoolBT, FloatB, FloatBT, IntB, PerSeqOrToken
+from rolloutopt.typing import BoolB, BoolBT, FloatB, FloatBT, IntB, PerSeqOrToken
 
 __all__ = ["dr_grpo", "grpo", "reinforce_pp_baseline", "rloo", "to_tokens"]
 
@@ -160,7 +160,7 @@ def grpo(
     unbiased: bool = True,
     eps: float = 1e-6,
     singleton: Singleton | None = None,
-    valid: Any = None,
+    valid: BoolB | None = None,
 ) -> AdvantageOutput:
     r"""GRPO group-relative advantage: reward minus the group mean, divided by the group std.
 
@@ -239,7 +239,7 @@ def grpo(
 
 
 def dr_grpo(
-    rewards: FloatB, group: Groups | IntB, *, singleton: Singleton | None = None, valid: Any = None
+    rewards: FloatB, group: Groups | IntB, *, singleton: Singleton | None = None, valid: BoolB | None = None
 ) -> AdvantageOutput:
     r"""Dr.GRPO advantage ("GRPO done right"): the group-mean baseline without std scaling.
 
@@ -253,7 +253,7 @@ def dr_grpo(
 
 
 def rloo(
-    rewards: FloatB, group: Groups | IntB, *, singleton: Singleton | None = None, valid: Any = None
+    rewards: FloatB, group: Groups | IntB, *, singleton: Singleton | None = None, valid: BoolB | None = None
 ) -> AdvantageOutput:
     r"""RLOO leave-one-out baseline: reward minus the mean of the other rollouts of the prompt.
 
@@ -292,7 +292,7 @@ def reinforce_pp_baseline(
     *,
     eps: float = 1e-8,
     singleton: Singleton | None = None,
-    valid: Any = None,
+    valid: BoolB | None = None,
 ) -> AdvantageOutput:
     r"""REINFORCE++-baseline: subtract the group mean, then whiten over every valid token of the batch.
 
@@ -358,7 +358,10 @@ def to_tokens(advantages: PerSeqOrToken, mask: BoolBT) -> FloatBT:
     if checks_enabled() and a.numel():
         lo, hi = torch.aminmax(a.detach())  # one cheap pass; the exact masked check only on an alarm
         if not bool((lo > float("-inf")) & (hi < float("inf"))):  # False for a NaN too
-            finite(a, "advantages", m)
+            if a.shape[1] == 1 and advantages.ndim == 1:  # reported with the [B] shape the caller passed
+                finite(a[:, 0], "advantages", m.any(-1))
+            else:
+                finite(a, "advantages", m)
     # a select with a 0-d zero: ~2x faster on the CPU than the product a * m, and exact 0 outside the mask
     return torch.where(m, a, torch.zeros((), dtype=a.dtype, device=a.device))
 

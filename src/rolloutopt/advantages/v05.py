@@ -10,9 +10,10 @@ acknowledges that the formula may change when a primary source is checked.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
+from jaxtyping import Bool, Int
 from torch import Tensor
 
 from rolloutopt._validation import (
@@ -27,7 +28,13 @@ from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
 from rolloutopt.advantages.reference import _prepare, _reference
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
-from rolloutopt.typing import FloatB, IntB
+from rolloutopt.typing import (
+    BoolB,
+    FloatB,
+    FloatG,
+    IntB,
+    PerSeqOrToken,  # noqa: F401 - resolves the inherited fields of V05Output's generated __init__
+)
 
 __all__ = ["V05Output", "v05"]
 
@@ -67,13 +74,13 @@ class V05Output(AdvantageOutput):
         extra_rollouts: int64 ``[G]``, the number of further rollouts requested for each prompt.
     """
 
-    group_ids: Tensor
-    prior: Tensor
-    baseline: Tensor
-    fusion_weight: Tensor
-    accepted: Tensor
-    statistic: Tensor
-    extra_rollouts: Tensor
+    group_ids: Int[Tensor, " G"]
+    prior: FloatG
+    baseline: FloatG
+    fusion_weight: FloatG
+    accepted: Bool[Tensor, " G"]
+    statistic: FloatG
+    extra_rollouts: Int[Tensor, " G"]
 
 
 def _predicted_mse(delta2: Tensor, var: Tensor, m: Tensor) -> Tensor:
@@ -102,7 +109,7 @@ def v05(
     cost: float = 1e-3,
     max_extra: int = 4,
     experimental: bool = False,
-    valid: Any = None,
+    valid: BoolB | None = None,
 ) -> V05Output:
     r"""V_{0.5} advantage: reward minus a value-model prior fused with the group mean by a shrinkage test.
 

@@ -8,10 +8,9 @@ Sequence log-probabilities may be passed per token ``[B, T]`` with a ``mask`` or
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-from torch import Tensor
 
 from rolloutopt._validation import (
     Dims,
@@ -22,7 +21,7 @@ from rolloutopt._validation import (
 from rolloutopt.advantages._base import REGISTRY, AdvantageOutput
 from rolloutopt.advantages.likelihood import Reduce, _base_advantages, _frac, _sequence_logp
 from rolloutopt.groups import Groups
-from rolloutopt.typing import FloatB, IntB
+from rolloutopt.typing import BoolB, BoolBT, FloatB, FloatBT, IntB
 
 __all__ = ["xrpo_sharpen"]
 
@@ -33,20 +32,20 @@ _MAX_LOG_NOVELTY = 60.0  # exp(60) ~ 1e26: finite in fp32, and far past the poin
 def xrpo_sharpen(
     rewards: FloatB | None,
     group: Groups | IntB,
-    logp: Tensor,
+    logp: FloatB | FloatBT,
     *,
-    mask: Any = None,
+    mask: BoolBT | None = None,
     advantages: FloatB | None = None,
     lambda_novelty: float = 2.5,
     kappa_clip: float = 0.5,
     score: Reduce = "mean",
     baseline: Literal["group", "correct"] = "group",
-    correct: Any = None,
+    correct: BoolB | None = None,
     scale: Literal["group", "batch"] | None = "group",
     eps: float = 1e-6,
     unbiased: bool = True,
     singleton: Literal["zero", "raw"] | None = None,
-    valid: Any = None,
+    valid: BoolB | None = None,
 ) -> AdvantageOutput:
     r"""XRPO novelty-aware advantage sharpening: amplify correct responses the policy found unlikely.
 

@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from jaxtyping import Bool
 from torch import Tensor
 
 from rolloutopt._validation import check_int, check_real, checks_enabled, describe
 from rolloutopt.errors import InputError
+from rolloutopt.typing import FloatB, FloatP, IntB, IntP, Scalar
 
 __all__ = [
     "AllocationResult",
@@ -41,8 +43,8 @@ __all__ = [
 class Request:
     """Rollouts to generate: ``counts[r]`` more samples of prompt ``prompt_ids[r]`` (both int64 ``[R]``)."""
 
-    prompt_ids: Tensor
-    counts: Tensor
+    prompt_ids: IntP
+    counts: IntP
 
     @property
     def total(self) -> int:
@@ -65,15 +67,15 @@ class AllocationResult:
     got), ``reasons`` (int codes into ``reason_names``, why it got them). ``metrics``: detached 0-d tensors.
     """
 
-    prompt_ids: Tensor
-    group: Tensor
-    rewards: Tensor
-    weight: Tensor
-    plan_prompt_ids: Tensor
-    counts: Tensor
-    reasons: Tensor
+    prompt_ids: IntB
+    group: IntB
+    rewards: FloatB
+    weight: FloatB
+    plan_prompt_ids: IntP
+    counts: IntP
+    reasons: IntP
     reason_names: tuple[str, ...]
-    metrics: dict[str, Tensor] = field(default_factory=dict)
+    metrics: dict[str, Scalar] = field(default_factory=dict)
 
     def reason_of(self, prompt_id: int) -> str:
         """The reason recorded for one planned prompt (a convenience for logs and tests)."""
@@ -87,7 +89,7 @@ class AllocationResult:
 class Allocator(Protocol):
     """An allocator: keyword-only construction with the paper's defaults, a plan per step, an update after it."""
 
-    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation: ...
+    def plan(self, prompt_ids: IntP, budget: int) -> Conversation: ...
 
     def update(self, result: AllocationResult) -> None: ...
 
@@ -96,7 +98,7 @@ class Allocator(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def as_prompt_ids(prompt_ids: Any, name: str = "prompt_ids") -> Tensor:
+def as_prompt_ids(prompt_ids: IntP, name: str = "prompt_ids") -> IntP:
     """Validate distinct int64 prompt ids ``[P]`` (any integer dtype is accepted and returned as int64 on CPU)."""
     if not isinstance(prompt_ids, Tensor):
         raise InputError(name, "an int64 tensor of prompt ids [P]", describe(prompt_ids), "pass torch.tensor(ids)")
@@ -187,7 +189,7 @@ class Conversation:
 
     reason_names: tuple[str, ...] = ("allocated",)
 
-    def __init__(self, prompt_ids: Tensor, budget: int) -> None:
+    def __init__(self, prompt_ids: IntP, budget: int) -> None:
         self.prompt_ids = prompt_ids
         self.budget = budget
         self.spent = 0
@@ -220,7 +222,7 @@ class Conversation:
             self._by_id = _sort_ids(self.prompt_ids)
         return self._by_id
 
-    def positions(self, ids: Tensor) -> Tensor:
+    def positions(self, ids: IntP) -> IntP:
         """Positions ``0..P-1`` of ``ids`` in ``self.prompt_ids`` (every id must be planned)."""
         ordered, order = self._sort()
         pos = torch.searchsorted(ordered, ids).clamp(max=max(ordered.numel() - 1, 0))
@@ -228,7 +230,7 @@ class Conversation:
             raise InputError("prompt_ids", "ids of this plan's prompts", "unknown ids", "request planned prompts only")
         return order[pos]
 
-    def request(self, rows: Tensor, counts: Tensor) -> Request:
+    def request(self, rows: IntP | Bool[Tensor, " _"], counts: IntP) -> Request:
         """A request for the planned prompts at ``rows`` (positions into ``prompt_ids``, int64 ``[R]``, or a bool
         mask ``[P]``) with ``counts`` ``[R]``. Same as ``Request(self.prompt_ids[rows], counts)``, except that the
         plan remembers the positions, so :meth:`observe` needs no id lookup when :meth:`decide` returns it."""
@@ -242,11 +244,11 @@ class Conversation:
         """The next request (prompt ids from ``self.prompt_ids``, counts >= 1), or None when the plan is done."""
         raise NotImplementedError
 
-    def on_observe(self, pos: Tensor, rewards: Tensor) -> None:
+    def on_observe(self, pos: IntB, rewards: FloatB) -> None:
         """Hook, called at the end of every ``observe``: the request's rollouts as prompt positions ``[n]`` (into
         ``prompt_ids``) and float64 rewards ``[n]`` (default: nothing). For statistics a plan keeps itself."""
 
-    def select(self) -> tuple[Tensor, Tensor]:
+    def select(self) -> tuple[FloatB, IntP]:
         """Per observed rollout weight ``[N]`` and per planned prompt reason code ``[P]`` (default: keep all)."""
         return torch.ones(self.spent_observed, dtype=torch.float64), torch.zeros(
             self.prompt_ids.numel(), dtype=torch.long
@@ -258,7 +260,7 @@ class Conversation:
         """Rollouts observed so far."""
         return int(self._n.sum())
 
-    def totals(self) -> tuple[Tensor, Tensor, Tensor]:
+    def totals(self) -> tuple[IntP, FloatP, FloatP]:
         """Per planned prompt ``[P]``: rollouts observed (int64), sum and sum of squares of their rewards (fp64).
 
         The sums are folded in on demand (a plan that never asks does not pay for them), request by request in
@@ -269,7 +271,7 @@ class Conversation:
         self._unfolded = []
         return self._n, self._sum, self._sumsq
 
-    def rollouts(self) -> tuple[Tensor, Tensor]:
+    def rollouts(self) -> tuple[IntB, FloatB]:
         """Every observed rollout so far: prompt position ``[N]`` (into ``prompt_ids``) and float64 reward ``[N]``.
 
         Read-only: the tensors are the plan's log (concatenated once, then reused)."""
@@ -307,7 +309,7 @@ class Conversation:
         self._known = issued if issued is not None and issued[0] is req else None
         return req
 
-    def observe(self, request: Request, rewards: Any) -> None:
+    def observe(self, request: Request, rewards: FloatB) -> None:
         """Record the rewards of ``request``: a float tensor of ``request.counts.sum()`` values, row by row."""
         if self._pending is None or request is not self._pending:
             raise InputError(
@@ -382,7 +384,7 @@ class OneShotPlan(Conversation):
     ``reasons`` (int64 ``[P]``).
     """
 
-    def __init__(self, prompt_ids: Tensor, budget: int, counts: Tensor, reasons: Tensor) -> None:
+    def __init__(self, prompt_ids: IntP, budget: int, counts: IntP, reasons: IntP) -> None:
         super().__init__(prompt_ids, budget)
         self._counts = counts
         self._reasons = reasons
@@ -398,7 +400,7 @@ class OneShotPlan(Conversation):
             return None
         return self.request(keep, self._counts[keep])
 
-    def select(self) -> tuple[Tensor, Tensor]:
+    def select(self) -> tuple[FloatB, IntP]:
         """Every rollout kept, the reasons decided up front."""
         return torch.ones(self.spent_observed, dtype=torch.float64), self._reasons
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
 
 import torch
+from jaxtyping import Int
 from torch import Tensor
 
 from rolloutopt._validation import check_bool as _bool
@@ -39,6 +40,7 @@ from rolloutopt.allocators._base import (
 )
 from rolloutopt.allocators.topup import _Tracked
 from rolloutopt.errors import InputError
+from rolloutopt.typing import FloatAny, FloatB, FloatP, IntB, IntP
 
 __all__ = ["AERO", "AR3PO", "ReusedResponses", "V05Budget", "dead_zone_probability", "response_key"]
 
@@ -158,7 +160,7 @@ def _check_result(result: Any, names: tuple[str, ...], owner: str) -> Allocation
     return result
 
 
-def response_key(step: int | Tensor, row: int | Tensor) -> Tensor:
+def response_key(step: int | Int[Tensor, " ..."], row: int | Int[Tensor, " ..."]) -> Int[Tensor, " ..."]:
     """The int64 key :class:`AR3PO` gives a generated rollout: ``step * 2**32 + row``.
 
     ``step`` is the allocator step the plan was made at (``result.metrics["step"]``) and ``row`` the rollout's
@@ -180,9 +182,9 @@ class ReusedResponses:
             generated at, ``keys & (2**32 - 1)`` their row in that step's result).
     """
 
-    rows: Tensor
-    prompt_ids: Tensor
-    keys: Tensor
+    rows: IntB
+    prompt_ids: IntB
+    keys: IntB
 
 
 # -- AR3PO --------------------------------------------------------------------------------------------------------
@@ -221,7 +223,7 @@ class _AR3POPlan(_Tracked):
             return None
         return self.request(self.active, give[self.active])
 
-    def select(self) -> tuple[Tensor, Tensor]:
+    def select(self) -> tuple[FloatB, IntP]:
         o = self.o
         n, succ = self._n, self._succ
         played = n > 0
@@ -382,11 +384,11 @@ class AR3PO:
         self._buf_reward = torch.zeros(0, dtype=torch.float64)
         self._buf_step = torch.zeros(0, dtype=torch.long)
 
-    def plan(self, prompt_ids: Tensor, budget: int) -> _AR3POPlan:
+    def plan(self, prompt_ids: IntP, budget: int) -> _AR3POPlan:
         """Stages of ``k`` rollouts over ``prompt_ids`` until each is solved or out of stages (class docstring)."""
         return _AR3POPlan(as_prompt_ids(prompt_ids), check_budget(budget), self)
 
-    def replay(self) -> tuple[Tensor, Tensor, Tensor]:
+    def replay(self) -> tuple[IntP, IntP, FloatP]:
         """The buffer, sorted by prompt id: ``(prompt_ids, keys, rewards)`` (copies; keys: :func:`response_key`)."""
         return self._buf_ids.clone(), self._buf_key.clone(), self._buf_reward.clone()
 
@@ -447,7 +449,7 @@ class AR3PO:
 
 
 # -- AERO ---------------------------------------------------------------------------------------------------------
-def dead_zone_probability(a: Tensor, b: Tensor, n: Tensor | int) -> Tensor:
+def dead_zone_probability(a: FloatAny, b: FloatAny, n: Int[Tensor, " ..."] | int) -> FloatAny:
     r"""Probability that a group of ``n`` Bernoulli rollouts is all-equal under a Beta(a, b) success rate.
 
     .. math::  P_0(n) = \frac{B(a + n, b) + B(a, b + n)}{B(a, b)} = \mathbb E_{p \sim \mathrm{Beta}(a,b)}
@@ -504,7 +506,7 @@ class _AEROPlan(_Tracked):
             return (up.index_select(0, end) - up.index_select(0, end - n)).long()
         return torch.zeros(n.numel(), dtype=torch.long).index_add_(0, pos, y.long())
 
-    def select(self) -> tuple[Tensor, Tensor]:
+    def select(self) -> tuple[FloatB, IntP]:
         o = self.o
         pos, r = self.rollouts()
         n = self._n
@@ -638,7 +640,7 @@ class AERO:
         self._a = torch.zeros(0, dtype=torch.float64)
         self._b = torch.zeros(0, dtype=torch.float64)
 
-    def posterior(self, prompt_ids: Tensor) -> tuple[Tensor, Tensor]:
+    def posterior(self, prompt_ids: IntP) -> tuple[FloatP, FloatP]:
         """The Beta ``(a, b)`` of each prompt (float64 ``[P]``; the prior for unseen ones)."""
         ids = as_prompt_ids(prompt_ids)
         if self._ids.numel() == 0:
@@ -666,7 +668,7 @@ class AERO:
         pri = torch.where(skip, math.inf, p0.gather(1, first[:, None]).squeeze(1))
         return want, pri, skip
 
-    def plan(self, prompt_ids: Tensor, budget: int) -> _AEROPlan:
+    def plan(self, prompt_ids: IntP, budget: int) -> _AEROPlan:
         """Size each prompt's group from its posterior (class docstring), one request."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
@@ -808,7 +810,7 @@ class _V05Plan(Conversation):
         self._got_extra |= give > 0
         return self.request(give > 0, give[give > 0]) if bool((give > 0).any()) else None
 
-    def select(self) -> tuple[Tensor, Tensor]:
+    def select(self) -> tuple[FloatB, IntP]:
         reasons = torch.where(self._n == 0, 3, torch.where(self._capped, 2, torch.where(self._got_extra, 1, 0)))
         return torch.ones(self.spent_observed, dtype=torch.float64), reasons
 
@@ -896,7 +898,7 @@ class V05Budget:
         )
         return pos, order
 
-    def set_prior(self, prompt_ids: Tensor, prior: Tensor) -> None:
+    def set_prior(self, prompt_ids: IntP, prior: FloatP) -> None:
         """Store value-model predictions :math:`\\hat b_0` (float ``[P]``, clipped to [0, 1]) for ``prompt_ids``."""
         ids = as_prompt_ids(prompt_ids)
         if not isinstance(prior, Tensor) or not prior.is_floating_point() or prior.shape != ids.shape:
@@ -909,7 +911,7 @@ class V05Budget:
         vm[pos] = p[order].clamp(0.0, 1.0)
         self._vm = vm
 
-    def prior(self, prompt_ids: Tensor) -> Tensor:
+    def prior(self, prompt_ids: IntP) -> FloatP:
         """The prior used for each prompt (float64 ``[P]``): value model, else past mean reward, else unseen."""
         ids = as_prompt_ids(prompt_ids)
         if self._ids.numel() == 0:
@@ -919,7 +921,7 @@ class V05Budget:
         mean = torch.where(c > 0, (s / c.clamp(min=1)).clamp(0.0, 1.0), self.unseen_prior)
         return torch.where(found, torch.where(torch.isnan(vm), mean, vm), self.unseen_prior)
 
-    def plan(self, prompt_ids: Tensor, budget: int) -> _V05Plan:
+    def plan(self, prompt_ids: IntP, budget: int) -> _V05Plan:
         """``n`` rollouts each, then ``rounds`` top-ups from the ``v05`` request (class docstring)."""
         ids = as_prompt_ids(prompt_ids)
         return _V05Plan(ids, check_budget(budget), self, self.prior(ids))

@@ -15,6 +15,7 @@ from rolloutopt.allocators._base import (
     check_budget,
 )
 from rolloutopt.errors import InputError
+from rolloutopt.typing import IntP
 
 __all__ = ["Uniform"]
 
@@ -48,7 +49,7 @@ class Uniform:
             raise InputError("n", "None or an int >= 1 (rollouts per prompt)", repr(n), "pass e.g. n=8")
         self.n = n
 
-    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
         """One request: ``budget`` spread over ``prompt_ids`` (see the class docstring)."""
         ids, budget = as_prompt_ids(prompt_ids), check_budget(budget)
         return _UniformPlan(ids, budget, *_uniform_counts(ids.numel(), budget, self.n))

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 import torch
+from jaxtyping import Float, Real
 from torch import Tensor
 
 from rolloutopt._validation import check_int as _int
@@ -30,6 +31,7 @@ from rolloutopt._validation import check_state, describe
 from rolloutopt.allocators._base import AllocationResult, Conversation, Request, _sort_ids, as_prompt_ids, check_budget
 from rolloutopt.allocators.history import PromptHistory
 from rolloutopt.errors import InputError
+from rolloutopt.typing import FloatAny, FloatB, FloatP, IntP
 
 __all__ = ["CoBA", "Knapsack", "coba_beta_params", "knapsack_value"]
 
@@ -182,7 +184,7 @@ class _OneShot(Conversation):
             return None
         return self.request(keep, self.counts[keep])
 
-    def select(self) -> tuple[Tensor, Tensor]:
+    def select(self) -> tuple[FloatB, IntP]:
         return torch.ones(self.spent_observed, dtype=torch.float64), self._reasons
 
 
@@ -332,7 +334,7 @@ class CoBA:
         log_b = math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
         return (a - 1.0) * torch.log(p) + (b - 1.0) * torch.log1p(-p) - log_b
 
-    def value(self, n: Tensor, p: Tensor, tau: float) -> Tensor:
+    def value(self, n: Real[Tensor, " ..."], p: FloatAny, tau: float) -> FloatAny:
         """:math:`V(N, p)` with the current Beta shape (float64; ``p`` clipped to ``[s, 1 - s]``)."""
         pc = p.to(_F64).clamp(self.smoothing, 1.0 - self.smoothing)
         return -torch.expm1(-n.to(_F64) * pc * (1.0 - pc) / tau) * torch.exp(self._log_pdf(pc))
@@ -404,7 +406,7 @@ class CoBA:
         return counts, reasons
 
     # -- the protocol -----------------------------------------------------------------------------------------
-    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
         """One request: the CoBA-RL counts of ``prompt_ids`` under ``budget`` rollouts (class docstring)."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
@@ -449,7 +451,7 @@ class CoBA:
 
 
 # -- Knapsack-RL --------------------------------------------------------------------------------------------------
-def knapsack_value(n: Tensor, p: Tensor) -> Tensor:
+def knapsack_value(n: Real[Tensor, " ..."], p: FloatAny) -> FloatAny:
     r"""Knapsack-RL's value of ``N`` rollouts at success rate ``p``: :math:`(1 - p^N - (1 - p)^N)\,p(1 - p)^2`.
 
     The first factor is the chance that the group is not all one outcome, :math:`p(1-p)^2` the information
@@ -567,7 +569,7 @@ class Knapsack:
         self.history = PromptHistory(window=1, success_threshold=st, capacity=_int(capacity, "capacity", 1))
         self._step = 0
 
-    def gains(self, p: Tensor, cols: int | None = None) -> Tensor:
+    def gains(self, p: FloatP, cols: int | None = None) -> Float[Tensor, "P cols"]:
         """Marginal gains ``[E, cols]`` of the effective items (column ``k``: the ``(k+1)``-th extra unit; ``cols``
         defaults to ``n_max - n_min``)."""
         pp = p.to(_F64)[:, None]
@@ -626,7 +628,7 @@ class Knapsack:
         counts[eff] += extra
         return counts, torch.where(surplus_to, 4, reasons)
 
-    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
         """One request: the Knapsack-RL counts of ``prompt_ids`` under ``budget`` rollouts (class docstring)."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)

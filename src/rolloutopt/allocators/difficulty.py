@@ -31,6 +31,7 @@ from rolloutopt.allocators._base import (
     check_budget,
 )
 from rolloutopt.errors import InputError
+from rolloutopt.typing import FloatAny, FloatB, FloatP, IntB, IntP
 
 __all__ = ["DARS", "E3Budget", "E3Temperature", "dars_extra_rollouts", "e3_counts", "e3_temperature_step"]
 
@@ -49,8 +50,8 @@ def _greedy(headroom: Tensor, units: Tensor | int) -> Tensor:
 
 # -- DARS ---------------------------------------------------------------------------------------------------------
 def dars_extra_rollouts(
-    acc: Tensor, *, n: int = 8, n_max: int = 32, schedule: str = "et", use_std: bool = False
-) -> Tensor:
+    acc: FloatP, *, n: int = 8, n_max: int = 32, schedule: str = "et", use_std: bool = False
+) -> IntP:
     r"""DARS's extra rollouts per prompt from its first-stage accuracy (arXiv 2508.13755, ``schedule_ET/HW``).
 
     With :math:`a = 0` replaced by :math:`0.5/n` and :math:`S(a) = 2a(1-a)` (``use_std``: :math:`2\sqrt{a(1-a)}`,
@@ -111,7 +112,7 @@ class _DARSPlan(Conversation):
         self._extra = torch.zeros(p, dtype=torch.long)
         self.stage = 0
 
-    def on_observe(self, pos: Tensor, rewards: Tensor) -> None:
+    def on_observe(self, pos: IntB, rewards: FloatB) -> None:
         self._succ.index_add_(0, pos, (rewards >= self.o.success).double())
 
     def decide(self) -> Request | None:
@@ -150,7 +151,7 @@ class _DARSPlan(Conversation):
         give = extra > 0
         return self.request(give, extra[give]) if bool(give.any()) else None
 
-    def select(self) -> tuple[Tensor, Tensor]:
+    def select(self) -> tuple[FloatB, IntP]:
         pos, _ = self.rollouts()
         n = self._n
         acc = self._succ / n.double().clamp(min=1)
@@ -252,7 +253,7 @@ class DARS:
         self.n, self.schedule, self.use_std, self.n_min, self.n_max = n, schedule, use_std, n_min, n_max
         self.upper_threshold, self.success, self.seed = float(upper_threshold), float(success), seed
 
-    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
         """Stage 1 on every prompt, then the schedule's top-up (see the class docstring)."""
         return _DARSPlan(as_prompt_ids(prompt_ids), check_budget(budget), self)
 
@@ -272,7 +273,7 @@ class DARS:
 
 
 # -- E3 budget ----------------------------------------------------------------------------------------------------
-def e3_counts(rank: Tensor, budget: int, n_min: int, n_max: int, *, cap_share: bool = True) -> Tensor:
+def e3_counts(rank: FloatP, budget: int, n_min: int, n_max: int, *, cap_share: bool = True) -> IntP:
     r"""E3's rollout counts from difficulty ranks (``get_rollout_n_per_prompt``, arXiv 2505.18573).
 
     Every prompt starts with :math:`n_{min}`; the spare budget :math:`S = N - P\,n_{min}` is split in proportion
@@ -357,7 +358,7 @@ class _E3Plan(Conversation):
         keep = self._counts > 0
         return self.request(keep, self._counts[keep]) if bool(keep.any()) else None
 
-    def select(self) -> tuple[Tensor, Tensor]:
+    def select(self) -> tuple[FloatB, IntP]:
         return torch.ones(self.spent_observed, dtype=torch.float64), self._reasons
 
 
@@ -452,7 +453,7 @@ class E3Budget:
         """Epochs ended so far."""
         return self._epoch
 
-    def ranks(self, prompt_ids: Tensor) -> Tensor:
+    def ranks(self, prompt_ids: IntP) -> FloatP:
         """Current rank per prompt (float64 ``[P]``; -100 for prompts without one)."""
         return self._ranks(as_prompt_ids(prompt_ids))
 
@@ -463,7 +464,7 @@ class E3Budget:
         pos = torch.searchsorted(self._ids, ids).clamp(max=k - 1)
         return torch.where(self._ids[pos] == ids, self._rank[pos], _UNSEEN_RANK)
 
-    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
         """One request with the rank-proportional counts (see the class docstring)."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
@@ -639,7 +640,7 @@ class E3Temperature:
         self._steps = 1
         self._init_entropy: list[float] = []
 
-    def step(self, entropy: float | Tensor) -> float:
+    def step(self, entropy: float | FloatAny) -> float:
         """Record or act on one step's mean token entropy (a float, or a tensor whose mean is used);
         returns the temperature for the next rollout."""
         if isinstance(entropy, Tensor):

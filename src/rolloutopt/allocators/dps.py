@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal
 
 import torch
+from jaxtyping import Float
 from torch import Tensor
 
 from rolloutopt._validation import check_state, describe
@@ -36,6 +37,7 @@ from rolloutopt.allocators._base import (
     check_budget,
 )
 from rolloutopt.errors import InputError
+from rolloutopt.typing import IntP
 
 __all__ = ["DPS"]
 
@@ -167,8 +169,8 @@ class DPS:
         n_max: int | None = None,
         strategy: Literal["topk", "topk+entropy", "uniform"] = "topk",
         entropy_weight: float = 0.0,
-        prior_alpha: float | str | Tensor = 1.0,
-        prior_pi: str | Tensor = "uniform",
+        prior_alpha: float | str | Float[Tensor, "3 3"] = 1.0,
+        prior_pi: str | Float[Tensor, " 3"] = "uniform",
         decay: float = 1.0,
         learning_rate: float = 1.0,
         transitions: Literal["learned", "fixed"] = "learned",
@@ -256,7 +258,7 @@ class DPS:
         return p / p.sum()
 
     # -- reading the state ------------------------------------------------------------------------------------
-    def predictive(self, prompt_ids: Tensor) -> Tensor:
+    def predictive(self, prompt_ids: IntP) -> Float[Tensor, "P 3"]:
         """The predictive state distribution ``pi`` of each prompt, float64 ``[P, 3]`` (the prior if unknown)."""
         return self._predictive(as_prompt_ids(prompt_ids))
 
@@ -265,14 +267,14 @@ class DPS:
         known = self._pi[pos] if self._ids.numel() else self.prior_pi.expand(ids.numel(), 3)
         return torch.where(found[:, None], known, self.prior_pi)
 
-    def transition_counts(self, prompt_ids: Tensor) -> Tensor:
+    def transition_counts(self, prompt_ids: IntP) -> Float[Tensor, "P 3 3"]:
         """The Dirichlet pseudo-counts ``alpha`` of each prompt, float64 ``[P, 3, 3]`` (the prior if unknown)."""
         ids = as_prompt_ids(prompt_ids)
         pos, found = _lookup(self._ids, ids)
         known = self._alpha[pos] if self._ids.numel() else self.prior_alpha.expand(ids.numel(), 3, 3)
         return torch.where(found[:, None, None], known, self.prior_alpha)
 
-    def sampled_times(self, prompt_ids: Tensor) -> Tensor:
+    def sampled_times(self, prompt_ids: IntP) -> IntP:
         """How many steps each prompt was rolled out in, int64 ``[P]`` (0 if unknown)."""
         ids = as_prompt_ids(prompt_ids)
         pos, found = _lookup(self._ids, ids)
@@ -285,7 +287,7 @@ class DPS:
         return int(self._ids.numel())
 
     # -- the protocol -----------------------------------------------------------------------------------------
-    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
         """Rank the candidates ``prompt_ids`` by the predictive prior and give the best ones ``n`` rollouts."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)

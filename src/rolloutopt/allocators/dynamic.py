@@ -16,6 +16,7 @@ from rolloutopt._validation import check_int as _check_int
 from rolloutopt._validation import choice, describe
 from rolloutopt.allocators._base import AllocationResult, Conversation, Request, as_prompt_ids, check_budget
 from rolloutopt.errors import InputError
+from rolloutopt.typing import FloatB, IntP
 
 __all__ = ["DAPODynamicSampling"]
 
@@ -53,7 +54,7 @@ class _DAPOPlan(Conversation):
         self.rounds = 0
         self.kept = 0
 
-    def observe(self, request: Request, rewards: Any) -> None:
+    def observe(self, request: Request, rewards: FloatB) -> None:
         super().observe(request, rewards)  # validates the rewards first
         r = rewards.detach().cpu().to(torch.float64).view(-1, self._group_n)
         # verl keeps a group iff np.std(metric) > 0 or it holds a single response; "not all equal" is the exact
@@ -91,7 +92,7 @@ class _DAPOPlan(Conversation):
         keep[self._queue] = keep_in_order
         return keep
 
-    def select(self) -> tuple[Tensor, Tensor]:
+    def select(self) -> tuple[FloatB, IntP]:
         pos, _ = self.rollouts()
         keep = self._keep()
         sampled = self._rank < self._cursor
@@ -216,7 +217,7 @@ class DAPODynamicSampling:
         self.seed = _check_int(seed, "seed", 0, "pass e.g. seed=0")
         self._gen = torch.Generator().manual_seed(self.seed)
 
-    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
         """Start a step over the candidate pool ``prompt_ids`` (int64 ``[P]``, distinct) with ``budget`` rollouts."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)

@@ -28,6 +28,7 @@ import math
 from typing import Any, ClassVar, Literal
 
 import torch
+from jaxtyping import Bool
 from torch import Tensor
 
 from rolloutopt._validation import check_state, choice, describe, require_experimental
@@ -47,6 +48,7 @@ from rolloutopt.allocators._base import (
     check_budget,
 )
 from rolloutopt.errors import InputError
+from rolloutopt.typing import FloatB, FloatG, FloatP, IntB, IntP
 
 __all__ = ["DEPO", "HIVE", "depo_group_scores"]
 
@@ -119,14 +121,14 @@ def _check_rows(state: dict[str, Any], shapes: dict[str, tuple[int, ...]], owner
 
 # -- DEPO -------------------------------------------------------------------------------------------------------
 def depo_group_scores(
-    group: Tensor,
-    correct: Tensor,
-    entropy: Tensor,
+    group: IntB,
+    correct: Bool[Tensor, " B"],
+    entropy: FloatB,
     *,
     num_groups: int,
     neg_pos_ratio: float = 0.5,
     eps: float = 1e-8,
-) -> Tensor:
+) -> FloatG:
     r"""DEPO's explorability score of each group (one prompt's rollouts in one epoch), vectorised.
 
     With :math:`m`, :math:`s` the mean and population standard deviation of the group's correctness,
@@ -293,7 +295,7 @@ class DEPO:
         """This epoch's ``thr = clamp(init_ratio - decay * epoch, min_ratio, 1)``."""
         return max(self.min_ratio, min(1.0, self.init_ratio - self.decay * self.epoch))
 
-    def scores(self, prompt_ids: Tensor) -> tuple[Tensor, Tensor]:
+    def scores(self, prompt_ids: IntP) -> tuple[FloatP, IntP]:
         """Per prompt ``[P]``: the window-mean explorability score (float64, NaN if unseen), exploration count."""
         return self._scores_of(as_prompt_ids(prompt_ids))
 
@@ -309,7 +311,7 @@ class DEPO:
         score = torch.where(found, torch.nanmean(self._scores[pos], dim=1), math.nan)
         return score, torch.where(found, self._count[pos], 0)
 
-    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
         """Filter the candidates ``prompt_ids`` (see the class docstring), then one request of ``n`` each."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
@@ -346,7 +348,7 @@ class DEPO:
         reasons = torch.where((counts == 0) & (reasons != 4), 5, reasons)
         return _DEPOPlan(ids, budget, counts, reasons)
 
-    def update(self, result: AllocationResult, *, entropy: Tensor | None = None) -> None:
+    def update(self, result: AllocationResult, *, entropy: FloatB | None = None) -> None:
         """Append each rolled-out prompt's explorability score; ``entropy`` (required): float ``[N]``, one per
         rollout of ``result`` (the response's mean token entropy), in ``result.rewards`` order."""
         result = _check_result(result)
@@ -476,7 +478,7 @@ class HIVE:
         nan = torch.tensor(math.nan, dtype=torch.float64)
         return [(self._reward, nan_row), (self._entropy, nan_row), (self._prompt_entropy, nan)]
 
-    def history(self, prompt_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def history(self, prompt_ids: IntP) -> tuple[FloatP, FloatP, FloatP]:
         """Per prompt, float64 ``[P]``: window-mean reward, window-mean response entropy, stored prompt entropy
         (NaN where there is none)."""
         return self._history(as_prompt_ids(prompt_ids))
@@ -496,7 +498,7 @@ class HIVE:
         h = torch.where(found, torch.nanmean(self._entropy[pos], dim=1), math.nan)
         return r, h, torch.where(found, self._prompt_entropy[pos], math.nan)
 
-    def plan(self, prompt_ids: Tensor, budget: int, *, prompt_entropy: Tensor | None = None) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int, *, prompt_entropy: FloatP | None = None) -> Conversation:
         """Stage 1, stage 2 (with ``prompt_entropy``, float ``[P]``), then one request of ``n`` per survivor."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
@@ -529,7 +531,7 @@ class HIVE:
             self._prompt_entropy[pos] = h_now[chosen][srt]
         return _HIVEPlan(ids, budget, counts, reasons)
 
-    def update(self, result: AllocationResult, *, entropy: Tensor | None = None) -> None:
+    def update(self, result: AllocationResult, *, entropy: FloatB | None = None) -> None:
         """Append each rolled-out prompt's group mean reward (and mean response entropy, from ``entropy``:
         float ``[N]``, one per rollout of ``result``, in ``result.rewards`` order) to its window."""
         result = _check_result(result)

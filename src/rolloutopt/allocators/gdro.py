@@ -25,6 +25,7 @@ import math
 from typing import Any, ClassVar, Literal
 
 import torch
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from rolloutopt._validation import check_int as _int
@@ -38,6 +39,7 @@ from rolloutopt.allocators._base import (
     check_budget,
 )
 from rolloutopt.errors import InputError
+from rolloutopt.typing import FloatP, IntP
 
 __all__ = [
     "DifficultyClassifier",
@@ -90,7 +92,7 @@ def _id_keys(order: Tensor, generator: torch.Generator) -> Tensor:
 # ------------------------------------------------------------------------------------------------ pure functions
 
 
-def pass_at_k(n: Tensor, c: Tensor, k: int, *, small_group: Literal["plugin", "clip"] = "plugin") -> Tensor:
+def pass_at_k(n: IntP, c: IntP, k: int, *, small_group: Literal["plugin", "clip"] = "plugin") -> FloatP:
     r"""Unbiased pass@k estimate from ``c`` successes in ``n`` samples, vectorised.
 
     .. math::  \widehat{\mathrm{pass@}k} = 1 - \binom{n-c}{k} \Big/ \binom{n}{k}
@@ -135,7 +137,7 @@ def pass_at_k(n: Tensor, c: Tensor, k: int, *, small_group: Literal["plugin", "c
     return torch.where(nf >= k, unbiased, small).clamp(0.0, 1.0)
 
 
-def sqrt_allocation(a: Tensor, pi: Tensor, n_bar: float) -> Tensor:
+def sqrt_allocation(a: Float[Tensor, " K"], pi: Float[Tensor, " K"], n_bar: float) -> Float[Tensor, " K"]:
     r"""Closed-form rollouts per bin of the relaxed Rollout-GDRO problem (the square-root rule).
 
     .. math::  \min_{n > 0} \sum_b \pi_b \frac{a_b}{n_b} \ \text{s.t.}\ \sum_b \pi_b n_b = \bar n
@@ -173,7 +175,7 @@ def sqrt_allocation(a: Tensor, pi: Tensor, n_bar: float) -> Tensor:
     return float(n_bar) * root / denom
 
 
-def shadow_price_arms(a: Tensor, mu: float, *, n_min: int, n_max: int) -> Tensor:
+def shadow_price_arms(a: Float[Tensor, " K"], mu: float, *, n_min: int, n_max: int) -> Int[Tensor, " K"]:
     r"""Rollout-GDRO's discrete arm per bin at shadow price :math:`\mu`.
 
     .. math::  n_b = \arg\max_{n \in \{n_{min},\dots,n_{max}\}} a_b\Bigl(\frac{1}{n_{min}} - \frac{1}{n}\Bigr) - \mu n
@@ -336,7 +338,7 @@ class DifficultyClassifier:
         found = self._ids[pos] == ids if s else torch.zeros(ids.shape, dtype=torch.bool)
         return pos, found
 
-    def bins(self, prompt_ids: Tensor) -> Tensor:
+    def bins(self, prompt_ids: IntP) -> IntP:
         """Current bin of each prompt, int64 ``[P]`` (never-seen prompts: ``unseen_bin``)."""
         return self._bins_at(*self._find(as_prompt_ids(prompt_ids)))
 
@@ -345,7 +347,7 @@ class DifficultyClassifier:
             return torch.full(pos.shape, self.unseen_bin, dtype=torch.long)
         return torch.where(found, self._bin[pos], torch.full_like(pos, self.unseen_bin))
 
-    def ema(self, prompt_ids: Tensor) -> Tensor:
+    def ema(self, prompt_ids: IntP) -> FloatP:
         """The pass@k EMA of each prompt, float64 ``[P]`` (NaN for never-seen prompts)."""
         ids = as_prompt_ids(prompt_ids)
         pos, found = self._find(ids)
@@ -353,7 +355,7 @@ class DifficultyClassifier:
             return torch.full(ids.shape, math.nan, dtype=_F64)
         return torch.where(found, self._ema[pos], torch.full_like(self._ema[pos], math.nan))
 
-    def update(self, prompt_ids: Tensor, n: Tensor, c: Tensor) -> None:
+    def update(self, prompt_ids: IntP, n: IntP, c: IntP) -> None:
         """One visit per prompt: ``c`` successes out of ``n`` rollouts (distinct ids ``[M]``, ``n >= 1``)."""
         ids = as_prompt_ids(prompt_ids)
         nn, cc = _int_tensor(n, "n"), _int_tensor(c, "c")
@@ -621,7 +623,7 @@ class PromptGDRO:
         self._scores = _BinEMA(self.classifier.num_bins, self.beta)
         self._gen = torch.Generator().manual_seed(self.seed)
 
-    def bin_probs(self, prompt_ids: Tensor | None = None) -> Tensor:
+    def bin_probs(self, prompt_ids: IntP | None = None) -> Float[Tensor, " K"]:
         """The sampling distribution :math:`q` over bins, float64 ``[K]`` (over the bins present among
         ``prompt_ids`` when given, else over all bins)."""
         k = self.classifier.num_bins
@@ -631,7 +633,7 @@ class PromptGDRO:
             present = torch.bincount(self.classifier.bins(prompt_ids), minlength=k) > 0
         return _mw_probs(self._scores, present, self.eta, self.gamma)
 
-    def loss_weights(self, prompt_ids: Tensor) -> Tensor:
+    def loss_weights(self, prompt_ids: IntP) -> FloatP:
         r"""The equivalent loss reweighting :math:`q_{b_i} / \pi_{b_i}` per prompt (``[P]``, float64), with
         :math:`\pi_b` the share of ``prompt_ids`` in bin :math:`b`: train on all of them, weighted, instead of
         sampling."""
@@ -641,7 +643,7 @@ class PromptGDRO:
         q = _mw_probs(self._scores, m > 0, self.eta, self.gamma)
         return q[bins] / (m[bins] / max(bins.numel(), 1))
 
-    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
         """Select prompts by the bin adversary and give each ``n`` rollouts, in one request (class docstring)."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
@@ -670,7 +672,7 @@ class PromptGDRO:
         reasons[chosen] = 0
         return _PromptPlan(ids, budget, counts, reasons)
 
-    def update(self, result: AllocationResult, *, hardness: Tensor | None = None) -> None:
+    def update(self, result: AllocationResult, *, hardness: FloatP | None = None) -> None:
         """Learn from a step: per bin (the bin each prompt had when planned) one EMA step towards the mean hardness
         of its visited prompts, then one classifier visit per visited prompt.
 
@@ -873,7 +875,7 @@ class RolloutGDRO:
         self._rate = _BinEMA(k, self.beta)
         self._gen = torch.Generator().manual_seed(self.seed)
 
-    def bin_values(self, prompt_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def bin_values(self, prompt_ids: IntP) -> tuple[Float[Tensor, " K"], Float[Tensor, " K"], Int[Tensor, " K"]]:
         r"""For the bins present among ``prompt_ids``: :math:`a_b = w_b v_b`, the shares :math:`\pi_b` and the
         controller's arms at the current :math:`\mu` (each float64/int64 ``[K]``; absent bins have
         :math:`\pi_b = 0`)."""
@@ -895,7 +897,7 @@ class RolloutGDRO:
         pi = m / m.sum().clamp(min=1)
         return a, pi, _arms_of(a, self.mu, self.n_min, self.n_max)
 
-    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
         """The controller's arm for each prompt's bin, cut to ``budget`` if needed, in one request."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
@@ -918,7 +920,7 @@ class RolloutGDRO:
         }
         return _RolloutPlan(ids, budget, counts, reasons, metrics)
 
-    def update(self, result: AllocationResult, *, hardness: Tensor | None = None) -> None:
+    def update(self, result: AllocationResult, *, hardness: FloatP | None = None) -> None:
         """Learn from a step: the dual step on :math:`\\mu` (from the result's ``proposed_mean_n`` and ``n_bar``),
         one EMA step of each bin's success rate (or variance) and hardness (bins as planned), then one classifier
         visit per visited prompt. ``hardness`` replaces the reward-based adversary signal, as in

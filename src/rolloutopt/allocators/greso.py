@@ -17,6 +17,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 import torch
+from jaxtyping import Int
 from torch import Tensor
 
 from rolloutopt._validation import check_state, describe
@@ -35,11 +36,12 @@ from rolloutopt.allocators._base import (
     check_budget,
 )
 from rolloutopt.errors import InputError
+from rolloutopt.typing import FloatAny, FloatB, FloatP, IntB, IntP
 
 __all__ = ["GRESO", "greso_skip_probability"]
 
 
-def greso_skip_probability(run_length: Tensor, p: float, *, floor: float = 0.01) -> Tensor:
+def greso_skip_probability(run_length: Int[Tensor, " ..."], p: float, *, floor: float = 0.01) -> FloatAny:
     r"""GRESO's skip probability of a prompt whose last ``run_length`` groups were all easy (or all hard).
 
     .. math::
@@ -86,7 +88,7 @@ class _GRESOPlan(Conversation):
         self.rounds = 0
         self.batch_sizes: list[int] = []
 
-    def on_observe(self, pos: Tensor, rewards: Tensor) -> None:
+    def on_observe(self, pos: IntB, rewards: FloatB) -> None:
         self._hi.scatter_reduce_(0, pos, rewards, "amax")
         self._lo.scatter_reduce_(0, pos, rewards, "amin")
 
@@ -138,7 +140,7 @@ class _GRESOPlan(Conversation):
         kept = varied & (torch.cumsum(varied.long(), 0) <= self._o.train_batch_size)
         return kept, zv
 
-    def select(self) -> tuple[Tensor, Tensor]:
+    def select(self) -> tuple[FloatB, IntP]:
         pos, _ = self.rollouts()
         kept, zv = self._kept()
         rolled = self._n > 0
@@ -340,7 +342,7 @@ class GRESO:
         """Tell the allocator the current epoch (p adapts only from ``adapt_from_epoch`` on)."""
         self.epoch = _check_int(epoch, "epoch", 0, "pass the epoch number, from 0")
 
-    def run_lengths(self, prompt_ids: Tensor) -> tuple[Tensor, Tensor]:
+    def run_lengths(self, prompt_ids: IntP) -> tuple[IntP, IntP]:
         """Easy and hard run lengths ``k_e``, ``k_h`` of each prompt, int64 ``[P]`` each (0 if never rolled out)."""
         return self._run_lengths(as_prompt_ids(prompt_ids))
 
@@ -350,7 +352,7 @@ class GRESO:
         pos, found = _lookup(self._ids, ids)
         return torch.where(found, self._k_easy[pos], 0), torch.where(found, self._k_hard[pos], 0)
 
-    def skip_probabilities(self, prompt_ids: Tensor) -> tuple[Tensor, Tensor]:
+    def skip_probabilities(self, prompt_ids: IntP) -> tuple[FloatP, FloatP]:
         """Per prompt, float64 ``[P]``: the easy skip probability and the hard one (drawn if easy does not skip)."""
         return self._skip_probabilities(as_prompt_ids(prompt_ids))
 
@@ -361,7 +363,7 @@ class GRESO:
             greso_skip_probability(k_h, self.p_hard, floor=self.floor),
         )
 
-    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
         """Draw the skips for the candidates ``prompt_ids`` (in dataloader order), then roll out in rounds."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)

@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from rolloutopt._validation import check_int as _check_int
 from rolloutopt._validation import checks_enabled, choice, describe
 from rolloutopt.allocators._base import AllocationResult
 from rolloutopt.errors import InputError
+from rolloutopt.typing import FloatB, FloatP, IntB, IntP
 
 __all__ = ["SUCCESS_PRESETS", "PromptHistory", "PromptStats", "stable_prompt_ids"]
 
@@ -60,7 +62,7 @@ SUCCESS_PRESETS: dict[str, dict[str, Any]] = {
 _MASK63 = (1 << 63) - 1
 
 
-def stable_prompt_ids(strings: Sequence[str]) -> Tensor:
+def stable_prompt_ids(strings: Sequence[str]) -> IntP:
     r"""Stable int64 prompt ids from string ids: the first 8 bytes of BLAKE2b, little-endian, top bit cleared.
 
     .. math::
@@ -121,26 +123,26 @@ class PromptStats:
             unseen fill when unseen).
     """
 
-    prompt_ids: Tensor
-    seen: Tensor
-    rollouts: Tensor
-    successes: Tensor
-    groups: Tensor
-    reward_mean: Tensor
-    pass_rate: Tensor
-    ema_pass_rate: Tensor
-    last_step: Tensor
-    correct_run: Tensor
-    wrong_run: Tensor
-    flat_run: Tensor
-    window: Tensor
-    window_rollouts: Tensor
-    window_successes: Tensor
-    window_count: Tensor
-    window_pass_rate: Tensor
+    prompt_ids: IntP
+    seen: Bool[Tensor, " P"]
+    rollouts: IntP
+    successes: IntP
+    groups: IntP
+    reward_mean: FloatP
+    pass_rate: FloatP
+    ema_pass_rate: FloatP
+    last_step: IntP
+    correct_run: IntP
+    wrong_run: IntP
+    flat_run: IntP
+    window: Float[Tensor, "P W"]
+    window_rollouts: Int[Tensor, "P W"]
+    window_successes: Int[Tensor, "P W"]
+    window_count: IntP
+    window_pass_rate: FloatP
 
     @property
-    def window_mask(self) -> Tensor:
+    def window_mask(self) -> Bool[Tensor, "P W"]:
         """bool ``[P, W]``: True on the filled window slots."""
         w = self.window.shape[1]
         return torch.arange(w) < self.window_count[:, None]
@@ -300,7 +302,7 @@ class PromptHistory:
         return int(self._ids.numel())
 
     @property
-    def prompt_ids(self) -> Tensor:
+    def prompt_ids(self) -> IntP:
         """The stored prompt ids, int64, sorted ascending (a copy)."""
         return self._ids.clone()
 
@@ -345,7 +347,7 @@ class PromptHistory:
         self._ids, self._f = ids, fields
 
     # -- the public API -------------------------------------------------------------------------------------
-    def update(self, prompt_ids: Tensor, rewards: Tensor, *, step: int) -> None:
+    def update(self, prompt_ids: IntB, rewards: FloatB, *, step: int) -> None:
         """Ingest one step's rollouts: ``prompt_ids`` int64 ``[N]`` (one per rollout) and ``rewards`` float ``[N]``.
 
         All rollouts of a prompt form one group (see the class docstring for every statistic). Rollouts kept
@@ -455,7 +457,7 @@ class PromptHistory:
             old = f[name].index_select(0, pos)
             f[name].index_copy_(0, pos, torch.cat([value[:, None].to(old.dtype), old[:, :-1]], dim=1))
 
-    def lookup(self, prompt_ids: Tensor) -> PromptStats:
+    def lookup(self, prompt_ids: IntP) -> PromptStats:
         """The statistics of ``prompt_ids`` (int64 ``[P]``, any ids, repeats allowed), as a :class:`PromptStats`.
 
         Unseen (never updated, or evicted) prompts get ``seen=False`` and the fills of the ``unseen`` policy

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
+from jaxtyping import Float, Int, Real, Shaped
 from torch import Tensor
 
 from rolloutopt._validation import check_state, describe, require_experimental
@@ -39,6 +40,7 @@ from rolloutopt.allocators._base import (
 )
 from rolloutopt.allocators.topup import _rank
 from rolloutopt.errors import InputError
+from rolloutopt.typing import FloatAny, FloatB, FloatP, IntB, IntP
 
 __all__ = ["DOTS", "XRPO", "DOTSPlan", "ReplayedGroups", "t_quantile"]
 
@@ -59,13 +61,13 @@ class ReplayedGroups:
     ``keys``) and fetches them with these.
     """
 
-    keys: Tensor
-    prompt_ids: Tensor
-    steps: Tensor
-    counts: Tensor
-    group: Tensor
-    index: Tensor
-    rewards: Tensor
+    keys: Int[Tensor, " G"]
+    prompt_ids: Int[Tensor, " G"]
+    steps: Int[Tensor, " G"]
+    counts: Int[Tensor, " G"]
+    group: IntB
+    index: IntB
+    rewards: FloatB
 
     @property
     def num_groups(self) -> int:
@@ -84,7 +86,7 @@ class DOTSPlan(OneShotPlan):
     reason_names = ("selected", "partial_group", "not_selected", "displaced_by_replay")
 
     def __init__(
-        self, prompt_ids: Tensor, budget: int, counts: Tensor, reasons: Tensor, predicted: Tensor, rep: ReplayedGroups
+        self, prompt_ids: IntP, budget: int, counts: IntP, reasons: IntP, predicted: FloatP, rep: ReplayedGroups
     ) -> None:
         super().__init__(prompt_ids, budget, counts, reasons)
         self.predicted = predicted
@@ -214,11 +216,11 @@ class DOTS:
         ref_size: int = 256,
         success_threshold: float | None = None,
         prior: float = 0.5,
-        embeddings: Tensor | None = None,
-        embedding_ids: Tensor | None = None,
+        embeddings: Float[Tensor, "P d"] | None = None,
+        embedding_ids: IntP | None = None,
         similarity_temperature: float = 0.05,
         calibrate: bool = True,
-        predictor: Callable[[Tensor], Tensor] | None = None,
+        predictor: Callable[[IntP], FloatP] | None = None,
         seed: int = 0,
         experimental: bool = False,
     ) -> None:
@@ -284,7 +286,7 @@ class DOTS:
             raise InputError(name, "prompt ids that have an embedding", "ids without one", "add them to embeddings")
         return self._emb[pos]
 
-    def predict(self, prompt_ids: Tensor) -> Tensor:
+    def predict(self, prompt_ids: IntP) -> FloatP:
         r"""Predicted success probability of each prompt, float64 ``[P]`` in [0, 1] (see the class docstring)."""
         return self._predict(as_prompt_ids(prompt_ids))
 
@@ -319,7 +321,7 @@ class DOTS:
         return torch.where(found, known, fallback)
 
     # -- the protocol ---------------------------------------------------------------------------------------------
-    def plan(self, prompt_ids: Tensor, budget: int) -> DOTSPlan:
+    def plan(self, prompt_ids: IntP, budget: int) -> DOTSPlan:
         """Draw fresh prompts near ``alpha`` and replayed groups from the buffer (see the class docstring)."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
@@ -423,7 +425,7 @@ class DOTS:
         self._next_key += g
         self._buf = {key: torch.cat([self._buf[key], new[key]])[-self.buffer_size :] for key in new}
 
-    def replay_buffer(self) -> dict[str, Tensor]:
+    def replay_buffer(self) -> dict[str, Shaped[Tensor, "G ..."]]:
         """A copy of the FIFO: ``keys``, ``prompt_ids``, ``steps``, ``counts`` ``[G]``, ``rewards [G, n_max]``
         (zero-padded past ``counts``), oldest first."""
         return {k: v.clone() for k, v in self._buf.items()}
@@ -469,7 +471,7 @@ class DOTS:
 
 
 # -- XRPO -------------------------------------------------------------------------------------------------------
-def t_quantile(q: float, df: Tensor) -> Tensor:
+def t_quantile(q: float, df: Real[Tensor, " ..."]) -> FloatAny:
     r"""Quantile :math:`t_{q,\nu}` of Student's t distribution, float64, for ``df`` :math:`\nu \ge 1` (elementwise).
 
     Exact for :math:`\nu = 1` (:math:`\tan(\pi(q - 1/2))`) and :math:`\nu = 2`
@@ -537,7 +539,7 @@ class _XRPOPlan(Conversation):
         ranked = _rank(torch.where(eligible, self.priority(), -math.inf), self._order)[:m]
         return self.request(ranked, torch.ones(m, dtype=torch.long))
 
-    def select(self) -> tuple[Tensor, Tensor]:
+    def select(self) -> tuple[FloatB, IntP]:
         n = self._n
         reasons = torch.where(
             n == 0, 3, torch.where((n >= self.cfg.n_max) & (n > self._base), 2, torch.where(n > self._base, 1, 0))
@@ -632,7 +634,7 @@ class XRPO:
         self.seed = _check_int(seed, "seed", 0, "pass a non-negative int")
         self._gen = torch.Generator().manual_seed(self.seed)
 
-    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
         """Base groups, then rounds of uncertainty-reduction top-ups (see the class docstring)."""
         return _XRPOPlan(as_prompt_ids(prompt_ids), check_budget(budget), self)
 

@@ -31,6 +31,7 @@ from rolloutopt.allocators._base import (
     check_budget,
 )
 from rolloutopt.errors import InputError
+from rolloutopt.typing import FloatAny, FloatB, IntB, IntP
 
 __all__ = ["VIGOR", "PilotCommit", "vigor_speedup"]
 
@@ -64,7 +65,7 @@ class _Tracked(Conversation):
         self._succ = torch.zeros(p, dtype=torch.float64)
         self._stats: tuple[Tensor, Tensor, Tensor] | None = None  # group_stats() since the last observe
 
-    def on_observe(self, pos: Tensor, r: Tensor) -> None:
+    def on_observe(self, pos: IntB, r: FloatB) -> None:
         """Update the per-prompt extremes and successes from the request just observed."""
         self._stats = None
         if self.track_extremes:
@@ -98,7 +99,7 @@ def _rank(score: Tensor, by_id: Tensor) -> Tensor:
 
 
 # -- VIGOR --------------------------------------------------------------------------------------------------------
-def vigor_speedup(alpha: float | Tensor) -> float | Tensor:
+def vigor_speedup(alpha: float | FloatAny) -> float | FloatAny:
     r"""Closed-form speed-up of the square-root allocation over uniform allocation, variance ~ Pareto(alpha).
 
     .. math::
@@ -251,7 +252,7 @@ class _VIGORPlan(_Tracked):
         give = amount > 0
         return self.request(give, amount[give])
 
-    def select(self) -> tuple[Tensor, Tensor]:
+    def select(self) -> tuple[FloatB, IntP]:
         n, _, var = self.group_stats()
         cfg = self.cfg
         capped = (n >= cfg.n_max) if cfg.n_max is not None else torch.zeros_like(n, dtype=torch.bool)
@@ -376,7 +377,7 @@ class VIGOR:
         self.prior = (float(prior[0]), float(prior[1])) if prior is not None else None
         self.n_min, self.n_max = n_min, n_max
 
-    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
         """Warm start, then variance-guided top-up rounds (see the class docstring)."""
         return _VIGORPlan(as_prompt_ids(prompt_ids), check_budget(budget), self)
 
@@ -478,7 +479,7 @@ class _PilotCommitPlan(_Tracked):
         counts = torch.cat([torch.full((g,), o.n_pilot), torch.full((c,), o.n_commit)]).long()
         return self.request(torch.cat([pilot, commit]), counts)
 
-    def select(self) -> tuple[Tensor, Tensor]:
+    def select(self) -> tuple[FloatB, IntP]:
         self._classify()
         o = self.o
         pos, r = self.rollouts()
@@ -656,15 +657,15 @@ class PilotCommit:
         self._buf_step = torch.zeros(0, dtype=torch.long)
         self._evicted = torch.zeros(0, dtype=torch.long)
 
-    def plan(self, prompt_ids: Tensor, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
         """Pilot/commit rounds over ``prompt_ids`` (fresh prompts in data-loader order, plus any buffered ids)."""
         return _PilotCommitPlan(as_prompt_ids(prompt_ids), check_budget(budget), self)
 
-    def buffered_ids(self) -> Tensor:
+    def buffered_ids(self) -> IntP:
         """Prompt ids in the buffer (kept, not yet committed), sorted; list them in a later plan to commit them."""
         return self._buf_ids.clone()
 
-    def evicted_ids(self) -> Tensor:
+    def evicted_ids(self) -> IntP:
         """Prompt ids evicted for good (pilot success rate >= ``p_solve``), sorted."""
         return self._evicted.clone()
 

@@ -34,10 +34,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
+from jaxtyping import Float, Shaped
 from torch import Tensor
 
 from rolloutopt._validation import Dims, as_float, as_index, as_mask, checks_enabled, describe, finite
 from rolloutopt.errors import InputError
+from rolloutopt.groups import Groups
+from rolloutopt.typing import BoolB, BoolBT, FloatB, IntB
 
 __all__ = [
     "StepInputs",
@@ -68,10 +71,10 @@ class StopState:
     tensors, e.g. a smoothed regret).
     """
 
-    stopped: Tensor
-    position: Tensor
-    reason: Tensor
-    steps: Tensor
+    stopped: BoolB
+    position: IntB
+    reason: IntB
+    steps: IntB
     extra: dict[str, Tensor] = field(default_factory=dict)
 
     @property
@@ -110,15 +113,15 @@ class StepInputs:
     declared in its ``extra_inputs`` (e.g. critic values ``[N]``, teacher top-k ids ``[N, K]``).
     """
 
-    live: Tensor
-    active: Tensor
-    logp: Tensor | None = None
-    entropy: Tensor | None = None
-    topk_logp: Tensor | None = None
-    tokens: Tensor | None = None
+    live: BoolB
+    active: BoolB
+    logp: FloatB | None = None
+    entropy: FloatB | None = None
+    topk_logp: Float[Tensor, "B topk"] | None = None
+    tokens: IntB | None = None
     extra: dict[str, Tensor] = field(default_factory=dict)
 
-    def need(self, name: str, by: str) -> Tensor:
+    def need(self, name: str, by: str) -> Shaped[Tensor, "B ..."]:
         """Return input ``name`` or raise an InputError saying that rule ``by`` needs it."""
         value = self.extra.get(name) if name not in STANDARD_INPUTS else getattr(self, name)
         if value is None:
@@ -136,10 +139,10 @@ class StopResult:
     ``metrics``: detached 0-d tensors (``stop_frac``, ``stop_position_mean``, ``stop_frac/<reason>``).
     """
 
-    stopped: Tensor
-    position: Tensor
-    length: Tensor
-    reason: Tensor
+    stopped: BoolB
+    position: IntB
+    length: IntB
+    reason: IntB
     reason_names: tuple[str, ...]
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
@@ -147,7 +150,7 @@ class StopResult:
         """The reason of every row, as names (a convenience for logs and tests)."""
         return [self.reason_names[int(r)] for r in self.reason]
 
-    def keep_mask(self, length: int) -> Tensor:
+    def keep_mask(self, length: int) -> BoolBT:
         """Bool ``[N, length]``: True for the tokens a stopped row keeps; rows that did not stop keep all."""
         t = torch.arange(length, device=self.position.device)
         limit = torch.where(self.stopped, self.position + 1, torch.full_like(self.position, length))
@@ -163,14 +166,14 @@ class TruncationOutput:
     0-d tensors. Nothing is dropped silently: a changed row has ``truncated`` True and shows in the metrics.
     """
 
-    mask: Tensor
-    rewards: Tensor
-    lengths: Tensor
-    truncated: Tensor
+    mask: BoolBT
+    rewards: FloatB
+    lengths: IntB
+    truncated: BoolB
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
-def truncate_mask(mask: Any, result: StopResult) -> Tensor:
+def truncate_mask(mask: BoolBT, result: StopResult) -> BoolBT:
     """The loss mask after a stop rule: ``mask & keep`` where ``keep`` holds the first ``position + 1`` tokens
     of every stopped row (rows that did not stop are unchanged).
 
@@ -227,7 +230,13 @@ class StopRule:
             )
 
     # -- the protocol ------------------------------------------------------------------------------------------
-    def init(self, batch_size: int, *, device: torch.device | str | None = None, **inputs: Any) -> StopState:
+    def init(
+        self,
+        batch_size: int,
+        *,
+        device: torch.device | str | None = None,
+        **inputs: Shaped[Tensor, "B ..."] | Groups | None,
+    ) -> StopState:
         """A fresh state for ``batch_size`` rows (rule-specific keywords, e.g. ``group=``, go to :meth:`_init`;
         the rule's ``init_inputs`` lists them)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
@@ -255,13 +264,13 @@ class StopRule:
         self,
         state: StopState,
         *,
-        logp: Any = None,
-        entropy: Any = None,
-        topk_logp: Any = None,
-        tokens: Any = None,
-        active: Any = None,
+        logp: FloatB | None = None,
+        entropy: FloatB | None = None,
+        topk_logp: Float[Tensor, "B topk"] | None = None,
+        tokens: IntB | None = None,
+        active: BoolB | None = None,
         **inputs: Any,
-    ) -> tuple[StopState, Tensor]:
+    ) -> tuple[StopState, BoolB]:
         """Observe one decoding step of every row; return the new state and the cumulative bool ``stop [N]``.
 
         ``logp`` float ``[N]`` (log-prob of the sampled token), ``entropy`` float ``[N]``, ``topk_logp`` float
@@ -393,7 +402,9 @@ class StopRule:
         return StepInputs(live=live, active=act, extra=extra, **std)
 
 
-def extra_input(value: Any, key: str, spec_kind: tuple[str, str], dims: Dims, rows: Tensor) -> Tensor:
+def extra_input(
+    value: Shaped[Tensor, "B ..."], key: str, spec_kind: tuple[str, str], dims: Dims, rows: BoolB
+) -> Shaped[Tensor, "B ..."]:
     """Validate one rule-specific ``step`` input: shape ``spec`` (dims bound in ``dims``), kind ``"float"`` (fp32,
     finite at ``rows``), ``"int"`` (int64) or ``"bool"``; returned on ``rows``' device."""
     spec, kind = spec_kind
@@ -406,7 +417,13 @@ def extra_input(value: Any, key: str, spec_kind: tuple[str, str], dims: Dims, ro
     return as_mask(value, key, dims, spec).to(rows.device)
 
 
-def replay(rule: StopRule, *, mask: Any = None, init: dict[str, Any] | None = None, **per_token: Any) -> StopResult:
+def replay(
+    rule: StopRule,
+    *,
+    mask: BoolBT | None = None,
+    init: dict[str, Any] | None = None,
+    **per_token: Shaped[Tensor, "B T ..."] | None,
+) -> StopResult:
     """Drive ``rule`` over a recorded generation and return :meth:`StopRule.finalize`'s result.
 
     Every per-token input is ``[N, T, ...]`` (``logp``, ``entropy``, ``topk_logp [N, T, K]``, ``tokens``,

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+from jaxtyping import Float
 from torch import Tensor
 
 from rolloutopt._validation import (
@@ -51,6 +52,7 @@ from rolloutopt._validation import (
 )
 from rolloutopt.control._base import StepInputs, StopResult, StopRule, StopState, truncate_mask
 from rolloutopt.errors import InputError
+from rolloutopt.typing import BoolB, BoolBT, FloatAny, FloatB, FloatBT, PerSeqOrToken, Scalar
 
 __all__ = [
     "ESPO",
@@ -77,7 +79,7 @@ def _regret(logp: Tensor, topk: Tensor) -> Tensor:
     return (topk.amax(dim=-1) - logp).clamp_min(0.0)
 
 
-def surrogate_regret(logp: Tensor, topk_logp: Tensor) -> Tensor:
+def surrogate_regret(logp: FloatB, topk_logp: Float[Tensor, "B topk"]) -> FloatB:
     r"""ESPO's per-token surrogate regret, the log-prob gap of the sampled token to the most likely one.
 
     .. math::
@@ -118,12 +120,12 @@ class ESPOStats:
     enabled; the :math:`\\beta` controller moves only when this is > 0).
     """
 
-    tokens: Tensor
-    regret_sum: Tensor
-    regret_sq_sum: Tensor
-    rows: Tensor
-    stopped: Tensor
-    enabled_rows: Tensor
+    tokens: Scalar
+    regret_sum: Scalar
+    regret_sq_sum: Scalar
+    rows: Scalar
+    stopped: Scalar
+    enabled_rows: Scalar
 
 
 class ESPO(StopRule):
@@ -264,7 +266,7 @@ class ESPO(StopRule):
         if self._progress >= self.warmup_force:
             self._warm = True
 
-    def observe_critic_loss(self, loss: float | Tensor) -> bool:
+    def observe_critic_loss(self, loss: float | FloatAny) -> bool:
         """Feed one critic-loss value (one training step); return whether the rule is now enabled.
 
         A step is stable when ``loss < warmup_loss`` or ``|loss - previous| < warmup_delta``; ``warmup_patience``
@@ -471,7 +473,7 @@ class ESPOCriticFree(StopRule):
         fire = (t >= self.t_min) & (smooth > t * self.rho_bar + self.kappa * t.sqrt() * self.s_rho)
         return extra, fire, 1
 
-    def update(self, state: StopState, success: Any) -> dict[str, Tensor]:
+    def update(self, state: StopState, success: BoolB) -> dict[str, Tensor]:
         """Learn the reference from a finished batch: the pooled per-token regret mean and standard deviation of
         rows that completed (were not stopped, generated >= 1 token) with ``success`` True (bool ``[N]``).
 
@@ -532,15 +534,17 @@ class AbsorbingFailure:
         metrics: detached 0-d tensors: ``stop_frac``, ``tokens_removed`` (masked-in tokens dropped by the stops).
     """
 
-    token_rewards: Tensor
-    rewards: Tensor
-    done: Tensor
-    mask: Tensor
-    stopped: Tensor
+    token_rewards: FloatBT
+    rewards: FloatB
+    done: BoolBT
+    mask: BoolBT
+    stopped: BoolB
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
-def absorbing_failure(rewards: Any, mask: Any, result: StopResult, *, r_fail: float = -1.0) -> AbsorbingFailure:
+def absorbing_failure(
+    rewards: PerSeqOrToken, mask: BoolBT, result: StopResult, *, r_fail: float = -1.0
+) -> AbsorbingFailure:
     r"""Turn rollouts a stop rule cut into absorbing failure states: terminal reward, ``done``, truncated mask.
 
     .. math::

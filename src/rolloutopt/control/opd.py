@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
+from jaxtyping import Int
 from torch import Tensor
 
 from rolloutopt._validation import (
@@ -49,6 +50,7 @@ from rolloutopt._validation import (
 )
 from rolloutopt.control._base import StepInputs, StopResult, StopRule, StopState
 from rolloutopt.errors import InputError
+from rolloutopt.typing import BoolB, BoolBT, FloatAny, FloatB, FloatBT, IntB, IntBT, Scalar
 
 __all__ = [
     "ESR",
@@ -169,7 +171,7 @@ class PruneOPD(StopRule):
             "weight": torch.ones(n, device=device),
         }
 
-    def overlap(self, student_topk: Tensor, teacher_topk: Tensor) -> Tensor:
+    def overlap(self, student_topk: Int[Tensor, "B topk"], teacher_topk: Int[Tensor, "B topk"]) -> FloatB:
         """The top-k overlap :math:`o = |S \\cap T| / k` per row, float32 ``[N]``: the ``overlap`` input of ``step``.
 
         ``student_topk`` and ``teacher_topk``: int ``[N, K]`` token ids in rank order, distinct within a row,
@@ -214,7 +216,7 @@ class PruneOPD(StopRule):
         }
         return extra, fire, torch.where(hard, 2, 1)
 
-    def token_weights(self, state: StopState, length: int) -> Tensor:
+    def token_weights(self, state: StopState, length: int) -> FloatBT:
         r"""Per-token loss weights ``[N, length]`` of the teacher rewards: :math:`w_t` for kept tokens, 0 after a
         row's stop.
 
@@ -288,7 +290,7 @@ class PruneOPDWindow:
         self.streak = 0
         self.steps = 0
 
-    def observe(self, lengths: Tensor | StopResult) -> int:
+    def observe(self, lengths: IntB | StopResult) -> int:
         """Record one training step's kept lengths (int ``[B]``, or a :class:`StopResult`); return the new L."""
         raw = lengths.length if isinstance(lengths, StopResult) else lengths
         ell = as_index(raw, "lengths", Dims(), "B")
@@ -320,7 +322,7 @@ class PruneOPDWindow:
 
 
 # ====================================================================================================== Stable-OPD
-def repeated_ngram_share(tokens: Tensor, mask: Tensor | None = None, *, n: int = 4) -> Tensor:
+def repeated_ngram_share(tokens: IntBT, mask: BoolBT | None = None, *, n: int = 4) -> FloatB:
     r"""Share of repeated n-grams per rollout: the repetition score of Stable-OPD.
 
     .. math::
@@ -456,7 +458,7 @@ class StableOPD:
         self.trips = 0
 
     def observe(
-        self, lengths: Tensor, truncated: Tensor, *, tokens: Tensor | None = None, mask: Tensor | None = None
+        self, lengths: IntB, truncated: BoolB, *, tokens: IntBT | None = None, mask: BoolBT | None = None
     ) -> StableOPDDecision:
         """Record one batch and decide the next step's KL multiplier and mixture ratio.
 
@@ -534,7 +536,7 @@ class StableOPD:
 
 
 # ========================================================================================================== ADWIN
-def kl_sign_alignment(prefix_kl: Tensor, full_kl: Tensor, mask: Tensor, *, horizon: int) -> Tensor:
+def kl_sign_alignment(prefix_kl: FloatBT, full_kl: FloatBT, mask: BoolBT, *, horizon: int) -> Scalar:
     r"""ADWIN's cheap alignment proxy [reconstructed]: agreement of per-token reverse-KL signs on the first H
     positions.
 
@@ -569,7 +571,7 @@ def kl_sign_alignment(prefix_kl: Tensor, full_kl: Tensor, mask: Tensor, *, horiz
     return torch.where(n > 0, agree.sum().float() / n.clamp(min=1).float(), torch.ones((), device=p.device))
 
 
-def gradient_cosine(g_prefix: Tensor | Sequence[Tensor], g_full: Tensor | Sequence[Tensor]) -> Tensor:
+def gradient_cosine(g_prefix: FloatAny | Sequence[FloatAny], g_full: FloatAny | Sequence[FloatAny]) -> Scalar:
     r"""Cosine between the prefix and the full-rollout OPD gradients: ADWIN's alignment.
 
     .. math::
@@ -677,7 +679,7 @@ class ADWINHorizon:
         """Whether training step ``step`` (>= 0) should launch a full-rollout probe (every ``probe_every``)."""
         return _int(step, "step", 0) % self.probe_every == 0
 
-    def observe(self, alignment: float | Tensor, *, version: int, current_version: int) -> int:
+    def observe(self, alignment: float | FloatAny, *, version: int, current_version: int) -> int:
         """Apply one probe's alignment (float or 0-d tensor) produced at policy ``version``; return the new H.
 
         The probe is logged as ``(version, alignment, applied, horizon)`` in ``self.probes`` (bounded queue);
@@ -755,7 +757,7 @@ class ESR(StopRule):
         return state.extra, state.steps + 1 >= self.n, 1
 
 
-def esr_mask(mask: Tensor, lengths: Tensor | None = None, *, n: int = 100) -> Tensor:
+def esr_mask(mask: BoolBT, lengths: IntB | None = None, *, n: int = 100) -> BoolBT:
     r"""ESR's loss mask: the first ``min(N, length)`` response tokens of every row.
 
     .. math::

@@ -50,12 +50,14 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+from jaxtyping import Float, Int
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from rolloutopt._validation import check_int as _check_int
 from rolloutopt._validation import check_state, describe, finite
 from rolloutopt.errors import InputError
+from rolloutopt.typing import BoolB, BoolBT, FloatAny, FloatB, FloatBT, IntB, IntBT, IntP
 
 __all__ = [
     "REMOVAL_REASONS",
@@ -102,13 +104,13 @@ class Requests:
             engine continues ``prompt + prefix``. Read-only: these are the stored tensors, not copies.
     """
 
-    request_ids: Tensor
-    rollout_ids: Tensor
-    prompt_ids: Tensor
-    group: Tensor
-    sample: Tensor
-    max_new_tokens: Tensor
-    prefix: tuple[Tensor, ...]
+    request_ids: Int[Tensor, " K"]
+    rollout_ids: Int[Tensor, " K"]
+    prompt_ids: Int[Tensor, " K"]
+    group: Int[Tensor, " K"]
+    sample: Int[Tensor, " K"]
+    max_new_tokens: Int[Tensor, " K"]
+    prefix: tuple[Int[Tensor, " _"], ...]
 
     def __len__(self) -> int:
         return len(self.prefix)
@@ -139,20 +141,20 @@ class PartialBatch:
             :class:`~rolloutopt.ratios.CoPRISProximal` reads.
     """
 
-    rollout_ids: Tensor
-    prompt_ids: Tensor
-    group: Tensor
-    sample: Tensor
-    lengths: Tensor
-    rewards: Tensor
-    truncated: Tensor
-    tokens: Tensor
-    mask: Tensor
-    versions: Tensor
-    engine_logp: Tensor
-    stored_logp: Tensor
-    stored_len: Tensor
-    behav_logp: Tensor
+    rollout_ids: IntB
+    prompt_ids: IntB
+    group: IntB
+    sample: IntB
+    lengths: IntB
+    rewards: FloatB
+    truncated: BoolB
+    tokens: IntBT
+    mask: BoolBT
+    versions: IntBT
+    engine_logp: FloatBT
+    stored_logp: FloatBT
+    stored_len: IntB
+    behav_logp: FloatBT
 
     def __len__(self) -> int:
         return int(self.rollout_ids.numel())
@@ -162,10 +164,10 @@ class PartialBatch:
 class Removed:
     """Rollouts removed without being trained, all ``[R]`` int64; ``reason`` indexes ``REMOVAL_REASONS``."""
 
-    rollout_ids: Tensor
-    prompt_ids: Tensor
-    group: Tensor
-    reason: Tensor
+    rollout_ids: Int[Tensor, " R"]
+    prompt_ids: Int[Tensor, " R"]
+    group: Int[Tensor, " R"]
+    reason: Int[Tensor, " R"]
 
     def __len__(self) -> int:
         return int(self.rollout_ids.numel())
@@ -189,7 +191,7 @@ class RoundResult:
 
     batch: PartialBatch
     removed: Removed
-    unused_prompts: Tensor
+    unused_prompts: IntP
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
@@ -357,7 +359,7 @@ class PartialScheduler:
         """
         return self._requests(list(self._running), list(self._running.values()))
 
-    def held_ids(self) -> Tensor:
+    def held_ids(self) -> Int[Tensor, " N"]:
         """Rollout ids the scheduler holds now (pending, running, partial, or finished awaiting their group)."""
         return torch.tensor(sorted(self._rollouts), dtype=torch.long)
 
@@ -472,7 +474,7 @@ class PartialScheduler:
         return rec
 
     # -- the event API ----------------------------------------------------------------------------------
-    def begin_round(self, prompt_ids: Any, *, policy_version: int) -> None:
+    def begin_round(self, prompt_ids: IntP, *, policy_version: int) -> None:
         """Open a round: fresh prompt ids ``[P]`` for it, and the version of the engine's weights.
 
         Held rollouts whose oldest token is more than ``max_staleness`` versions behind ``policy_version``
@@ -550,7 +552,13 @@ class PartialScheduler:
         )
 
     def finish(
-        self, request_id: int, tokens: Tensor, behav_logp: Tensor, *, reward: float, policy_version: Any = None
+        self,
+        request_id: int,
+        tokens: Int[Tensor, " T"],
+        behav_logp: Float[Tensor, " T"],
+        *,
+        reward: float | FloatAny,
+        policy_version: int | Int[Tensor, " T"] | None = None,
     ) -> None:
         """A request finished: its new tokens ``[L]``, their behaviour log-probs ``[L]`` and the reward.
 
@@ -578,7 +586,14 @@ class PartialScheduler:
         if all(self._rollouts[r].status >= _COMPLETED for r in self._groups[rec.group]):
             self._complete(rec.group)
 
-    def abort(self, request_id: int, tokens: Tensor, behav_logp: Tensor, *, policy_version: Any = None) -> None:
+    def abort(
+        self,
+        request_id: int,
+        tokens: Int[Tensor, " T"],
+        behav_logp: Float[Tensor, " T"],
+        *,
+        policy_version: int | Int[Tensor, " T"] | None = None,
+    ) -> None:
         """A running request was aborted: keep what it generated (``tokens`` ``[L]``, ``behav_logp`` ``[L]``).
 
         Args as in :meth:`finish`, without ``reward``. The rollout becomes PARTIAL and is resumed later (or
@@ -672,7 +687,7 @@ class PartialScheduler:
         ]
         return self._assemble(rids)
 
-    def record_recompute(self, rollout_ids: Tensor, logp: Tensor, *, policy_version: int) -> dict[str, Tensor]:
+    def record_recompute(self, rollout_ids: IntB, logp: FloatBT, *, policy_version: int) -> dict[str, Tensor]:
         r"""Append a recompute of old log-probs to each rollout's segment-wise buffer (CoPRIS).
 
         .. math::  \text{stored}_i \leftarrow \operatorname{concat}(\text{stored}_i[0{:}S_i],\
@@ -929,7 +944,7 @@ class APRILBuffer(PartialScheduler):
         """``rollout_batch_size`` groups accepted this round."""
         return len(self._accepted) >= self.rollout_batch_size
 
-    def buffered_groups(self) -> Tensor:
+    def buffered_groups(self) -> Int[Tensor, " G"]:
         """Group keys in the buffer, FIFO order (the next submission pops from the front)."""
         return torch.tensor(list(self._buffer), dtype=torch.long)
 
@@ -1115,7 +1130,7 @@ class CoPRISScheduler(PartialScheduler):
         """``train_batch_size`` groups kept this round."""
         return len(self._kept) >= self.train_batch_size
 
-    def queued_ids(self) -> Tensor:
+    def queued_ids(self) -> Int[Tensor, " N"]:
         """Rollout ids waiting in the request queue, front first."""
         return torch.tensor(list(self._queue), dtype=torch.long)
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from rolloutopt._validation import (
@@ -55,7 +56,7 @@ from rolloutopt.control._base import TruncationOutput
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups, as_groups
 from rolloutopt.registry import Entry, Registry
-from rolloutopt.typing import BoolBT, FloatB, FloatBT, IntB
+from rolloutopt.typing import BoolB, BoolBT, FloatB, FloatBT, IntB, NumB, PerSeqOrToken
 
 __all__ = [
     "EGAEOutput",
@@ -169,7 +170,7 @@ _DOT_METRICS = (
 
 def dot(
     rewards: FloatB,
-    lengths: Tensor,
+    lengths: NumB,
     group: Groups | IntB,
     *,
     mask: BoolBT | None = None,
@@ -278,7 +279,7 @@ def _ratios(ratios: Any) -> tuple[float, ...]:
     return tuple(float(x) for x in ratios)
 
 
-def jet_truncation_points(lengths: Tensor, ratios: tuple[float, ...] = _JET_RATIOS) -> Tensor:
+def jet_truncation_points(lengths: NumB, ratios: tuple[float, ...] = _JET_RATIOS) -> Int[Tensor, "B R"]:
     r"""JET's prefix cut points: where each full response is cut before the answer-forcing suffix.
 
     .. math::  c_{i,j} = \min\big(L_i,\ \max(1, \lfloor L_i\, \rho_j \rfloor)\big)
@@ -320,9 +321,9 @@ class JETLayout:
 
     n_full: int
     n_truncated: int
-    source: Tensor
-    ratio_index: Tensor
-    is_truncated: Tensor
+    source: Int[Tensor, " N"]
+    ratio_index: Int[Tensor, " N"]
+    is_truncated: Bool[Tensor, " N"]
 
 
 def jet_group_layout(n: int, *, num_ratios: int = 5) -> JETLayout:
@@ -368,8 +369,8 @@ _JET_METRICS = ("correct_frac", "bonus_mean", "reward_mean")
 
 def jet_reward(
     accuracy: FloatB,
-    has_format: Tensor,
-    lengths: Tensor,
+    has_format: BoolB,
+    lengths: NumB,
     group: Groups | IntB | None,
     *,
     mask: BoolBT | None = None,
@@ -492,9 +493,9 @@ def _dler_apply(
 
 def dler_truncation_penalty(
     rewards: FloatB,
-    lengths: Tensor,
+    lengths: NumB,
     *,
-    max_len: int | Tensor,
+    max_len: int | NumB,
     mask: BoolBT | None = None,
     truncated_reward: float = 0.0,
     cut_mask: bool = True,
@@ -572,7 +573,7 @@ def dler_difficulty_budget(
     easy_from: float = 0.5,
     correct: float = 1.0,
     experimental: bool = False,
-) -> Tensor:
+) -> IntB:
     r"""Difficulty-Aware DLER's per-row truncation length: tighter on prompts the policy already solves.
 
     .. math::  p_g = \frac{1}{n_g}\sum_{i\in g} [r_i \ge c], \quad
@@ -615,7 +616,7 @@ def dler_difficulty_budget(
 
 def dler_difficulty_penalty(
     rewards: FloatB,
-    lengths: Tensor,
+    lengths: NumB,
     group: Groups | IntB,
     *,
     max_len: int,
@@ -675,7 +676,7 @@ _SOFT_METRICS = ("penalised_frac", "mastered_group_frac", "penalty_mean", "rewar
 
 def soft_compression_penalty(
     rewards: FloatB,
-    lengths: Tensor,
+    lengths: NumB,
     group: Groups | IntB,
     *,
     mask: BoolBT | None = None,
@@ -845,17 +846,17 @@ class EGAEOutput:
             ``bootstrap_mean`` (mean :math:`V(s_l)` over unfinished rows).
     """
 
-    advantages: Tensor
-    returns: Tensor
-    value_mask: Tensor
+    advantages: FloatBT
+    returns: FloatBT
+    value_mask: BoolBT
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
 def egae(
-    values: FloatBT,
-    rewards: Tensor,
+    values: Float[Tensor, "B _"],
+    rewards: PerSeqOrToken,
     mask: BoolBT,
-    finished: Tensor,
+    finished: BoolB,
     *,
     bootstrap: FloatB | None = None,
     gamma: float = 1.0,

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
 import torch
+from jaxtyping import Int
 from torch import Tensor
 
 from rolloutopt._validation import (
@@ -53,7 +54,7 @@ from rolloutopt._validation import (
 from rolloutopt.control._base import StepInputs, StopResult, StopRule, StopState
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups, as_groups
-from rolloutopt.typing import BoolBT, FloatB, IntB
+from rolloutopt.typing import BoolB, BoolBT, FloatB, IntB, IntBT, NumB
 
 __all__ = [
     "DEER",
@@ -175,7 +176,7 @@ class _ProbeGate(_MarkerMixin, StopRule):
         count = state.extra["markers"] + at.long()
         return at & self._eligible(state, count), count
 
-    def probe_rows(self, state: StopState, *, tokens: Any, active: Any = None) -> Tensor:
+    def probe_rows(self, state: StopState, *, tokens: IntB, active: BoolB | None = None) -> BoolB:
         """Bool ``[N]``: the rows the engine must probe at this step (live, at a marker, past the warm-up).
 
         Call it with the token ids just sampled, run the answer-forcing probe for those rows, then call
@@ -267,7 +268,7 @@ class StepGRPOTruncation(_ProbeGate):
     def __init__(
         self,
         *,
-        markers: Sequence[int] | Tensor,
+        markers: Sequence[int] | Int[Tensor, " _"],
         threshold: float = 0.95,
         min_steps: int = 2,
         experimental: bool = False,
@@ -323,7 +324,7 @@ class DEER(_ProbeGate):
     def __init__(
         self,
         *,
-        markers: Sequence[int] | Tensor,
+        markers: Sequence[int] | Int[Tensor, " _"],
         threshold: float = 0.95,
         min_tokens: int = 0,
         experimental: bool = False,
@@ -355,15 +356,15 @@ class StepRewardOutput:
     (``correct_frac``, ``penalty_mean`` over correct rows, ``penalized_frac``).
     """
 
-    rewards: Tensor
-    penalty: Tensor
-    correct: Tensor
+    rewards: FloatB
+    penalty: FloatB
+    correct: BoolB
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
 def step_aware_reward(
     rewards: FloatB,
-    steps: Tensor,
+    steps: NumB,
     group: Groups | IntB,
     *,
     lam: float = 0.5,
@@ -444,7 +445,7 @@ def step_aware_reward(
     return StepRewardOutput(out, penalty, correct, {k: v.detach() for k, v in metrics.items()})
 
 
-def count_steps(tokens: Tensor, mask: BoolBT, *, markers: Sequence[int] | Tensor) -> Tensor:
+def count_steps(tokens: IntBT, mask: BoolBT, *, markers: Sequence[int] | Int[Tensor, " _"]) -> IntB:
     r"""Semantic step counts of responses: marker tokens + 1 for a non-empty response, 0 for an empty one.
 
     .. math::
@@ -530,7 +531,7 @@ class DUETAbort(_MarkerMixin, StopRule):
     def __init__(
         self,
         *,
-        markers: Sequence[int] | Tensor,
+        markers: Sequence[int] | Int[Tensor, " _"],
         horizon: int = 4096,
         keep_prob: float = 0.05,
         answer_tail: int | None = 0,
@@ -588,7 +589,7 @@ class DUETAbort(_MarkerMixin, StopRule):
         extra = {"u": state.extra["u"], "first_marker": first, "survived": state.extra["survived"] | (gate & keep)}
         return extra, answered | abort, torch.where(answered, 1, 2)
 
-    def weights(self, state: StopState, *, group: Groups | IntB | None = None) -> Tensor:
+    def weights(self, state: StopState, *, group: Groups | IntB | None = None) -> FloatB:
         r"""Importance weights float32 ``[N]`` for the loss: :math:`1/p` for survivors of the gate,
         ``aborted_weight`` for aborted rows, 1 otherwise; self-normalised per ``group`` when the rule was built
         with ``self_normalize=True`` (then ``group`` int ``[N]`` or :class:`~rolloutopt.groups.Groups` is
@@ -773,7 +774,7 @@ class ECHOPruning(StopRule):
         extra = {"tree": tree, "tie_order": e["tie_order"], "buf": buf, "low": low, "confidence": mean}
         return extra, fire, 1
 
-    def confidence(self, state: StopState) -> Tensor:
+    def confidence(self, state: StopState) -> FloatB:
         """The current windowed confidence :math:`\\bar c` float32 ``[N]`` (1 before a row's first token)."""
         if not isinstance(state, StopState):
             raise InputError("state", "a StopState from rule.init()", describe(state), "pass the state step() returned")

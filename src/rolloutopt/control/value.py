@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
+from jaxtyping import Float
 from torch import Tensor
 
 from rolloutopt._validation import (
@@ -43,19 +44,20 @@ from rolloutopt._validation import check_real as _real
 from rolloutopt.control._base import StepInputs, StopResult, StopRule, StopState, extra_input
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
+from rolloutopt.typing import BoolB, FloatB
 
 __all__ = ["ARRoL", "Abstention", "SoftValue", "ValueEstimator", "soft_value"]
 
 #: A value estimator for :class:`Abstention`: ``(inputs, due bool [N]) -> V_hat float [N]``; only the ``due`` rows
 #: of the result are read (and only they need valid inputs).
-ValueEstimator = Callable[[StepInputs, Tensor], Tensor]
+ValueEstimator = Callable[[StepInputs, BoolB], FloatB]
 
 
 def _soft_value(r: Tensor, beta: float) -> Tensor:
     return beta * (torch.logsumexp(r / beta, dim=-1) - math.log(r.shape[-1]))
 
 
-def soft_value(rewards: Tensor, *, beta: float = 1.0) -> Tensor:
+def soft_value(rewards: Float[Tensor, "B J"], *, beta: float = 1.0) -> FloatB:
     r"""The KL-regularised soft value of a state from the rewards of a few continuations sampled from it.
 
     .. math::
@@ -100,7 +102,7 @@ class SoftValue:
         """The extra step inputs this estimator reads: ``continuation_rewards`` float ``[N, J]``."""
         return {"continuation_rewards": ("N J", "float")}
 
-    def __call__(self, x: StepInputs, due: Tensor) -> Tensor:
+    def __call__(self, x: StepInputs, due: BoolB) -> FloatB:
         r = x.need("continuation_rewards", "SoftValue")
         if checks_enabled() and r.shape[1] == 0:
             raise InputError("continuation_rewards", "J >= 1 rewards per row", describe(r), "pass [N, J], J >= 1")
@@ -247,7 +249,7 @@ class Abstention(_CheckpointRule):
     def _due_mask(self, state: StopState, live: Tensor) -> Tensor:
         return live & ((state.steps + 1) % self.every == 0)
 
-    def due(self, state: StopState, active: Any = None) -> Tensor:
+    def due(self, state: StopState, active: BoolB | None = None) -> BoolB:
         """Bool ``[N]``: the rows evaluated at the next ``step`` (live and at a checkpoint), i.e. the rows for which
         the engine must provide the checkpoint inputs. ``active`` bool ``[N]`` as for ``step`` (default all)."""
         return self._due_rows(state, active)
@@ -281,7 +283,7 @@ class Abstention(_CheckpointRule):
         }
         return extra, fire, 1
 
-    def terminal_rewards(self, rewards: Any, result: StopResult) -> Tensor:
+    def terminal_rewards(self, rewards: FloatB, result: StopResult) -> FloatB:
         """Sequence rewards ``[N]`` with :math:`r_{abs}` for the abstained rows (others unchanged)."""
         r = as_float(rewards, "rewards", Dims(), "N")
         if checks_enabled():
@@ -398,7 +400,7 @@ class ARRoL(_CheckpointRule):
         """Whether the head is used (trained at least once, on at least ``min_labels`` labels)."""
         return self.trained > 0 and self._count >= self.min_labels
 
-    def predict(self, features: Any) -> Tensor:
+    def predict(self, features: Float[Tensor, "B d"]) -> FloatB:
         """The head's success probability :math:`\\sigma(w^\\top h + b)` for features ``[M, D]``, float32 ``[M]``."""
         dims = Dims()
         dims.sizes["D"] = (self.dim, "dim")
@@ -411,7 +413,7 @@ class ARRoL(_CheckpointRule):
         w, b = self.weight.to(f.device), self.bias.to(f.device)
         return torch.sigmoid(f.float() @ w + b)
 
-    def train_head(self, features: Any, labels: Any) -> dict[str, Tensor]:
+    def train_head(self, features: Float[Tensor, "B d"], labels: BoolB) -> dict[str, Tensor]:
         """Add completed rollouts' (features at :math:`L_c`, final correctness) to the FIFO buffer and run
         ``train_steps`` SGD steps of the mean binary cross-entropy on minibatches drawn from it.
 
@@ -460,7 +462,7 @@ class ARRoL(_CheckpointRule):
     def _due_mask(self, state: StopState, live: Tensor) -> Tensor:
         return live & (state.steps + 1 == self.checkpoint)
 
-    def due(self, state: StopState, active: Any = None) -> Tensor:
+    def due(self, state: StopState, active: BoolB | None = None) -> BoolB:
         """Bool ``[N]``: the rows evaluated at the next ``step`` (live and at a checkpoint), i.e. the rows for which
         the engine must provide the checkpoint inputs. ``active`` bool ``[N]`` as for ``step`` (default all)."""
         return self._due_rows(state, active)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from jaxtyping import Shaped
 from torch import Tensor
 
 import rolloutopt.advantages as _advantages
@@ -37,6 +38,7 @@ import rolloutopt.losses as _losses
 from rolloutopt.errors import InputError
 from rolloutopt.losses import KL, Denominators
 from rolloutopt.losses.aggregation import AGG_MODES
+from rolloutopt.typing import BoolBT, FloatBT
 
 __all__ = ["UNSUPPORTED_OPTIONS", "GRPOTrainer", "trl_denominators"]
 
@@ -87,9 +89,9 @@ def trl_denominators(
     agg: str,
     *,
     loss_type: str,
-    num_items_in_batch: float | Tensor,
-    rows: float | Tensor,
-    tokens: float | Tensor,
+    num_items_in_batch: float | Shaped[Tensor, ""],
+    rows: float | Shaped[Tensor, ""],
+    tokens: float | Shaped[Tensor, ""],
     grad_accum: int,
     steps_per_generation: int,
     num_processes: int,
@@ -154,9 +156,9 @@ class _RatioWeightedKL(KL):
     ``old`` is the proximal log-prob tensor of this micro-batch; positions outside the mask get ratio 1.
     """
 
-    old: Tensor | None = None
+    old: FloatBT | None = None
 
-    def per_token(self, logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
+    def per_token(self, logp: FloatBT, ref_logp: FloatBT, mask: BoolBT) -> FloatBT:
         """k3 (unclamped, as TRL) times the importance ratio to the proximal policy."""
         base = super().per_token(logp, ref_logp, mask)
         assert self.old is not None

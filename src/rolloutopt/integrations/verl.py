@@ -31,12 +31,13 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
 import torch
+from jaxtyping import Shaped
 from torch import Tensor
 
 import rolloutopt.advantages as _advantages
@@ -46,6 +47,7 @@ from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
 from rolloutopt.losses import Denominators, declared_inputs, policy_loss
 from rolloutopt.ratios import CISPO, DPPO, OPSM, SAPO, GSPORatio, M2POClip, M2POMask, PPOClip
+from rolloutopt.typing import BoolBT, FloatBT, Scalar
 
 __all__ = [
     "FUSED_ENV",
@@ -223,7 +225,7 @@ def _needs(kwargs: dict[str, Any]) -> tuple[list[str], tuple[str, ...]]:
     return [n for n in requires if kwargs.get(n) is None], requires
 
 
-def _global_batch(config: Any, loss_agg_mode: str, response_mask: Tensor) -> dict[str, Any]:
+def _global_batch(config: Any, loss_agg_mode: str, response_mask: BoolBT) -> dict[str, Any]:
     """``config.global_batch_info`` → ``denominators`` and ``max_len`` (verl's ``agg_loss`` keywords)."""
     info = _get(config, "global_batch_info", None) or {}
     dp = info.get("dp_size", 1)
@@ -252,7 +254,7 @@ def _global_batch(config: Any, loss_agg_mode: str, response_mask: Tensor) -> dic
     return out
 
 
-def policy_loss_kwargs(name: str, config: Any, loss_agg_mode: str, response_mask: Tensor) -> dict[str, Any]:
+def policy_loss_kwargs(name: str, config: Any, loss_agg_mode: str, response_mask: BoolBT) -> dict[str, Any]:
     r"""The :func:`~rolloutopt.losses.policy_loss` keywords that ``rolloutopt_<name>`` uses for a verl config.
 
     The preset's bound configuration, with the hyper-parameters that verl's config already names taken from
@@ -307,7 +309,7 @@ def policy_loss_kwargs(name: str, config: Any, loss_agg_mode: str, response_mask
     return kw
 
 
-def verl_metrics(metrics: Mapping[str, Tensor]) -> dict[str, float]:
+def verl_metrics(metrics: Mapping[str, Shaped[Tensor, ""]]) -> dict[str, float]:
     """rolloutopt's 0-d metric tensors → verl's ``dict[str, float]`` under ``actor/<name>``, in one host sync.
 
     verl's own keys are used where the quantities coincide: ``clipfrac`` → ``actor/pg_clipfrac``,
@@ -323,8 +325,10 @@ def verl_metrics(metrics: Mapping[str, Tensor]) -> dict[str, float]:
     return {_VERL_METRIC_KEYS.get(k, f"actor/{k}"): float(v) for k, v in zip(keys, values, strict=True)}
 
 
-PolicyLossFn = Callable[..., tuple[Tensor, dict[str, float]]]
-AdvantageFn = Callable[..., tuple[Tensor, Tensor]]
+PolicyLossFn = Callable[..., tuple[Scalar, dict[str, float]]]
+"""verl's policy-loss signature: ``(loss, metrics)``, a 0-d loss and float metrics."""
+AdvantageFn = Callable[..., tuple[FloatBT, FloatBT]]
+"""verl's advantage-estimator signature: ``(advantages [bs, T], returns [bs, T])``."""
 _LOSS_FNS: dict[str, PolicyLossFn] = {}
 _ADV_FNS: dict[str, AdvantageFn] = {}
 
@@ -644,14 +648,15 @@ class _AfterCoreAlgos(importlib.abc.MetaPathFinder):
     """Registers rolloutopt's names right after ``verl.trainer.ppo.core_algos`` is imported (post-import hook)."""
 
     def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+        self, fullname: str, path: Iterable[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
+        # path: a package's __path__, which for a namespace package is a _NamespacePath (iterable, not a Sequence)
         if fullname != _CORE_ALGOS:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
-            spec = finder.find_spec(fullname, path, target)
+            spec = finder.find_spec(fullname, path, target)  # type: ignore[arg-type]  # typeshed says Sequence
             if spec is not None:
                 break
         else:

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from jaxtyping import Float, Int, Shaped
 from torch import Tensor
 
 from rolloutopt._validation import Dims, as_mask, checks_enabled, describe
@@ -43,7 +44,7 @@ def torch_chunk_rows(vocab: int) -> int:
     return max(1, _TORCH_CHUNK_ELEMS // max(int(vocab), 1))
 
 
-def resolve_logits_backend(backend: str, logits: Tensor) -> str:
+def resolve_logits_backend(backend: str, logits: Shaped[Tensor, " ..."]) -> str:
     """The backend :func:`logits_logprobs` runs for ``logits``: ``"torch"`` or ``"triton"``.
 
     ``"auto"`` picks Triton for CUDA tensors when it is importable and torch otherwise (and for float64, which
@@ -60,14 +61,14 @@ def resolve_logits_backend(backend: str, logits: Tensor) -> str:
 
 
 def logits_logprobs(
-    logits: Tensor,
-    targets: Tensor,
+    logits: Float[Tensor, "... V"],
+    targets: Int[Tensor, "*N"],
     *,
     temperature: float = 1.0,
-    mask: Tensor | None = None,
+    mask: Shaped[Tensor, "*N"] | None = None,
     inplace: bool = True,
     backend: str = "auto",
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Float[Tensor, "*N"], Float[Tensor, "*N"]]:
     r"""Log-prob of each sampled token and the entropy of its row, from the logits, in one pass per row.
 
     .. math::

@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 import torch
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from rolloutopt._validation import checks_enabled, describe
@@ -25,9 +26,9 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def token_logprobs(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
+    hidden: Float[Tensor, "N d"],
+    weight: Float[Tensor, "V d"],
+    targets: Int[Tensor, " N"],
     *,
     temperature: float = 1.0,
     with_entropy: bool = True,
@@ -35,7 +36,7 @@ def token_logprobs(
     backend: str = "auto",
     chunk_tokens: int | None = None,
     chunk_vocab: int | None = None,
-) -> tuple[Tensor, Tensor | None]:
+) -> tuple[Float[Tensor, " N"], Float[Tensor, " N"] | None]:
     r"""Log-prob of each target token, and the entropy, from hidden states and the LM-head weight.
 
     .. math::

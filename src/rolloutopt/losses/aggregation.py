@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
+from jaxtyping import Bool, Real
 from torch import Tensor
 
 from rolloutopt._validation import Dims, as_float, as_mask, choice
@@ -51,9 +52,9 @@ class Denominators:
             gradient of the global loss (1 for a single process).
     """
 
-    tokens: float | Tensor | None = None
-    sequences: float | Tensor | None = None
-    groups: float | Tensor | None = None
+    tokens: float | Real[Tensor, ""] | None = None
+    sequences: float | Real[Tensor, ""] | None = None
+    groups: float | Real[Tensor, ""] | None = None
     world_size: int = 1
 
     def __post_init__(self) -> None:
@@ -122,13 +123,13 @@ def check_max_len(max_len: object) -> int:
 
 
 def aggregate_checked(
-    masked: Tensor,
-    denominator_mask: Tensor,
+    masked: FloatBT,
+    denominator_mask: Bool[Tensor, "B T"],
     mode: str,
     denominators: Denominators | None,
     groups: Groups | None,
     max_len: int | None,
-) -> Tensor:
+) -> Scalar:
     """:func:`aggregate` on inputs its caller already validated: ``masked`` is the per-token loss with 0 outside
     the numerator's mask, ``denominator_mask`` a bool ``[B, T]``, ``groups`` a :class:`Groups` for
     ``prompt-mean`` and ``max_len`` an int for ``seq-mean-token-sum-norm``. No checks, no host sync."""

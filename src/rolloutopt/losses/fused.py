@@ -10,10 +10,11 @@ math therefore exists once, in the stage, and every preset works: token-level on
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from jaxtyping import Float, Int, Shaped
 from torch import Tensor
 
 from rolloutopt._validation import describe
@@ -21,6 +22,7 @@ from rolloutopt.errors import InputError
 from rolloutopt.losses.policy import LossOutput, policy_loss
 from rolloutopt.losses.presets import PRESETS, Preset
 from rolloutopt.ratios.context import as_weights, masked_mean
+from rolloutopt.typing import PerSeqOrToken
 
 __all__ = ["FusedLossOutput", "fused_policy_loss"]
 
@@ -43,8 +45,9 @@ class FusedLossOutput(LossOutput):
         backend: ``"torch"`` or ``"triton"``, the backend of the kernel that ran.
     """
 
-    logp: Tensor
-    entropy: Tensor
+    per_token: Float[Tensor, "*N"] = field(kw_only=False)
+    logp: Float[Tensor, "*N"]
+    entropy: Float[Tensor, "*N"]
     backend: str = "torch"
 
 
@@ -62,11 +65,11 @@ def _resolve_preset(preset: Any) -> Preset | None:
 
 
 def fused_policy_loss(
-    logits: Tensor,
-    targets: Tensor,
-    old_logp: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
+    logits: Float[Tensor, "... V"],
+    targets: Int[Tensor, "*N"],
+    old_logp: Float[Tensor, "*N"] | None,
+    advantages: PerSeqOrToken,
+    mask: Shaped[Tensor, "*N"],
     *,
     preset: str | Preset | None = None,
     temperature: float = 1.0,

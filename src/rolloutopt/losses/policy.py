@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from jaxtyping import Bool, Float
 from torch import Tensor
 
 from rolloutopt._validation import (
@@ -36,7 +37,7 @@ from rolloutopt.ratios.context import (
     masked_quantiles,
 )
 from rolloutopt.registry import Registry, check_inputs
-from rolloutopt.typing import BoolBT, FloatB, FloatBT, IntB, PerSeqOrToken
+from rolloutopt.typing import BoolBT, FloatB, FloatBT, FloatBTb, FloatBTK, IntB, IntBT, PerSeqOrToken, Scalar
 
 __all__ = [
     "ALWAYS_ACCEPTED",
@@ -69,8 +70,8 @@ class LossOutput:
             ``entropy`` and ``kl`` when given.
     """
 
-    loss: Tensor
-    per_token: Tensor
+    loss: Float[Tensor, ""]  # spelled out (not Scalar): FusedLossOutput resolves it in its own module
+    per_token: FloatBT
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
@@ -103,7 +104,7 @@ class RatioStage(Protocol):
     stage that declares nothing consumes nothing beyond ``logp``, ``old_logp``, ``advantages`` and ``mask``.
     """
 
-    def log_ratio(self, logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor: ...
+    def log_ratio(self, logp: FloatBT, old_logp: FloatBT, mask: Bool[Tensor, "B T"]) -> FloatBT: ...
 
 
 @runtime_checkable
@@ -115,7 +116,13 @@ class TrustStage(Protocol):
     """
 
     def __call__(
-        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+        self,
+        ratio: FloatBT,
+        log_ratio: FloatBT,
+        advantages: FloatBTb,
+        logp: FloatBT,
+        *,
+        ctx: StageContext | None = None,
     ) -> TrustOutput: ...
 
 
@@ -126,7 +133,7 @@ class ProximalStage(Protocol):
     Examples: A-3PO's version interpolation, CoPRIS's cross-stage concatenation (:mod:`rolloutopt.ratios`).
     """
 
-    def __call__(self, ctx: StageContext) -> Tensor: ...
+    def __call__(self, ctx: StageContext) -> FloatBT: ...
 
 
 @runtime_checkable
@@ -226,7 +233,7 @@ def policy_loss(
     trust: TrustStage | None = PPOClip(),
     correction: Correction | Sequence[Correction] | None = None,
     proximal: ProximalStage | None = None,
-    is_weights: Tensor | None = None,
+    is_weights: FloatB | FloatBT | None = None,
     kl: KL | None = None,
     entropy_coef: float = 0.0,
     agg: AggMode = "seq-mean-token-mean",
@@ -235,10 +242,10 @@ def policy_loss(
     max_len: int | None = None,
     seq_weight: FloatB | None = None,
     removed_in_denominator: bool = True,
-    versions: Tensor | None = None,
+    versions: IntBT | None = None,
     policy_version: int | None = None,
-    topk_logp: Tensor | None = None,
-    topk_behav_logp: Tensor | None = None,
+    topk_logp: FloatBTK | None = None,
+    topk_behav_logp: FloatBTK | None = None,
     confidence: FloatB | None = None,
     stage_inputs: dict[str, Any] | None = None,
     allow_unused: bool = False,
@@ -522,22 +529,22 @@ class AggregatedTerms:
     """What :func:`aggregate_terms` returns: the loss, the per-token loss, the weighted policy term, the loss mask
     (after sequence weights), the kept mask (before them) and the denominator mask."""
 
-    loss: Tensor
-    per_token: Tensor
-    pg: Tensor
-    loss_mask: Tensor
-    kept: Tensor
-    denominator_mask: Tensor
+    loss: Scalar
+    per_token: FloatBT
+    pg: FloatBT
+    loss_mask: Bool[Tensor, "B T"]
+    kept: Bool[Tensor, "B T"]
+    denominator_mask: Bool[Tensor, "B T"]
 
 
 def aggregate_terms(
-    total: Tensor,
-    pg: Tensor,
-    mask: Tensor,
-    keep: Tensor | None,
+    total: FloatBT,
+    pg: FloatBT,
+    mask: Bool[Tensor, "B T"],
+    keep: Bool[Tensor, "B T"] | None,
     *,
     agg: str,
-    seq_weight: Tensor | None,
+    seq_weight: FloatB | None,
     removed_in_denominator: bool,
     denominators: Denominators | None,
     groups: Groups | None,
@@ -561,7 +568,7 @@ def aggregate_terms(
     return AggregatedTerms(loss, per_token, pg, loss_mask, kept, denom_mask)
 
 
-def weight_metrics(weight: Tensor, mask: Tensor) -> dict[str, Tensor]:
+def weight_metrics(weight: FloatBT, mask: BoolBT) -> dict[str, Scalar]:
     r"""Mean, max and effective-sample-size fraction of per-token weights over ``mask`` (detached).
 
     ``is_ess`` = :math:`(\sum_t w)^2 / (N \sum_t w^2)` over the N loss tokens: 1 for equal weights, 1/N when
@@ -577,7 +584,7 @@ def weight_metrics(weight: Tensor, mask: Tensor) -> dict[str, Tensor]:
     }
 
 
-def staleness_metrics(versions: Tensor, mask: Tensor, policy_version: int | None) -> dict[str, Tensor]:
+def staleness_metrics(versions: IntBT, mask: Bool[Tensor, "B T"], policy_version: int | None) -> dict[str, Scalar]:
     """How many versions behind the trained policy each loss token was generated: mean, max, fraction stale."""
     v = versions.to(torch.float64)
     if policy_version is not None:

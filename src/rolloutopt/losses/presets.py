@@ -33,6 +33,7 @@ from rolloutopt.ratios import (
     TokenRatio,
 )
 from rolloutopt.registry import Registry, check_inputs
+from rolloutopt.typing import BoolBT, FloatBT, PerSeqOrToken
 
 __all__ = ["PRESETS", "Preset"]
 
@@ -76,7 +77,14 @@ class Preset:
         return self._declared()[1]
 
     def __call__(
-        self, logp: Any, old_logp: Any, advantages: Any, mask: Any, *, experimental: bool = False, **kwargs: Any
+        self,
+        logp: FloatBT,
+        old_logp: FloatBT | None,
+        advantages: PerSeqOrToken,
+        mask: BoolBT,
+        *,
+        experimental: bool = False,
+        **kwargs: Any,
     ) -> LossOutput:
         """Compute :func:`~rolloutopt.losses.policy_loss` with this preset's configuration.
 

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from rolloutopt._validation import Dims, as_float, check_bool, choice, finite, positive
 from rolloutopt.errors import InputError
-from rolloutopt.typing import FloatBT
+from rolloutopt.typing import BoolBT, FloatBT
 
 __all__ = ["KL", "KL_ESTIMATORS", "kl_penalty"]
 
@@ -129,7 +129,7 @@ class KL:
         positive(self.coef, "KL.coef", strict=False)
         _check_clamp(self.estimator, self.clamp, self.clamp_grad, prefix="KL.")
 
-    def per_token(self, logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
+    def per_token(self, logp: FloatBT, ref_logp: FloatBT, mask: BoolBT) -> FloatBT:
         """The unscaled per-token KL estimate (inputs already validated)."""
         finite(ref_logp, "ref_logp", mask)
         return _kl(logp, ref_logp, self.estimator, self.clamp, self.clamp_grad)

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from jaxtyping import Bool, Float, Shaped
 from torch import Tensor
 
 from rolloutopt.errors import InputError
+from rolloutopt.typing import FloatB, FloatBT, FloatBTb, FloatBTK, IntBT, Scalar
 
 __all__ = [
     "CorrectionOutput",
@@ -57,16 +59,16 @@ class StageContext:
         extra: anything else a custom stage wants passed through (``policy_loss(..., stage_inputs=...)``).
     """
 
-    logp: Tensor
-    old_logp: Tensor | None
-    mask: Tensor
-    advantages: Tensor
-    behav_logp: Tensor | None = None
-    versions: Tensor | None = None
+    logp: FloatBT
+    old_logp: FloatBT | None
+    mask: Bool[Tensor, "B T"]
+    advantages: FloatBTb
+    behav_logp: FloatBT | None = None
+    versions: IntBT | None = None
     policy_version: int | None = None
-    topk_logp: Tensor | None = None
-    topk_behav_logp: Tensor | None = None
-    confidence: Tensor | None = None
+    topk_logp: FloatBTK | None = None
+    topk_behav_logp: FloatBTK | None = None
+    confidence: FloatB | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def need(self, name: str, by: str) -> Any:
@@ -83,7 +85,7 @@ class StageContext:
         return value
 
     @property
-    def count(self) -> Tensor:
+    def count(self) -> Scalar:
         """Number of loss tokens, at least 1, in the logp dtype (a 0-d tensor, no host sync)."""
         return self.mask.sum().clamp(min=1).to(self.logp.dtype)
 
@@ -93,8 +95,8 @@ class CorrectionOutput:
     """Per-token off-policy correction: a detached weight ``[B, T]`` (or ``[B, 1]``), an optional keep mask
     ``[B, T]`` and metrics (detached 0-d tensors)."""
 
-    weight: Tensor
-    keep: Tensor | None = None
+    weight: FloatBTb
+    keep: Bool[Tensor, "B T"] | None = None
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
@@ -104,16 +106,16 @@ class MaskOutput:
     (``[B, T]`` per token or ``[B]`` per sequence; True where a token or sequence stays in the loss) and
     detached 0-d metrics (masked fractions, the statistic before and after masking)."""
 
-    keep: Tensor
+    keep: Bool[Tensor, " B *T"]
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
-def as_weights(mask: Tensor, dtype: torch.dtype) -> Tensor:
+def as_weights(mask: Shaped[Tensor, "*N"], dtype: torch.dtype) -> Shaped[Tensor, "*N"]:
     """A bool mask as 0/1 floats of ``dtype``, through a uint8 view (``bool.to(float)`` is ~8x slower on CPU)."""
     return (mask.view(torch.uint8) if mask.dtype == torch.bool else mask).to(dtype)
 
 
-def masked_mean(x: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
+def masked_mean(x: Shaped[Tensor, "*N"], mask: Shaped[Tensor, "*N"], count: Scalar | None = None) -> Scalar:
     """Detached mean of ``x`` over the True positions of ``mask``; bool ``x`` counts as 0/1; 0 for an empty mask.
 
     A metric helper: non-finite values (e.g. garbage in padding) count as 0, so a metric is never NaN. It
@@ -125,15 +127,15 @@ def masked_mean(x: Tensor, mask: Tensor, count: Tensor | None = None) -> Tensor:
     return (xv * as_weights(mask, dtype)).sum() / n
 
 
-def masked_max(x: Tensor, mask: Tensor) -> Tensor:
+def masked_max(x: Float[Tensor, "*N"], mask: Shaped[Tensor, "*N"]) -> Scalar:
     """Detached max of a non-negative ``x`` over ``mask`` (0 when empty; non-finite values count as 0)."""
     xv = x.detach().nan_to_num(0.0, 0.0, 0.0)
     return (xv * as_weights(mask, xv.dtype)).amax() if xv.numel() else xv.sum()
 
 
 def masked_quantiles(
-    x: Tensor, mask: Tensor, qs: tuple[float, ...], *, max_samples: int | None = 16_384
-) -> list[Tensor]:
+    x: Float[Tensor, "*N"], mask: Bool[Tensor, "*N"], qs: tuple[float, ...], *, max_samples: int | None = 16_384
+) -> list[Scalar]:
     """Detached quantiles of ``x`` over ``mask`` (lower order statistic, like ``torch.quantile(interpolation="lower")``).
 
     One sort of the flattened tensor, masked-out values sent to +inf; indices are tensors, so there is no host

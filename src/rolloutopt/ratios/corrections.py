@@ -48,7 +48,7 @@ from rolloutopt._validation import (
 )
 from rolloutopt.errors import InputError
 from rolloutopt.ratios.context import CorrectionOutput, MaskOutput, StageContext, as_weights
-from rolloutopt.typing import BoolBT, FloatBT, PerSeqOrToken
+from rolloutopt.typing import BoolBT, FloatBT, FloatBTb, PerSeqOrToken, Scalar
 
 __all__ = [
     "MIS",
@@ -725,7 +725,7 @@ def _rs_keep(stat: Tensor, option: str, lo: float | None, hi: float) -> Tensor:
     return stat <= hi
 
 
-def rs_statistic(log_ratio: FloatBT, mask: BoolBT, option: str, *, clamp: float = SAFETY_BOUND) -> Tensor:
+def rs_statistic(log_ratio: FloatBT, mask: BoolBT, option: str, *, clamp: float = SAFETY_BOUND) -> FloatBTb:
     r"""The divergence statistic of one rejection option (verl ``compute_rollout_rejection_mask``).
 
     With :math:`\delta = \operatorname{clip}(\ell^{old} - \ell^{beh}, \pm 20)`: :math:`k_1 = -\delta`,
@@ -933,7 +933,7 @@ _EXP_BOUND = 80.0  # keeps exp finite in fp32 (e^88 overflows); binds only for a
 
 def offpolicy_metrics(
     old_logp: FloatBT, behav_logp: FloatBT, mask: BoolBT, *, count_empty_rows: bool = False
-) -> dict[str, Tensor]:
+) -> dict[str, Scalar]:
     r"""verl's off-policy diagnostics of the rollout/trainer mismatch, as detached 0-d tensors (no host sync).
 
     With :math:`\delta = \ell^{old} - \ell^{beh}`, :math:`\bar\ell_i` the per-sequence mean log-prob and

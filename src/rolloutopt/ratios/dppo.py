@@ -33,7 +33,7 @@ from rolloutopt._validation import (
 from rolloutopt.errors import InputError
 from rolloutopt.ratios.context import MaskOutput, StageContext, masked_mean
 from rolloutopt.ratios.reference import TrustOutput
-from rolloutopt.typing import BoolBT, FloatBT, PerSeqOrToken
+from rolloutopt.typing import BoolBT, FloatBT, FloatBTb, FloatBTK, PerSeqOrToken
 
 __all__ = [
     "DPPO",
@@ -138,7 +138,7 @@ def binary_kl(logp: FloatBT, old_logp: FloatBT) -> FloatBT:
     return _binary_kl(lp, old)
 
 
-def topk_divergence(topk_logp: Tensor, topk_behav_logp: Tensor, *, kind: Literal["kl", "tv"] = "kl") -> FloatBT:
+def topk_divergence(topk_logp: FloatBTK, topk_behav_logp: FloatBTK, *, kind: Literal["kl", "tv"] = "kl") -> FloatBT:
     r"""Top-K divergence between the reference policy :math:`\mu` and the trained policy :math:`\pi`, tail as one bucket.
 
     .. math::
@@ -231,8 +231,8 @@ def _require_experimental(experimental: bool, what: str) -> None:
 def predicted_kl_change(
     logp: FloatBT,
     old_logp: FloatBT,
-    topk_logp: Tensor,
-    topk_behav_logp: Tensor,
+    topk_logp: FloatBTK,
+    topk_behav_logp: FloatBTK,
     *,
     tail: Tail = "aggregate",
     vocab_size: int | None = None,
@@ -512,7 +512,13 @@ class DPPO:
         return _Parts(keep=~(high | low), high=high, low=low, divergence=d, flip=flip)
 
     def __call__(
-        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+        self,
+        ratio: FloatBT,
+        log_ratio: FloatBT,
+        advantages: FloatBTb,
+        logp: FloatBT,
+        *,
+        ctx: StageContext | None = None,
     ) -> TrustOutput:
         """The DPPO loss term ``[B, T]``, its keep mask and indicators (needs ``ctx``; see the class docstring)."""
         if ctx is None:
@@ -565,8 +571,8 @@ def dppo_mask(
     divergence: Divergence = "tv",
     low: float | None = None,
     high: float | None = None,
-    topk_logp: Tensor | None = None,
-    topk_behav_logp: Tensor | None = None,
+    topk_logp: FloatBTK | None = None,
+    topk_behav_logp: FloatBTK | None = None,
     predictive: bool = False,
     tail: Tail = "aggregate",
     vocab_size: int | None = None,
@@ -668,7 +674,7 @@ def _advantages(x: Any, dims: Dims, device: torch.device) -> Tensor:
 
 
 def dppo_loss(
-    logp: FloatBT, ratio: FloatBT, advantages: PerSeqOrToken, keep: BoolBT | None = None, *, c: float = 10.0
+    logp: FloatBT, ratio: FloatBT, advantages: FloatBTb, keep: BoolBT | None = None, *, c: float = 10.0
 ) -> FloatBT:
     r"""DPPO's per-token policy loss (to minimise): :math:`-A\,\operatorname{sg}(\min(r, c))\,M\,\ell^\theta`.
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from jaxtyping import Bool
 from torch import Tensor
 
 from rolloutopt._validation import (
@@ -25,7 +26,7 @@ from rolloutopt._validation import (
 from rolloutopt.errors import InputError
 from rolloutopt.ratios.context import StageContext, masked_mean
 from rolloutopt.ratios.reference import TrustOutput, bounded_clip_loss
-from rolloutopt.typing import BoolBT, FloatB, FloatBT, PerSeqOrToken
+from rolloutopt.typing import BoolBT, FloatB, FloatBT, FloatBTb, PerSeqOrToken
 
 __all__ = ["ECHOClip", "echo_clip_epsilon", "echo_clip_loss", "tail_confidence"]
 
@@ -116,11 +117,11 @@ def tail_confidence(token_confidence: FloatBT, mask: BoolBT, *, window: int = 16
 
 def echo_clip_loss(
     ratio: FloatBT,
-    advantages: PerSeqOrToken,
-    epsilon: Tensor,
+    advantages: FloatBTb,
+    epsilon: PerSeqOrToken,
     *,
     dual: float | None = 3.0,
-) -> tuple[FloatBT, dict[str, FloatBT]]:
+) -> tuple[FloatBT, dict[str, Bool[Tensor, "B T"]]]:
     r"""PPO clipped surrogate with a per-rollout symmetric radius :math:`\epsilon_i` and dual clip (to minimise).
 
     .. math::  L^{clip} = \max\big(-A r,\ -A\,\operatorname{clip}(r, 1-\epsilon_i, 1+\epsilon_i)\big),\qquad
@@ -177,7 +178,13 @@ class ECHOClip:
             )
 
     def __call__(
-        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+        self,
+        ratio: FloatBT,
+        log_ratio: FloatBT,
+        advantages: FloatBTb,
+        logp: FloatBT,
+        *,
+        ctx: StageContext | None = None,
     ) -> TrustOutput:
         """The ECHO clipped loss ``[B, T]`` and its indicators (needs ``ctx.confidence``)."""
         if ctx is None:

@@ -21,13 +21,14 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
+from jaxtyping import Bool
 from torch import Tensor
 
 from rolloutopt._validation import Dims, as_float, as_mask, as_seq_or_token, choice, finite, positive
 from rolloutopt.errors import InputError
 from rolloutopt.ratios.context import MaskOutput, StageContext
 from rolloutopt.ratios.reference import PPOClip, TrustOutput, bounded_clip_loss, ppo_clip_loss
-from rolloutopt.typing import BoolBT, FloatBT, PerSeqOrToken
+from rolloutopt.typing import BoolBT, FloatBT, FloatBTb, PerSeqOrToken, Scalar
 
 __all__ = ["M2POBounds", "M2POClip", "M2POMask", "m2po_clip_bounds", "m2po_mask"]
 
@@ -199,7 +200,13 @@ class M2POMask:
             )
 
     def __call__(
-        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+        self,
+        ratio: FloatBT,
+        log_ratio: FloatBT,
+        advantages: FloatBTb,
+        logp: FloatBT,
+        *,
+        ctx: StageContext | None = None,
     ) -> TrustOutput:
         c = _need_ctx(ctx, "M2POMask")
         old = c.need("old_logp", "M2POMask")
@@ -236,13 +243,13 @@ class M2POBounds:
         harmful: bool ``[B, T]``, the harmful tokens.
     """
 
-    low: Tensor
-    high: Tensor
-    clipping: Tensor
-    tau_c: Tensor
-    m2: Tensor
-    m2_after: Tensor
-    harmful: Tensor
+    low: Scalar
+    high: Scalar
+    clipping: Bool[Tensor, ""]
+    tau_c: Scalar
+    m2: Scalar
+    m2_after: Scalar
+    harmful: Bool[Tensor, "B T"]
 
 
 def _m2po_bounds(
@@ -407,7 +414,13 @@ class M2POClip:
         _check_bounds_args(self.tau, self.miniclip_low, self.miniclip_high, "M2POClip.")
 
     def __call__(
-        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+        self,
+        ratio: FloatBT,
+        log_ratio: FloatBT,
+        advantages: FloatBTb,
+        logp: FloatBT,
+        *,
+        ctx: StageContext | None = None,
     ) -> TrustOutput:
         m = ctx.mask if ctx is not None else torch.ones_like(ratio, dtype=torch.bool)
         b = _m2po_bounds(log_ratio, advantages, m, self.tau, self.miniclip_low, self.miniclip_high)

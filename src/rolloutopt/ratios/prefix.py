@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from jaxtyping import Bool
 from torch import Tensor
 
 from rolloutopt._validation import Dims, as_float, as_mask, choice, finite, positive, require_experimental
@@ -145,7 +146,7 @@ class CumulativeRatio:
     def __post_init__(self) -> None:
         positive(self.clamp, "CumulativeRatio.clamp")
 
-    def log_ratio(self, logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    def log_ratio(self, logp: FloatBT, old_logp: FloatBT, mask: Bool[Tensor, "B T"]) -> FloatBT:
         """Cumulative log-ratio ``[B, T]`` (inputs already validated by ``policy_loss``)."""
         return _cumulative(logp, old_logp, mask, self.clamp)
 
@@ -174,6 +175,6 @@ class PNPORatio:
         positive(self.clamp, "PNPORatio.clamp")
         choice(self.grad, "PNPORatio.grad", _GRADS)
 
-    def log_ratio(self, logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    def log_ratio(self, logp: FloatBT, old_logp: FloatBT, mask: Bool[Tensor, "B T"]) -> FloatBT:
         """PNPO log-ratio ``[B, T]`` (inputs already validated by ``policy_loss``)."""
         return _pnpo(logp, old_logp, mask, self.clamp, self.grad)

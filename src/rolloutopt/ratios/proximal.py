@@ -41,7 +41,7 @@ from rolloutopt._validation import (
 )
 from rolloutopt.errors import InputError
 from rolloutopt.ratios.context import StageContext
-from rolloutopt.typing import BoolBT, FloatBT, IntB
+from rolloutopt.typing import BoolBT, FloatBT, IntB, IntBT
 
 __all__ = [
     "A3POProximal",
@@ -73,7 +73,7 @@ def _int_version(v: Any, name: str) -> int:
 # ----------------------------------------------------------------------------------------------------- A-3PO
 
 
-def a3po_alpha(versions: Tensor, policy_version: int, *, dtype: torch.dtype = torch.float32) -> Tensor:
+def a3po_alpha(versions: IntBT, policy_version: int, *, dtype: torch.dtype = torch.float32) -> FloatBT:
     r"""A-3PO's per-token interpolation weight between the behaviour and the current policy.
 
     .. math::  \alpha_{i,t} = \operatorname{clip}\Big(\frac{v_{prox} - v^{beh}_{i,t}}{v_\theta - v^{beh}_{i,t}},
@@ -116,7 +116,7 @@ def _a3po(lp: Tensor, behav: Tensor, alpha: Tensor, m: Tensor | None, method: st
 def a3po_proximal_logp(
     logp: FloatBT,
     behav_logp: FloatBT,
-    versions: Tensor,
+    versions: IntBT,
     policy_version: int,
     *,
     method: A3POMethod = "loglinear",
@@ -180,7 +180,7 @@ class A3POProximal:
     def __post_init__(self) -> None:
         choice(self.method, "A3POProximal.method", _A3PO_METHODS)
 
-    def __call__(self, ctx: StageContext) -> Tensor:
+    def __call__(self, ctx: StageContext) -> FloatBT:
         """Proximal log-probs ``[B, T]``, detached, 0 outside ``ctx.mask``."""
         behav: Tensor = ctx.need("behav_logp", "A3POProximal")
         versions: Tensor = ctx.need("versions", "A3POProximal")
@@ -271,7 +271,7 @@ class CoPRISProximal:
     requires: ClassVar[tuple[str, ...]] = ("behav_logp", "versions")
     accepts: ClassVar[tuple[str, ...]] = ("policy_version",)
 
-    def __call__(self, ctx: StageContext) -> Tensor:
+    def __call__(self, ctx: StageContext) -> FloatBT:
         """Old log-probs ``[B, T]``, detached, 0 outside ``ctx.mask``."""
         versions: Tensor = ctx.need("versions", "CoPRISProximal")
         behav: Tensor = ctx.need("behav_logp", "CoPRISProximal")

@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from jaxtyping import Bool
 from torch import Tensor
 
 from rolloutopt._validation import Dims, as_float, as_mask, finite, positive
 from rolloutopt.errors import InputError
 from rolloutopt.ratios.context import StageContext
-from rolloutopt.typing import BoolBT, FloatB, FloatBT
+from rolloutopt.typing import BoolBT, FloatB, FloatBT, FloatBTb, Scalar
 
 __all__ = [
     "CISPO",
@@ -110,7 +111,7 @@ class TokenRatio:
     def __post_init__(self) -> None:
         positive(self.clamp, "TokenRatio.clamp")
 
-    def log_ratio(self, logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    def log_ratio(self, logp: FloatBT, old_logp: FloatBT, mask: Bool[Tensor, "B T"]) -> FloatBT:
         """Per-token log-ratio ``[B, T]`` (inputs already validated)."""
         return _clamped_log_ratio(logp, old_logp, mask, self.clamp)
 
@@ -124,7 +125,7 @@ class GSPORatio:
     def __post_init__(self) -> None:
         positive(self.clamp_max, "GSPORatio.clamp_max")
 
-    def log_ratio(self, logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    def log_ratio(self, logp: FloatBT, old_logp: FloatBT, mask: Bool[Tensor, "B T"]) -> FloatBT:
         """GSPO-token log-ratio ``[B, T]`` (inputs already validated)."""
         return _gspo_token(logp, old_logp, mask, self.clamp_max)
 
@@ -135,9 +136,9 @@ class TrustOutput:
     (e.g. which tokens were clipped) whose masked means become metrics, and batch-level metrics (detached
     0-d tensors, e.g. M2PO's second moment or an adaptive clip bound) reported as they are."""
 
-    loss: Tensor
-    keep: Tensor | None
-    indicators: dict[str, Tensor]
+    loss: FloatBT
+    keep: Bool[Tensor, "B T"] | None
+    indicators: dict[str, BoolBT]
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
@@ -151,8 +152,8 @@ def _check_clip(low: float, high: float, dual: float | None, owner: str) -> None
 
 
 def ppo_clip_loss(
-    ratio: FloatBT, advantages: FloatBT, *, low: float = 0.2, high: float = 0.2, dual: float | None = None
-) -> tuple[FloatBT, dict[str, FloatBT]]:
+    ratio: FloatBT, advantages: FloatBTb, *, low: float = 0.2, high: float = 0.2, dual: float | None = None
+) -> tuple[FloatBT, dict[str, Bool[Tensor, "B T"]]]:
     r"""PPO clipped surrogate with asymmetric clip ("clip-higher") and dual clip, per token (to minimise).
 
     .. math::  L^{clip} = \max\big(-A r,\ -A\,\operatorname{clip}(r, 1-\epsilon_{low}, 1+\epsilon_{high})\big),
@@ -172,8 +173,8 @@ def ppo_clip_loss(
 
 
 def bounded_clip_loss(
-    ratio: Tensor, advantages: Tensor, lo: Tensor, hi: Tensor, dual: float | None = None
-) -> tuple[Tensor, dict[str, Tensor]]:
+    ratio: FloatBT, advantages: FloatBTb, lo: Scalar | FloatBTb, hi: Scalar | FloatBTb, dual: float | None = None
+) -> tuple[FloatBT, dict[str, Bool[Tensor, "B T"]]]:
     """PPO clip and dual clip with the ratio interval ``[lo, hi]`` given directly as tensors that broadcast
     against ``ratio`` (0-d batch bounds, ``[B, 1]`` per rollout, ``[B, T]`` per token; detached).
 
@@ -213,7 +214,13 @@ class PPOClip:
         _check_clip(self.low, self.high, self.dual, "PPOClip")
 
     def __call__(
-        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+        self,
+        ratio: FloatBT,
+        log_ratio: FloatBT,
+        advantages: FloatBTb,
+        logp: FloatBT,
+        *,
+        ctx: StageContext | None = None,
     ) -> TrustOutput:
         loss, ind = ppo_clip_loss(ratio, advantages, low=self.low, high=self.high, dual=self.dual)
         return TrustOutput(loss, None, ind)
@@ -277,13 +284,19 @@ class CISPO:
         _check_cispo(self.low, self.high, self.cap, "CISPO.")
 
     def __call__(
-        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+        self,
+        ratio: FloatBT,
+        log_ratio: FloatBT,
+        advantages: FloatBTb,
+        logp: FloatBT,
+        *,
+        ctx: StageContext | None = None,
     ) -> TrustOutput:
         w = cispo_weight(ratio, low=self.low, high=self.high, cap=self.cap)
         return TrustOutput(-w * advantages * logp, None, {"clipfrac": w != ratio.detach()})
 
 
-def sapo_gate(ratio: FloatBT, advantages: FloatBT, *, tau_pos: float = 1.0, tau_neg: float = 1.05) -> FloatBT:
+def sapo_gate(ratio: FloatBT, advantages: FloatBTb, *, tau_pos: float = 1.0, tau_neg: float = 1.05) -> FloatBT:
     r"""SAPO's soft gate, the per-token loss :math:`L = -\frac{4}{\tau}\,\sigma(\tau(r-1))\,A`.
 
     :math:`\tau = \tau_{pos}` where A > 0, else :math:`\tau_{neg}`; at r = 1 the gate equals 2/τ with slope 1,
@@ -311,7 +324,13 @@ class SAPO:
         positive(self.tau_neg, "SAPO.tau_neg")
 
     def __call__(
-        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+        self,
+        ratio: FloatBT,
+        log_ratio: FloatBT,
+        advantages: FloatBTb,
+        logp: FloatBT,
+        *,
+        ctx: StageContext | None = None,
     ) -> TrustOutput:
         return TrustOutput(sapo_gate(ratio, advantages, tau_pos=self.tau_pos, tau_neg=self.tau_neg), None, {})
 
@@ -328,6 +347,12 @@ class REINFORCE:
     """
 
     def __call__(
-        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+        self,
+        ratio: FloatBT,
+        log_ratio: FloatBT,
+        advantages: FloatBTb,
+        logp: FloatBT,
+        *,
+        ctx: StageContext | None = None,
     ) -> TrustOutput:
         return TrustOutput(-advantages * logp, None, {})

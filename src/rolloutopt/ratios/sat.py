@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
+from jaxtyping import Bool
 from torch import Tensor
 
 from rolloutopt._validation import (
@@ -27,7 +28,7 @@ from rolloutopt.errors import InputError
 from rolloutopt.ratios.context import StageContext, masked_quantiles
 from rolloutopt.ratios.m2po import _need_ctx
 from rolloutopt.ratios.reference import TrustOutput, _check_clip, bounded_clip_loss
-from rolloutopt.typing import BoolBT, FloatBT
+from rolloutopt.typing import BoolBT, FloatBT, FloatBTb, Scalar
 
 __all__ = ["SATBounds", "SATClip", "sat_bounds"]
 
@@ -56,11 +57,11 @@ class SATBounds:
         quantile: the batch quantile :math:`q` (0-d).
     """
 
-    low: Tensor
-    high: Tensor
-    tail: Tensor
-    d: Tensor
-    quantile: Tensor
+    low: FloatBT
+    high: FloatBT
+    tail: Bool[Tensor, "B T"]
+    d: FloatBT
+    quantile: Scalar
 
 
 def _check_sat(low: float, high: float, tail: float, kappa: str, level: str, owner: str) -> None:
@@ -197,7 +198,13 @@ class SATClip:
         _check_clip(self.low, self.high, self.dual, "SATClip")
 
     def __call__(
-        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+        self,
+        ratio: FloatBT,
+        log_ratio: FloatBT,
+        advantages: FloatBTb,
+        logp: FloatBT,
+        *,
+        ctx: StageContext | None = None,
     ) -> TrustOutput:
         c = _need_ctx(ctx, "SATClip")
         old = c.need("old_logp", "SATClip")

@@ -28,7 +28,7 @@ from rolloutopt.ratios.context import StageContext
 from rolloutopt.ratios.m2po import _need_ctx
 from rolloutopt.ratios.reference import TrustOutput, _gspo_token
 from rolloutopt.ratios.sat import _experimental
-from rolloutopt.typing import BoolBT, FloatBT, PerSeqOrToken
+from rolloutopt.typing import BoolBT, FloatBT, FloatBTb, PerSeqOrToken
 
 __all__ = ["TBPO", "tbpo_loss"]
 
@@ -183,7 +183,13 @@ class TBPO:
         positive(self.clamp_max, "TBPO.clamp_max")
 
     def __call__(
-        self, ratio: Tensor, log_ratio: Tensor, advantages: Tensor, logp: Tensor, *, ctx: StageContext | None = None
+        self,
+        ratio: FloatBT,
+        log_ratio: FloatBT,
+        advantages: FloatBTb,
+        logp: FloatBT,
+        *,
+        ctx: StageContext | None = None,
     ) -> TrustOutput:
         c = _need_ctx(ctx, "TBPO")
         old = c.need("old_logp", "TBPO")

@@ -26,12 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from jaxtyping import Int
 from torch import Tensor
 
 from rolloutopt._validation import check_int as _int
 from rolloutopt._validation import check_real as _real
 from rolloutopt._validation import describe
 from rolloutopt.errors import InputError
+from rolloutopt.typing import BoolB, BoolBT, FloatB, FloatBT, FloatBTK, IntB, IntBT
 
 __all__ = ["GenerationSimulator", "SimulatedGeneration"]
 
@@ -58,7 +60,8 @@ def _ids(value: Any, name: str, vocab_size: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class SimulatedGeneration:
-    """One simulated batch: per-token signals ``[N, T]`` (``T`` = the horizon) and per-row ground truth ``[N]``.
+    """One simulated batch: per-token signals ``[N, T]`` (``T`` = the horizon) and per-row ground truth ``[N]``
+    (``N`` rollouts: the ``B`` of the shape annotations).
 
     Per token (row ``i``, step ``t``; positions ``t >= length[i]`` hold draws of the same model, finite, with
     ``mask`` False — a generation loop passes ``active=mask[:, t]``):
@@ -79,24 +82,24 @@ class SimulatedGeneration:
     int64 (the index of the answer-marker token, -1 for a row cut by the horizon before its answer).
     """
 
-    mask: Tensor
-    logp: Tensor
-    entropy: Tensor
-    topk_logp: Tensor
-    tokens: Tensor
-    topk_ids: Tensor
-    teacher_topk_ids: Tensor
-    values: Tensor
-    confidence: Tensor
-    degraded: Tensor
-    group: Tensor
-    pass_rate: Tensor
-    success: Tensor
-    rewards: Tensor
-    length: Tensor
-    finished: Tensor
-    fail_at: Tensor
-    answer_at: Tensor
+    mask: BoolBT
+    logp: FloatBT
+    entropy: FloatBT
+    topk_logp: FloatBTK
+    tokens: IntBT
+    topk_ids: Int[Tensor, "B T topk"]
+    teacher_topk_ids: Int[Tensor, "B T topk"]
+    values: FloatBT
+    confidence: FloatBT
+    degraded: BoolBT
+    group: IntB
+    pass_rate: FloatB
+    success: BoolB
+    rewards: FloatB
+    length: IntB
+    finished: BoolB
+    fail_at: IntB
+    answer_at: IntB
 
     @property
     def num_rows(self) -> int:
@@ -108,7 +111,7 @@ class SimulatedGeneration:
         """T, the horizon."""
         return int(self.mask.shape[1])
 
-    def cutoff(self, answer: Tensor | bool = False) -> Tensor:
+    def cutoff(self, answer: BoolB | bool = False) -> IntB:
         r"""The first token index at which a stop is *justified*, int64 ``[N]``; a stop at ``position < cutoff``
         is premature.
 
@@ -123,7 +126,7 @@ class SimulatedGeneration:
         ok = torch.where(ans & (self.answer_at >= 0), self.answer_at, never)
         return torch.where(self.success, ok, self.fail_at)
 
-    def premature(self, stopped: Tensor, position: Tensor, answer: Tensor | bool = False) -> Tensor:
+    def premature(self, stopped: BoolB, position: IntB, answer: BoolB | bool = False) -> BoolB:
         """Bool ``[N]``: rows stopped at a ``position`` (index of the last kept token) before :meth:`cutoff`.
 
         ``stopped`` bool ``[N]`` and ``position`` int ``[N]`` as in :class:`~rolloutopt.control.StopResult`.
@@ -134,7 +137,7 @@ class SimulatedGeneration:
         self._rows(position, "position")
         return stopped.to(torch.bool) & (position.long() < self.cutoff(answer))
 
-    def kept_tokens(self, stopped: Tensor, position: Tensor) -> Tensor:
+    def kept_tokens(self, stopped: BoolB, position: IntB) -> IntB:
         """Tokens each row generates under a stop rule, int64 ``[N]``: ``min(position + 1, length)`` where
         stopped, else ``length`` (running to EOS or the horizon)."""
         self._rows(stopped, "stopped")

@@ -19,10 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from rolloutopt.errors import InputError
 from rolloutopt.testbed.task import EOS, PAD, VOCAB_SIZE
+from rolloutopt.typing import BoolBT, FloatBT, FloatBTK, IntBT
 
 __all__ = ["Rollouts", "TinyPolicy", "sample_from"]
 
@@ -41,12 +43,12 @@ class Rollouts:
         topk_logp: their log-probs ``[B, T, K]`` (0 where masked out); else None.
     """
 
-    tokens: Tensor
-    mask: Tensor
-    logp: Tensor
-    entropy: Tensor
-    topk_ids: Tensor | None = None
-    topk_logp: Tensor | None = None
+    tokens: IntBT
+    mask: BoolBT
+    logp: FloatBT
+    entropy: FloatBT
+    topk_ids: Int[Tensor, "B T topk"] | None = None
+    topk_logp: FloatBTK | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -106,7 +108,9 @@ class TinyPolicy(nn.Module):
             else:
                 nn.init.uniform_(p, -bound, bound, generator=gen)
 
-    def forward(self, tokens: Tensor, state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self, tokens: Int[Tensor, "N L"], state: Float[Tensor, "1 N d"] | None = None
+    ) -> tuple[Float[Tensor, "N L V"], Float[Tensor, "1 N d"] | None]:
         """Next-token logits ``[N, L, V]`` after each position of ``tokens [N, L]``, and the recurrent state.
 
         For the GRU, ``state`` continues a sequence; the transformer takes whole sequences (state is None).
@@ -120,9 +124,11 @@ class TinyPolicy(nn.Module):
         x = self.blocks(x, mask=causal, is_causal=True)
         return self.head(self.norm(x)), None
 
-    def log_softmax(self, prompts: Tensor, tokens: Tensor, *, temperature: float = 1.0) -> Tensor:
+    def log_softmax(
+        self, prompts: Int[Tensor, "B L"], tokens: IntBT, *, temperature: float = 1.0
+    ) -> Float[Tensor, "B T V"]:
         """Teacher-forced log-probabilities ``[B, T, V]`` of every vocabulary token at each response position of
-        ``tokens [B, T]`` after ``prompts [B, P]``, for the tempered distribution (with grad).
+        ``tokens [B, T]`` after ``prompts [B, L]``, for the tempered distribution (with grad).
 
         Values at padded positions are computed but meaningless; apply the rollout mask.
         """
@@ -134,8 +140,10 @@ class TinyPolicy(nn.Module):
         logits = logits[:, prompts.shape[1] - 1 :] / temperature
         return torch.log_softmax(logits.float(), dim=-1)
 
-    def log_probs(self, prompts: Tensor, tokens: Tensor, *, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
-        """Teacher-forced log-probs and entropies ``[B, T]`` of ``tokens`` after ``prompts [B, P]`` (with grad).
+    def log_probs(
+        self, prompts: Int[Tensor, "B L"], tokens: IntBT, *, temperature: float = 1.0
+    ) -> tuple[FloatBT, FloatBT]:
+        """Teacher-forced log-probs and entropies ``[B, T]`` of ``tokens`` after ``prompts [B, L]`` (with grad).
 
         Values at padded positions are computed but meaningless; apply the rollout mask.
         """
@@ -168,14 +176,14 @@ class TinyPolicy(nn.Module):
 
     def sample(
         self,
-        prompts: Tensor,
+        prompts: Int[Tensor, "B L"],
         max_new_tokens: int,
         *,
         temperature: float = 1.0,
         generator: torch.Generator,
         topk: int = 0,
     ) -> Rollouts:
-        """Sample responses to ``prompts [B, P]`` (int64) until ``<eos>`` or ``max_new_tokens`` (:func:`sample_from`).
+        """Sample responses to ``prompts [B, L]`` (int64) until ``<eos>`` or ``max_new_tokens`` (:func:`sample_from`).
 
         ``temperature=0`` decodes greedily (log-probs are then those of the untempered policy).
         """
@@ -185,15 +193,15 @@ class TinyPolicy(nn.Module):
 @torch.no_grad()
 def sample_from(
     policies: Sequence[TinyPolicy],
-    prompts: Tensor,
+    prompts: Int[Tensor, "B L"],
     max_new_tokens: int,
     *,
     temperature: float = 1.0,
     generator: torch.Generator,
-    source: Tensor | None = None,
+    source: Int[Tensor, "B max_new_tokens"] | None = None,
     topk: int = 0,
 ) -> Rollouts:
-    """Sample responses to ``prompts [B, P]`` (int64) until ``<eos>`` or ``max_new_tokens``, token by token.
+    """Sample responses to ``prompts [B, L]`` (int64) until ``<eos>`` or ``max_new_tokens``, token by token.
 
     With one policy, every token comes from it. With several (all of one architecture), ``source`` (int64
     ``[B, max_new_tokens]``, values in ``[0, len(policies))``) says which policy draws the token at each position

@@ -14,12 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from jaxtyping import Int
 from torch import Tensor
 
 from rolloutopt._validation import check_real as _real
 from rolloutopt._validation import describe
 from rolloutopt.allocators import AllocationResult, Allocator, as_prompt_ids, check_budget
 from rolloutopt.errors import InputError
+from rolloutopt.typing import FloatB, FloatP, IntP
 
 __all__ = ["PromptPopulation", "run"]
 
@@ -73,7 +75,7 @@ class PromptPopulation:
         learning_rate: float = 0.02,
         transfer: float = 0.0,
         seed: int = 0,
-        pass_rates: Tensor | None = None,
+        pass_rates: FloatP | None = None,
     ) -> None:
         if not isinstance(num_prompts, int) or isinstance(num_prompts, bool) or num_prompts < 1:
             raise InputError("num_prompts", "an int >= 1", describe(num_prompts), "pass e.g. num_prompts=1000")
@@ -101,7 +103,7 @@ class PromptPopulation:
         self._theta = -self.difficulty.clone()
 
     @property
-    def pass_rates(self) -> Tensor:
+    def pass_rates(self) -> FloatP:
         """Current pass probabilities, float64 ``[P]`` (a new tensor)."""
         return torch.sigmoid(self._theta)
 
@@ -110,14 +112,15 @@ class PromptPopulation:
         """Mean of :attr:`pass_rates` over the population."""
         return float(self.pass_rates.mean())
 
-    def _index(self, prompt_ids: Tensor, name: str) -> Tensor:
+    def _index(self, prompt_ids: Int[Tensor, " N"], name: str) -> Int[Tensor, " N"]:
         ids = prompt_ids.long().cpu()
         if ids.numel() and not bool(((ids >= 0) & (ids < self.num_prompts)).all()):
             raise InputError(name, f"ids of this population (0..{self.num_prompts - 1})", "unknown ids", "check ids")
         return ids
 
-    def sample(self, prompt_ids: Tensor, counts: Tensor, generator: torch.Generator) -> Tensor:
-        """Bernoulli rewards (float32 0/1) for ``counts[r]`` rollouts of ``prompt_ids[r]``, ordered by row.
+    def sample(self, prompt_ids: IntP, counts: IntP, generator: torch.Generator) -> FloatB:
+        """Bernoulli rewards (float32 0/1, ``[B]`` with ``B = counts.sum()``) for ``counts[r]`` rollouts of
+        ``prompt_ids[r]``, ordered by row.
 
         Exactly the ``rewards`` that ``plan.observe(request, rewards)`` expects for a request. Draws only from
         ``generator``, so a seeded generator makes the rewards reproducible.
@@ -136,7 +139,7 @@ class PromptPopulation:
         p = self.pass_rates[ids].repeat_interleave(counts.long().cpu())
         return torch.bernoulli(p, generator=generator).float()
 
-    def signal(self, result: AllocationResult) -> Tensor:
+    def signal(self, result: AllocationResult) -> FloatP:
         """The learning signal :math:`k_i` of every prompt, float64 ``[P]`` (class docstring), for ``result``."""
         if not isinstance(result, AllocationResult):
             raise InputError("result", "an AllocationResult (plan.finish())", describe(result), "pass plan.finish()")
@@ -152,7 +155,7 @@ class PromptPopulation:
         k = torch.zeros(self.num_prompts, dtype=torch.float64).index_add_(0, ids, torch.where(on, w, 0.0))
         return torch.where(varied, k, 0.0)
 
-    def learn(self, result: AllocationResult) -> Tensor:
+    def learn(self, result: AllocationResult) -> FloatP:
         """Apply one step of learning from ``result`` (class docstring); returns the signal :math:`k` ``[P]``."""
         k = self.signal(result)
         step = self.learning_rate * k + self.transfer * self.learning_rate * k.sum() / self.num_prompts

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from jaxtyping import Int
 from torch import Tensor
 
 from rolloutopt.errors import InputError
+from rolloutopt.typing import BoolBT, FloatB, IntB, IntBT
 
 __all__ = ["BOS", "DIGITS", "EOS", "PAD", "SEP", "VOCAB", "VOCAB_SIZE", "ReverseTask", "decode", "encode"]
 
@@ -78,18 +80,18 @@ class ReverseTask:
         """Response budget: the answer plus ``<eos>``, plus one spare token."""
         return self.length + 2
 
-    def split(self) -> tuple[Tensor, Tensor]:
-        """Prompt ids ``(train, eval)``: int64, disjoint, together all prompts."""
+    def split(self) -> tuple[Int[Tensor, " P"], Int[Tensor, " H"]]:
+        """Prompt ids ``(train, eval)``: int64 ``[P]`` and ``[H]`` (``H = holdout``), disjoint, together all prompts."""
         gen = torch.Generator().manual_seed(self.seed)
         perm = torch.randperm(self.num_prompts, generator=gen)
         return perm[self.holdout :].sort().values, perm[: self.holdout].sort().values
 
-    def digits(self, prompt_ids: Tensor) -> Tensor:
+    def digits(self, prompt_ids: Int[Tensor, " N"]) -> Int[Tensor, "N length"]:
         """The digit strings of prompts as an int64 ``[N, length]`` tensor (most significant digit first)."""
         powers = DIGITS ** torch.arange(self.length - 1, -1, -1, dtype=torch.int64)
         return (prompt_ids.to(torch.int64)[:, None] // powers) % DIGITS
 
-    def prompts(self, prompt_ids: Tensor) -> Tensor:
+    def prompts(self, prompt_ids: Int[Tensor, " N"]) -> Int[Tensor, "N prompt_len"]:
         """Prompt tokens ``[N, prompt_len]``: ``<bos> d1 … dL =``."""
         d = self.digits(prompt_ids)
         n = d.shape[0]
@@ -97,11 +99,11 @@ class ReverseTask:
         sep = torch.full((n, 1), SEP, dtype=torch.int64)
         return torch.cat([bos, d, sep], dim=1)
 
-    def targets(self, prompt_ids: Tensor) -> Tensor:
+    def targets(self, prompt_ids: Int[Tensor, " N"]) -> Int[Tensor, "N length"]:
         """Correct answers ``[N, length]`` (the reversed digits, without ``<eos>``)."""
         return self.digits(prompt_ids).flip(1)
 
-    def reward(self, prompt_ids: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
+    def reward(self, prompt_ids: IntB, tokens: IntBT, mask: BoolBT) -> FloatB:
         """Reward ``[B]`` in ``[0, 1]`` of responses ``tokens [B, T]`` (mask ``[B, T]``) to ``prompt_ids [B]``.
 
         The answer is the masked tokens before the first ``<eos>``; the reward is the number of positions

@@ -41,6 +41,7 @@ from rolloutopt.errors import InputError
 from rolloutopt.ratios import tail_confidence
 from rolloutopt.testbed.policy import TinyPolicy, sample_from
 from rolloutopt.testbed.task import VOCAB_SIZE, ReverseTask
+from rolloutopt.typing import IntP
 
 __all__ = [
     "MISMATCH",
@@ -276,7 +277,7 @@ class TrainResult:
 
 @torch.no_grad()
 def evaluate(
-    policy: TinyPolicy, task: ReverseTask, prompt_ids: Tensor, *, samples: int, temperature: float, seed: int
+    policy: TinyPolicy, task: ReverseTask, prompt_ids: IntP, *, samples: int, temperature: float, seed: int
 ) -> EvalResult:
     """Greedy accuracy and reward, and mean reward of ``samples`` sampled answers per prompt, on ``prompt_ids``."""
     prompts = task.prompts(prompt_ids)
