@@ -8,6 +8,7 @@ are read when given. The names are the snake_case of the class names.
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 from typing import Any
@@ -133,3 +134,78 @@ def test_unknown_names_and_duplicates_are_refused() -> None:
     with pytest.raises(InputError, match="already bound"):
         allocators.register("dps", allocators.GRESO)
     assert allocators.register("dps", allocators.DPS) is allocators.DPS  # the same class again: a no-op
+
+
+def _replace(result: AllocationResult, **fields: torch.Tensor) -> AllocationResult:
+    """A copy of ``result`` with ``fields`` replaced, built without ``__init__``: the test suite's shape checker
+    refuses an inconsistent result at construction, users (who run without it) can build one."""
+    out = copy.copy(result)
+    for name, value in fields.items():
+        object.__setattr__(out, name, value)
+    return out
+
+
+def _corrupt(result: AllocationResult, how: str) -> AllocationResult:
+    """``result`` with one part made inconsistent (each is a class of bad input that used to reach torch)."""
+    p = result.plan_prompt_ids.numel()
+    if how == "nan_reward":
+        r = result.rewards.clone()
+        r[0] = float("nan")
+        return _replace(result, rewards=r)
+    if how == "short_rewards":
+        return _replace(result, rewards=result.rewards[:-1])
+    if how == "group_past_plan":
+        g = result.group.clone()
+        g[0] = p
+        return _replace(result, group=g)
+    if how == "short_counts":
+        return _replace(result, counts=result.counts[:-1])
+    if how == "negative_weight":
+        w = result.weight.clone()
+        w[0] = -1.0
+        return _replace(result, weight=w)
+    if how == "ids_disagree":
+        ids = result.prompt_ids.clone()
+        ids[0] = int(result.plan_prompt_ids.max()) + 1
+        return _replace(result, prompt_ids=ids)
+    raise AssertionError(how)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equality of (nested) state dicts holding tensors."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+CORRUPTIONS = {
+    "nan_reward": "result.rewards",
+    "short_rewards": "result.rewards",
+    "group_past_plan": "result.group",
+    "short_counts": "result.counts",
+    "negative_weight": "result.weight",
+    "ids_disagree": "result.prompt_ids",
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_allocator_refuses_an_inconsistent_result_and_keeps_its_state(name: str) -> None:
+    entry = allocators.entry(name)
+    prompts = torch.arange(10, 18)
+    p = prompts.numel()
+    plan_req, update_req = split(entry.requires)
+    alloc = make(name)
+    result = step(alloc, prompts, {k: signal(k, None, p) for k in plan_req}, name)
+    before = alloc.state_dict()
+    for how, field_name in CORRUPTIONS.items():
+        bad = _corrupt(result, how)
+        with pytest.raises(InputError) as err:
+            alloc.update(bad, **{k: signal(k, result, p) for k in update_req})
+        assert err.value.argument == field_name, (how, err.value)
+        assert "plan" in err.value.fix
+    assert _same(before, alloc.state_dict())
+    alloc.update(result, **{k: signal(k, result, p) for k in update_req})  # the intact result still works

@@ -478,7 +478,47 @@ def _insert(
     return ids, out, pos, order
 
 
-def _check_result(result: Any) -> AllocationResult:
-    if not isinstance(result, AllocationResult):
-        raise InputError("result", "the AllocationResult of plan.finish()", describe(result), "pass plan.finish()")
+def _check_result(
+    result: Any, owner: str | None = None, reason_names: tuple[str, ...] | None = None
+) -> AllocationResult:
+    """The one check of what ``update`` learns from: an :class:`AllocationResult` whose parts agree.
+
+    Always: the type, and ``reason_names`` when the allocator needs its own plan's result (``owner`` names it).
+    While :func:`rolloutopt.checks` is on, also: 1-D per-rollout fields of one length N and per-prompt fields of
+    one length P; ``group`` in ``0..P-1`` with ``prompt_ids[i] == plan_prompt_ids[group[i]]``; finite rewards;
+    finite, non-negative weights; non-negative counts; reason codes inside ``reason_names``. An inconsistent
+    result would otherwise fail deep inside torch or, worse, change the allocator's state silently.
+    """
+    plan = f"a {owner} plan" if owner else "plan"
+    if not isinstance(result, AllocationResult) or (reason_names is not None and result.reason_names != reason_names):
+        raise InputError("result", f"the AllocationResult of {plan}.finish()", describe(result), "pass plan.finish()")
+    if not checks_enabled():
+        return result
+
+    def bad(field_: str, expected: str, got: str) -> InputError:
+        return InputError(f"result.{field_}", expected, got, f"pass the AllocationResult of {plan}.finish() unchanged")
+
+    per_rollout = ("prompt_ids", "group", "rewards", "weight")
+    per_prompt = ("plan_prompt_ids", "counts", "reasons")
+    for names in (per_rollout, per_prompt):
+        first = getattr(result, names[0])
+        for name in names:
+            x = getattr(result, name)
+            if not isinstance(x, Tensor) or x.ndim != 1 or x.shape != first.shape:
+                raise bad(name, f"a 1-D tensor as long as result.{names[0]} ({first.numel()})", describe(x))
+    p = result.plan_prompt_ids.numel()
+    group = result.group
+    if group.numel():
+        if group.is_floating_point() or int(group.min()) < 0 or int(group.max()) >= p:
+            raise bad("group", f"integer positions into the plan's {p} prompts (0..{p - 1})", describe(group))
+        if not bool((result.plan_prompt_ids.index_select(0, group.long()) == result.prompt_ids).all()):
+            raise bad("prompt_ids", "the planned prompt of each rollout's group", "ids that disagree with group")
+    if not bool(torch.isfinite(result.rewards).all()):
+        raise bad("rewards", "finite rewards", f"{describe(result.rewards)} with non-finite values")
+    if not bool((torch.isfinite(result.weight) & (result.weight >= 0)).all()):
+        raise bad("weight", "finite, non-negative weights", describe(result.weight))
+    if p and int(result.counts.min()) < 0:
+        raise bad("counts", "non-negative rollout counts", describe(result.counts))
+    if p and (int(result.reasons.min()) < 0 or int(result.reasons.max()) >= len(result.reason_names)):
+        raise bad("reasons", f"codes into reason_names (0..{len(result.reason_names) - 1})", describe(result.reasons))
     return result

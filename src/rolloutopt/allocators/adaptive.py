@@ -29,6 +29,7 @@ from rolloutopt.allocators._base import (
     Conversation,
     Request,
     _argsort_stable,
+    _check_result,
     _choice,
     _insert,
     _int,
@@ -152,12 +153,6 @@ def _cut_beyond_limit(seg: Tensor, key: Tensor, size: Tensor, limit: Tensor) -> 
         exact, _ = _beyond_limit(seg.index_select(0, members).long(), key.index_select(0, members), limit)
         cut = torch.cat([cut, members.index_select(0, exact)])
     return cut
-
-
-def _check_result(result: Any, names: tuple[str, ...], owner: str) -> AllocationResult:
-    if not isinstance(result, AllocationResult) or result.reason_names != names:
-        raise InputError("result", f"the AllocationResult of a {owner} plan", describe(result), "pass plan.finish()")
-    return result
 
 
 def response_key(step: int | Int[Tensor, " ..."], row: int | Int[Tensor, " ..."]) -> Int[Tensor, " ..."]:
@@ -394,7 +389,7 @@ class AR3PO:
 
     def update(self, result: AllocationResult) -> None:
         """Store, per prompt with a correct generated rollout, one of them (``buffer``); bound the buffer."""
-        result = _check_result(result, _AR_NAMES, "AR3PO")
+        result = _check_result(result, "AR3PO", _AR_NAMES)
         step = int(result.metrics["step"])
         gen = int(result.counts.sum())
         r, g = result.rewards[:gen], result.group[:gen]
@@ -716,7 +711,7 @@ class AERO:
 
     def update(self, result: AllocationResult) -> None:
         """Posterior update from every generated rollout: :math:`a \\leftarrow \\lambda a + c`, same for b."""
-        result = _check_result(result, _AE_NAMES, "AERO")
+        result = _check_result(result, "AERO", _AE_NAMES)
         p = result.plan_prompt_ids.numel()
         c = torch.zeros(p, dtype=torch.float64).index_add_(0, result.group, (result.rewards >= self.success).double())
         n = result.counts.double()
@@ -928,7 +923,7 @@ class V05Budget:
 
     def update(self, result: AllocationResult) -> None:
         """Accumulate each prompt's reward sum and count (the prior of prompts without a value-model prediction)."""
-        result = _check_result(result, _V_NAMES, "V05Budget")
+        result = _check_result(result, "V05Budget", _V_NAMES)
         p = result.plan_prompt_ids.numel()
         s = torch.zeros(p, dtype=torch.float64).index_add_(0, result.group, result.rewards.double())
         seen = result.counts > 0

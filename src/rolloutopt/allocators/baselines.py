@@ -11,6 +11,7 @@ from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
     OneShotPlan,
+    _check_result,
     as_prompt_ids,
     check_budget,
 )
@@ -56,6 +57,7 @@ class Uniform:
 
     def update(self, result: AllocationResult) -> None:
         """Nothing to learn."""
+        _check_result(result)
 
     def state_dict(self) -> dict[str, Any]:
         """No state."""

@@ -28,7 +28,15 @@ from torch import Tensor
 from rolloutopt._validation import check_int as _int
 from rolloutopt._validation import check_real as _float
 from rolloutopt._validation import check_state, describe
-from rolloutopt.allocators._base import AllocationResult, Conversation, Request, _sort_ids, as_prompt_ids, check_budget
+from rolloutopt.allocators._base import (
+    AllocationResult,
+    Conversation,
+    Request,
+    _check_result,
+    _sort_ids,
+    as_prompt_ids,
+    check_budget,
+)
 from rolloutopt.allocators.history import PromptHistory
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatAny, FloatB, FloatP, IntP
@@ -39,12 +47,6 @@ _F64 = torch.float64
 
 
 # -- validation helpers -------------------------------------------------------------------------------------------
-def _check_result(result: Any) -> AllocationResult:
-    if not isinstance(result, AllocationResult):
-        raise InputError("result", "the AllocationResult of plan.finish()", describe(result), "pass plan.finish()")
-    return result
-
-
 # -- shared vectorised pieces -------------------------------------------------------------------------------------
 def _top_units(gains: Tensor, r: int) -> Tensor:
     """Units per row taken by a heap greedy on ``gains`` ``[E, L]`` (rows non-increasing), ``r`` units in all.

@@ -23,6 +23,7 @@ from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
     Request,
+    _check_result,
     _choice,
     _int,
     _real,
@@ -259,8 +260,7 @@ class DARS:
 
     def update(self, result: AllocationResult) -> None:
         """Nothing to learn: DARS keeps nothing across steps."""
-        if not isinstance(result, AllocationResult):
-            raise InputError("result", "the AllocationResult of plan.finish()", describe(result), "pass it")
+        _check_result(result)
 
     def state_dict(self) -> dict[str, Any]:
         """No state."""
@@ -487,8 +487,7 @@ class E3Budget:
 
     def update(self, result: AllocationResult) -> None:
         """Add the step's per-prompt reward sums and counts; end the epoch after ``steps_per_epoch`` updates."""
-        if not isinstance(result, AllocationResult):
-            raise InputError("result", "the AllocationResult of plan.finish()", describe(result), "pass it")
+        _check_result(result)
         ids = result.plan_prompt_ids
         played = result.counts > 0
         s = torch.bincount(result.group, weights=result.rewards.double(), minlength=ids.numel())

@@ -14,7 +14,14 @@ from torch import Tensor
 
 from rolloutopt._validation import check_int as _check_int
 from rolloutopt._validation import choice, describe
-from rolloutopt.allocators._base import AllocationResult, Conversation, Request, as_prompt_ids, check_budget
+from rolloutopt.allocators._base import (
+    AllocationResult,
+    Conversation,
+    Request,
+    _check_result,
+    as_prompt_ids,
+    check_budget,
+)
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, IntP
 
@@ -240,6 +247,7 @@ class DAPODynamicSampling:
 
     def update(self, result: AllocationResult) -> None:
         """Nothing to learn: dynamic sampling keeps no state across steps."""
+        _check_result(result)
 
     def state_dict(self) -> dict[str, Any]:
         """The generator state (the only state)."""

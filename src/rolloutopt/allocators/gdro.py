@@ -34,6 +34,7 @@ from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
     OneShotPlan,
+    _check_result,
     _sort_ids,
     as_prompt_ids,
     check_budget,
@@ -491,8 +492,7 @@ def _mw_probs(scores: _BinEMA, present: Tensor, eta: float, gamma: float) -> Ten
 
 def _visit_stats(result: AllocationResult, threshold: float) -> tuple[Tensor, Tensor, Tensor]:
     """Per planned prompt: rollouts observed, successes, and whether it was visited (n >= 1)."""
-    if not isinstance(result, AllocationResult):
-        raise InputError("result", "an AllocationResult (plan.finish())", describe(result), "pass plan.finish()")
+    _check_result(result)
     p = result.plan_prompt_ids.numel()
     n = result.counts.long()
     succ = (result.rewards >= threshold).long()

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from rolloutopt._validation import check_int as _check_int
 from rolloutopt._validation import checks_enabled, choice, describe
-from rolloutopt.allocators._base import AllocationResult
+from rolloutopt.allocators._base import AllocationResult, _check_result
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, FloatP, IntB, IntP
 
@@ -388,8 +388,7 @@ class PromptHistory:
         ``torch.unique`` over the rollouts, so it is cheaper than ``update(result.prompt_ids, result.rewards)``
         and gives identical statistics.
         """
-        if not isinstance(result, AllocationResult):
-            raise InputError("result", "an AllocationResult (plan.finish())", describe(result), "pass plan.finish()")
+        _check_result(result)
         _check_int(step, "step", 0)
         r = result.rewards.detach().cpu().to(torch.float64)
         # a finite sum proves every reward finite (one cheap reduction); otherwise check them all

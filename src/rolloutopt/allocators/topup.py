@@ -24,6 +24,7 @@ from rolloutopt.allocators._base import (
     Conversation,
     Request,
     _argsort_stable,
+    _check_result,
     _choice,
     _int,
     _real,
@@ -383,6 +384,7 @@ class VIGOR:
 
     def update(self, result: AllocationResult) -> None:
         """Nothing to learn: VIGOR decides within the step."""
+        _check_result(result)
 
     def state_dict(self) -> dict[str, Any]:
         """No state."""
@@ -671,8 +673,7 @@ class PilotCommit:
 
     def update(self, result: AllocationResult) -> None:
         """Buffer the kept, uncommitted prompts; drop committed ones; evict solved ones; flush stale entries."""
-        if not isinstance(result, AllocationResult) or result.reason_names != _PC_NAMES:
-            raise InputError("result", "the AllocationResult of a PilotCommit plan", describe(result), "pass it")
+        _check_result(result, "PilotCommit", _PC_NAMES)
         reasons, ids = result.reasons, result.plan_prompt_ids
         p, pos, r = ids.numel(), result.group, result.rewards
         # Pilot rollouts: every rollout of a buffered / too-correct / too-incorrect prompt of this plan; for a
