@@ -11,13 +11,14 @@ rollouts that landed in zero-variance groups. Experimental (reconstructed) alloc
 
 Part 2 (speed): 100,000 prompts; the allocator's history is first fed one step of 1,000,000 rollouts (10 per
 prompt); then one ``plan`` conversation (plan, every next/observe, finish; the rewards are drawn beforehand) and
-one ``update`` are timed (median of repeats). Target: under 50 ms each. DEPO's ``update`` needs one response
-entropy per rollout, which ``PromptPopulation`` does not model (it has rewards, no responses): it gets seeded
-synthetic entropies, uniform on [0, 1) and independent of the reward (drawn outside the timed ``update``), so
+one ``update`` are timed (median of repeats). Target: under 50 ms each. DEPO requires one response entropy
+per rollout (``plan.observe(request, rewards, entropy=...)``), which ``PromptPopulation`` does not model (it has
+rewards, no responses): it gets seeded synthetic entropies, uniform on [0, 1) and independent of the reward,
+passed with the rewards of each request (in Part 2 drawn with the rewards, outside the timed conversation), so
 its Part 1 row shows the filter's mechanics with an uninformative explorability score, not DEPO's merit. The
 V0.5 budget rule (``V05Budget``) runs standalone: with no trainer-supplied request its plan calls
 ``rolloutopt.advantages.v05`` itself (prior: past mean reward, 0.5 unseen), and that call is part of its plan
-time. HIVE runs without prompt entropies (its stage 2 is then skipped).
+time. HIVE runs without prompt entropies (its probe is answered with nothing, so its stage 2 is skipped).
 
 Run: ``python benchmarks/allocators.py`` (``--quick``: fewer seeds and steps).
 """
@@ -44,22 +45,26 @@ STEPS = 400
 
 class SyntheticEntropies:
     """DEPO on the testbed: each rollout gets a seeded synthetic response entropy, uniform on [0, 1) and
-    independent of its reward (``PromptPopulation`` has no responses); everything else is DEPO's own."""
+    independent of its reward (``PromptPopulation`` has no responses), observed with the rewards of its request;
+    everything else is DEPO's own. ``signals(request)`` draws them (Part 2 calls it outside the timed part and
+    passes them to ``observe``); a request observed without them gets them drawn in ``observe`` (Part 1, where
+    the testbed's ``run_step`` answers with rewards only)."""
 
     def __init__(self, inner: Any, seed: int = 0) -> None:
         self.inner = inner
         self.gen = torch.Generator().manual_seed(seed)
 
+    def signals(self, request: A.Request) -> dict[str, torch.Tensor]:
+        """The entropies of ``request``'s rollouts, ``[request.total]``, when it asks for them."""
+        if "entropy" not in request.signals:
+            return {}
+        return {"entropy": torch.rand(request.total, generator=self.gen, dtype=torch.float64)}
+
     def plan(self, prompt_ids: torch.Tensor, budget: int) -> Any:
-        return self.inner.plan(prompt_ids, budget)
+        return _WithEntropies(self.inner.plan(prompt_ids, budget), self)
 
-    def pre_update(self, result: Any) -> dict[str, torch.Tensor]:
-        """The entropies of ``result``'s rollouts (drawn here, outside the timed ``update``)."""
-        return {"entropy": torch.rand(result.rewards.numel(), generator=self.gen, dtype=torch.float64)}
-
-    def update(self, result: Any, entropy: torch.Tensor | None = None) -> None:
-        e = self.pre_update(result)["entropy"] if entropy is None else entropy
-        self.inner.update(result, entropy=e)
+    def update(self, result: Any) -> None:
+        self.inner.update(result)  # reads result.signals["entropy"]
 
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict(), "gen": self.gen.get_state()}
@@ -67,6 +72,25 @@ class SyntheticEntropies:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state["inner"])
         self.gen.set_state(state["gen"])
+
+
+class _WithEntropies:
+    """DEPO's conversation, with the synthetic entropies added to an ``observe`` that came without them."""
+
+    def __init__(self, plan: Any, owner: SyntheticEntropies) -> None:
+        self.plan = plan
+        self.owner = owner
+
+    def next(self) -> A.Request | None:
+        return self.plan.next()
+
+    def observe(self, request: A.Request, rewards: torch.Tensor | None, **signals: torch.Tensor) -> None:
+        if "entropy" not in signals:
+            signals.update(self.owner.signals(request))
+        self.plan.observe(request, rewards, **signals)
+
+    def finish(self) -> Any:
+        return self.plan.finish()
 
 
 def contenders() -> dict[str, Callable[[], Any]]:
@@ -132,31 +156,35 @@ def speed(repeats: int) -> None:
     print(f"|{'-' * 26}|{'-' * 11}|{'-' * 11}|{'-' * 11}|")
 
     def converse(alloc: Any, budget: int) -> tuple[Any, float]:
-        """One conversation; its time without the reward draws (the engine's cost, not the allocator's)."""
+        """One conversation; its time without the reward (and synthetic signal) draws: the engine's cost, not
+        the allocator's. A probe (HIVE's prompt entropy) is answered with nothing, as the testbed does."""
         start, drawing = time.perf_counter(), 0.0
         plan = alloc.plan(ids, budget)
+        synthetic = getattr(alloc, "signals", lambda req: {})  # signals the testbed synthesises (DEPO's entropies)
         while (req := plan.next()) is not None:
+            if req.is_probe:
+                plan.observe(req, None)
+                continue
             t1 = time.perf_counter()
             rep = req.prompt_ids.repeat_interleave(req.counts)
             r = torch.bernoulli(truth[torch.searchsorted(ids, rep)], generator=gen)  # ids are sorted
+            signals = synthetic(req)
             drawing += time.perf_counter() - t1
-            plan.observe(req, r)
+            plan.observe(req, r, **signals)
         res = plan.finish()
         return res, time.perf_counter() - start - drawing
 
     for name, make in contenders().items():
         try:
             alloc = make()
-            pre = getattr(alloc, "pre_update", lambda res: {})  # inputs the testbed synthesises, drawn untimed
             warm, _ = converse(alloc, 10 * p)  # feeds the history with ~1,000,000 rollouts
-            alloc.update(warm, **pre(warm))
+            alloc.update(warm)
             plans, updates, n = [], [], 0
             for _ in range(repeats):
                 res, dt = converse(alloc, 8 * p)
                 plans.append(dt * 1e3)
-                extra = pre(res)
                 t0 = time.perf_counter()
-                alloc.update(res, **extra)
+                alloc.update(res)
                 updates.append((time.perf_counter() - t0) * 1e3)
                 n = res.rewards.numel()
         except Exception as e:

@@ -55,8 +55,33 @@ def fractions(rates: dict[int, tuple[int, int]]) -> Rewards:
     return f
 
 
+def group_result(succ: list[int], tot: list[int], first: int = 0) -> AllocationResult:
+    """One group per prompt (ids first..first+P-1; tot 0 = not rolled out): successes first, then failures."""
+    ids, group, rewards = [], [], []
+    for i, (s, t) in enumerate(zip(succ, tot, strict=True)):
+        ids += [first + i] * t
+        group += [i] * t
+        rewards += [1.0] * s + [0.0] * (t - s)
+    p = len(succ)
+    return AllocationResult(
+        prompt_ids=torch.tensor(ids, dtype=torch.long),
+        group=torch.tensor(group, dtype=torch.long),
+        rewards=torch.tensor(rewards, dtype=F64),
+        weight=torch.ones(len(rewards), dtype=F64),
+        plan_prompt_ids=torch.arange(first, first + p),
+        counts=torch.tensor(tot, dtype=torch.long),
+        reasons=torch.zeros(p, dtype=torch.long),
+        reason_names=Knapsack.reason_names,
+    )
+
+
 def seed_history(alloc: CoBA | Knapsack, succ: list[int], tot: list[int]) -> torch.Tensor:
-    """Write one group per prompt (ids 0..P-1; tot 0 = unseen) into the allocator's history; return the ids."""
+    """Write one group per prompt (ids 0..P-1; tot 0 = unseen) into the allocator's history; return the ids.
+
+    Knapsack keeps its own reward store next to the history, so it is seeded through ``update``."""
+    if isinstance(alloc, Knapsack):
+        alloc.update(group_result(succ, tot))
+        return torch.arange(len(succ))
     ids, rewards = [], []
     for i, (s, t) in enumerate(zip(succ, tot, strict=True)):
         ids += [i] * t
@@ -349,7 +374,9 @@ def test_knapsack_quirk_changes_the_split() -> None:
 
 def test_knapsack_hand_example() -> None:
     # ids 0 (p = 1/2, effective), 1 (p = 0), 2 (p = 1), 3 (never seen); n = 8, n_min = 2, budget 32.
-    k = Knapsack(n=8, n_min=2, n_max=128)
+    # min_rewards=1: the seeded groups have 2 rewards, below the code's default min_buffer_length = 8 (with the
+    # default every prompt here would be "unseen"); this example tests the allocation, not the estimate
+    k = Knapsack(n=8, n_min=2, n_max=128, min_rewards=1)
     seed_history(k, [1, 0, 2, 0], [2, 2, 2, 0])
     # base 2 + 2 + 2 + 8 = 14, leftover 18; need int(min(128, ln 0.1 / ln 0.5)) = 3 < 18: the surplus 15 goes to
     # the p = 0 prompts {1, 3} (a never-seen prompt counts, as in the code): 8 and 7; the DP places 3 on id 0.
@@ -360,7 +387,7 @@ def test_knapsack_hand_example() -> None:
 
 
 def test_knapsack_no_effective_and_short_budget() -> None:
-    k = Knapsack(n=4, n_min=2, n_max=16)
+    k = Knapsack(n=4, n_min=2, n_max=16, min_rewards=1)  # groups of 3 rewards: valid only with min_rewards <= 3
     seed_history(k, [0, 3, 0], [3, 3, 3])  # p = 0, 1, 0
     # base 2 each, leftover 10 to the p = 0 prompts 0 and 2: 5 each
     assert k.plan(torch.tensor([0, 1, 2]), 16).counts.tolist() == [7, 2, 7]
@@ -369,6 +396,83 @@ def test_knapsack_no_effective_and_short_budget() -> None:
     # caps: the surplus stops at n_max, the rest stays unused
     c = k.plan(torch.tensor([0, 1, 2]), 100).counts
     assert c.tolist() == [16, 2, 16]
+
+
+def test_knapsack_estimate_follows_the_code_by_hand() -> None:
+    """The per-prompt estimate follows liziniu/KnapsackRL@ca5d5f5b7e933378d916d05d1aeb4ae9de929ee5,
+    ``verl/utils/dataset/rl_dataset.py``: ``update_sample_state`` (``epoch_estimation`` and
+    ``robust_epoch_estimation`` on, as ``examples/knapsack_trainer/run_knapsack_grpo_7b.sh``) sets the rate to the
+    group mean when the group has >= ``reward_buffer_length`` = 16 rewards, else to the mean of the last 16 rewards
+    (newest first across groups); ``get_sample_state`` marks a prompt valid once its total count is >=
+    ``min_buffer_length`` = 8. ``verl/trainer/ppo/exploration_utils.py`` gives an invalid prompt ``n``."""
+    k = Knapsack(n=8, n_min=2, n_max=128)
+    assert (k.reward_window, k.min_rewards) == (16, 8)
+    ids = torch.arange(3)
+    # epoch 1: 4 rewards each (prompt 0: 1 1 0 0; prompt 1: 0 0 0 0; prompt 2: 1 0 0 0): totals 4 < 8, not valid
+    k.update(group_result([2, 0, 1], [4, 4, 4]))
+    valid, p = k.estimates(ids)
+    assert valid.tolist() == [False, False, False] and p.tolist() == [0.0, 0.0, 0.0]
+    assert k.plan(ids, 24).counts.tolist() == [8, 8, 8]  # all "unseen": n each
+    # epoch 2: prompt 0 gets 4 more (1 1 1 1): total 8, valid, p = mean of its 8 rewards = 6/8 (the last group
+    # alone would say 1.0); prompt 1 gets 16 (4 successes): a full window, p = 4/16 = 0.25; prompt 2 gets 2 (1 0):
+    # total 6 < 8, still not valid
+    k.update(group_result([4, 4, 1], [4, 16, 2]))
+    valid, p = k.estimates(ids)
+    assert valid.tolist() == [True, True, False]
+    assert p.tolist() == [0.75, 0.25, 0.0]
+    # epoch 3: prompt 0 gets 10 (0 x 10: successes-first helper with 0 successes): the last 16 rewards are these 10
+    # and the newest 6 of the 8 before (1 1 1 1, then 0 0 of "1 1 0 0" read newest first): 4/16 = 0.25.
+    # Prompt 1 gets 4 (all successes): the 4 plus the newest 12 of the 16 before. The 16 were "1 1 1 1 0 x 12"
+    # in observation order, so the newest 12 are all 0: 4/16 = 0.25.
+    k.update(group_result([0, 4, 0], [10, 4, 0]))
+    valid, p = k.estimates(ids)
+    assert valid.tolist() == [True, True, False]
+    assert p.tolist() == [0.25, 0.25, 0.0]
+    # the counts of a plan now differ from the last-group rule: prompt 0 is effective at p = 0.25 (its last group
+    # alone was all 0: "unsolved"), prompt 1 at p = 0.25 (last group all 1: "solved")
+    plan = k.plan(ids, 24)
+    old = Knapsack(n=8, n_min=2, n_max=128, reward_window=1, min_rewards=1)
+    old.update(group_result([2, 0, 1], [4, 4, 4]))
+    old.update(group_result([4, 4, 1], [4, 16, 2]))
+    old.update(group_result([0, 4, 0], [10, 4, 0]))
+    assert old.estimates(ids)[1].tolist() == [0.0, 1.0, 0.5]  # the last group's rate, valid from the first group
+    # p = (0.25, 0.25, invalid): base 2 + 2 + 8 = 12, leftover 12; need 2 * int(ln 0.1 / ln 0.75) = 2 * 8 = 16 >= 12,
+    # no surplus: the DP gives the 12 extra units to the two equal effective items, 6 each
+    assert plan.counts.tolist() == [8, 8, 8]
+    # the reasons: effective, effective, unseen
+    names = Knapsack.reason_names
+    assert [names[int(r)] for r in plan._reasons] == ["effective", "effective", "unseen"]
+
+
+def test_knapsack_reward_store_round_trip_and_bad_state() -> None:
+    a = Knapsack(n=4, n_min=2, n_max=12)
+    for step in range(3):
+        a.update(group_result([step, 3, min(1, step)], [6, 6, 4 * step]))
+    state = a.state_dict()
+    b = Knapsack(n=4, n_min=2, n_max=12)
+    b.load_state_dict(state)
+    ids = torch.arange(3)
+    assert [t.tolist() for t in a.estimates(ids)] == [t.tolist() for t in b.estimates(ids)]
+    a.update(group_result([5, 0, 2], [5, 2, 7]))
+    b.update(group_result([5, 0, 2], [5, 2, 7]))
+    for key, value in a.state_dict()["rewards"].items():
+        assert torch.equal(value, b.state_dict()["rewards"][key])
+    cases = [
+        ({"tail": torch.zeros(3, 4, dtype=torch.bool)}, "tail"),
+        ({"rate": [0.0, 0.0, 0.0]}, "rate"),
+        ({"prompt_ids": torch.tensor([0, 1, 7])}, "prompt_ids"),
+        ({"filled": torch.tensor([0, 17, 0])}, "filled"),
+    ]
+    for change, field in cases:
+        broken = dict(state, rewards={**state["rewards"], **change})
+        with pytest.raises(InputError, match=field):
+            Knapsack(n=4, n_min=2, n_max=12).load_state_dict(broken)
+    with pytest.raises(InputError, match="rewards"):
+        Knapsack(n=4, n_min=2, n_max=12).load_state_dict(dict(state, rewards={"tail": 1}))
+    with pytest.raises(InputError, match="reward_window"):
+        Knapsack(reward_window=0)
+    with pytest.raises(InputError, match="min_rewards"):
+        Knapsack(min_rewards=-1)
 
 
 # -- properties of both ------------------------------------------------------------------------------------------

@@ -178,6 +178,39 @@ def test_e3_budget_flow_by_hand() -> None:
     assert (alloc.n_min, alloc.n_max) == (4, 12) and alloc.epoch == 2
 
 
+def test_e3_unseen_prompts_ranked_like_the_code_with_dataset_ids() -> None:
+    """Prompts not rolled out by the epoch end: the code ranks them as mean reward 0, over the data-set size.
+
+    ``LiaoMengqi/E3-RL4LLMs@7e90b8e9a4901e5f99d4a11523c6123e41344816``, ``e3/data/rl_dataset.py``: ``prompt_stats``
+    holds every data-set row (rank -100, sum 0, count 0); ``update_rank`` sorts all rows by ``total_reward /
+    sample_count`` (0 when ``sample_count == 0``), ``reverse=True`` (stable: ties keep row order) and sets
+    ``rank = index / len(sorted_prompts)``. ``e3/trainer/ray_trainer.py``, ``get_rollout_n_per_prompt``:
+    ``floor((N - P n_min) * rank / (sum(rank) + 1e-8))`` then the leftover by descending rank up to ``n_max``.
+    """
+    data = table({0: [1.0], 1: [0.0], 2: [1.0, 0.0]})  # means 1, 0, .5; rows 3 and 4 never rolled out
+    code = E3Budget(n=4, n_low=2, n_high=6, n_update=2, cap_share=False, dataset_ids=torch.arange(5))
+    ours = E3Budget(n=4, n_low=2, n_high=6, n_update=2, cap_share=False)
+    for alloc in (code, ours):
+        res, _ = run(alloc.plan(torch.tensor([0, 1, 2]), 12), data)
+        alloc.update(res)
+        alloc.end_epoch()
+    # code: keys [1, 0, .5, 0, 0] -> sorted rows [0, 2, 1, 3, 4] -> ranks 0/5, 2/5, 1/5, 3/5, 4/5
+    assert code.ranks(torch.arange(5)).tolist() == [0.0, 0.4, 0.2, 0.6, 0.8]
+    # known prompts only (the default): K = 3, rows 3 and 4 keep -100 until an epoch end that knows them
+    assert ours.ranks(torch.arange(5)).tolist() == [0.0, 2 / 3, 1 / 3, -100.0, -100.0]
+    # caps 2 / 6, N = 4 * 5 = 20: spare 10, shares 10 * [0, .4, .2, .6, .8] / (2 + 1e-8) floor to [0, 1, 0, 2, 3]
+    # (the 1e-8 pushes exact quotients below), counts [2, 3, 2, 4, 5] = 16; leftover 4 by descending rank:
+    # row 4 +1 (to 6), row 3 +2 (to 6), row 1 +1 -> [2, 4, 2, 6, 6]
+    _, reqs = run(code.plan(torch.arange(5), 20), hashed(0))
+    assert reqs == [([0, 1, 2, 3, 4], [2, 4, 2, 6, 6])]
+    _, reqs = run(ours.plan(torch.arange(5), 20), hashed(0))
+    # -100 weighs 0: shares 10 * [0, 2/3, 1/3] / (1 + 1e-8) floor to [0, 6, 3] -> [2, 8, 5, 2, 2] (row 1 above
+    # n_max: the code's uncapped share, cap_share=False); the leftover 1 goes to row 2 (row 1 has no headroom)
+    assert reqs == [([0, 1, 2, 3, 4], [2, 8, 6, 2, 2])]
+    with pytest.raises(InputError, match="dataset_ids"):
+        E3Budget(dataset_ids=torch.tensor([1, 1]))
+
+
 def test_e3_short_budget_hardest_first() -> None:
     alloc = E3Budget(n=4, n_low=4, n_high=4, n_update=0)
     alloc.load_state_dict(

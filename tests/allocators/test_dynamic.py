@@ -86,6 +86,27 @@ def test_non_binary_rewards_and_singletons() -> None:
     assert reasons(res) == ["kept", "kept", "not_needed", "not_needed"]  # n = 1 keeps every group (verl)
 
 
+def test_constant_non_dyadic_group_is_dropped_unlike_verl_std() -> None:
+    """Seven rewards of 0.1: verl keeps the group, we drop it (deliberate; the rule's intent).
+
+    verl ``volcengine/verl@004c888001c88628b98fbc5fdee9c3e9b8898800``, ``recipe/dapo/dapo_ray_trainer.py``:
+    ``prompt_uid2metric_std[uid] = np.std(metric_vals)``, kept iff ``std > 0 or len(metric_vals) == 1``.
+    NumPy's float64 std of seven 0.1s is 1.3877787807814457e-17 (the mean 0.1 + rounding), so verl keeps a
+    group whose advantages are all zero. Ours compares max and min: all equal, so ``"zero_variance"``.
+    """
+    np = pytest.importorskip("numpy")
+    sevens = [0.1] * 7
+    verl_std = float(np.std(sevens))  # computed the way verl computes it
+    assert verl_std > 0 and verl_std < 1e-16  # verl would keep this group
+    table = {0: sevens, 1: [0.1] * 6 + [0.2]}
+    alloc = DAPODynamicSampling(batch_size=1, n=7, gen_batch_size=2, shuffle=False)
+    res, rounds = drive(alloc.plan(torch.tensor([0, 1]), 14), table_scorer(table))
+    assert rounds == [[0, 1]]
+    assert reasons(res) == ["zero_variance", "kept"]  # verl: ["kept", "surplus"] (prompt 0 fills the batch)
+    assert res.weight.tolist() == [0.0] * 7 + [1.0] * 7
+    assert float(res.metrics["zero_variance_frac"]) == 7 / 14
+
+
 # -- budget, pool and round limits ------------------------------------------------------------------------------
 
 
@@ -131,7 +152,9 @@ def verl_replay(order: list[int], table: dict[int, list[float]], b: int, n: int,
     num_prompt_in_batch = 0
     for start in range(0, len(order), gen):
         new = order[start : start + gen]
-        kept = [p for p in new if max(table[p][:n]) != min(table[p][:n]) or n == 1]  # np.std(vals) > 0
+        # verl tests np.std(vals) > 0; on the 0/1 tables used here that is max != min (not on 0.1s: see
+        # test_constant_non_dyadic_group_is_dropped_unlike_verl_std)
+        kept = [p for p in new if max(table[p][:n]) != min(table[p][:n]) or n == 1]
         num_prompt_in_batch += len(kept)
         batch += kept
         if num_prompt_in_batch >= b:

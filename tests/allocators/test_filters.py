@@ -6,8 +6,9 @@ the invariants of our reconstruction (see docs/methods/filters.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import pytest
 import torch
@@ -19,15 +20,50 @@ from rolloutopt.allocators.filters import DEPO, HIVE, depo_group_scores
 from rolloutopt.errors import InputError
 
 Rewards = Callable[[Request], torch.Tensor]
+PerRow = Callable[[Request], torch.Tensor] | Mapping[int, float]
 DEPO_REASONS = ("selected", "unseen", "epoch_zero", "padded", "filtered", "over_budget")
 
 
-def run(plan: Conversation, rewards: Rewards) -> tuple[AllocationResult, list[Request]]:
+def per_rollout(values: Rewards | Mapping[int, float]) -> Rewards:
+    """A rollout signal ``[n]`` for a request: a callable as is, or {prompt: value} repeated over its rollouts."""
+    if callable(values):
+        return values
+    return lambda req: torch.tensor(
+        [values[p] for p in req.prompt_ids.tolist()], dtype=torch.float64
+    ).repeat_interleave(req.counts)
+
+
+def per_row(values: PerRow) -> Rewards:
+    """A prompt or probe signal ``[R]`` for a request: a callable as is, or {prompt: value} per request row."""
+    if callable(values):
+        return values
+    return lambda req: torch.tensor([values[p] for p in req.prompt_ids.tolist()], dtype=torch.float64)
+
+
+def run(
+    plan: Conversation,
+    rewards: Rewards,
+    *,
+    entropy: Rewards | Mapping[int, float] | None = None,
+    prompt_entropy: PerRow | None = None,
+) -> tuple[AllocationResult, list[Request]]:
+    """Drive a plan: a probe is answered with ``prompt_entropy`` of its rows (or with nothing, skipping stage 2),
+    a generating request with its rewards and, when given, its rollouts' ``entropy``."""
     reqs = []
     while (req := plan.next()) is not None:
         reqs.append(req)
-        plan.observe(req, rewards(req))
+        if req.is_probe:
+            assert req.signals == ("prompt_entropy",) and req.total == 0
+            signals = {} if prompt_entropy is None else {"prompt_entropy": per_row(prompt_entropy)(req)}
+            plan.observe(req, None, **signals)
+        else:
+            signals = {} if entropy is None else {"entropy": per_rollout(entropy)(req)}
+            plan.observe(req, rewards(req), **signals)
     return plan.finish(), reqs
+
+
+def zero(req: Request) -> torch.Tensor:
+    return torch.zeros(req.total, dtype=torch.float64)
 
 
 def table(groups: dict[int, list[float]]) -> Rewards:
@@ -49,8 +85,9 @@ def bern(seed: int, n_ids: int = 64) -> Rewards:
     return f
 
 
-def ents(res: AllocationResult, seed: int) -> torch.Tensor:
-    return torch.rand(res.rewards.numel(), generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
+def ents(seed: int) -> Rewards:
+    """Response entropies of a step's (single) generating request: uniform on [0, 3), seeded."""
+    return lambda req: torch.rand(req.total, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
 
 
 # -- DEPO: the score ----------------------------------------------------------------------------------------------
@@ -99,11 +136,13 @@ def depo_history() -> DEPO:
     d = DEPO(n=4, init_ratio=1.0, decay=0.5, pad_multiple=2, seed=5)
     groups = {0: [1.0, 1.0, 0.0, 0.0], 1: [1.0, 0.0, 0.0, 0.0], 2: [1.0, 1.0, 1.0, 1.0], 3: [1.0, 0.0, 0.0, 0.0]}
     h = {0: [1.0, 1.0, 0.4, 3.0], 1: [1.0] * 4, 2: [1.0] * 4, 3: [1.0] * 4}
-    res, _ = run(d.plan(torch.tensor([0, 1, 2, 3]), 16), table(groups))
+    res, reqs = run(d.plan(torch.tensor([0, 1, 2, 3]), 16), table(groups), entropy=table(h))
     assert res.counts.tolist() == [4, 4, 4, 4] and all(DEPO_REASONS[r] == "epoch_zero" for r in res.reasons)
-    d.update(res, entropy=torch.tensor([x for p in dict.fromkeys(res.prompt_ids.tolist()) for x in h[p]]))
-    res, _ = run(d.plan(torch.tensor([3]), 4), table(groups))
-    d.update(res, entropy=torch.ones(4, dtype=torch.float64))
+    assert [r.signals for r in reqs] == [("entropy",)]
+    assert res.signals["entropy"].tolist() == [x for p in res.prompt_ids.tolist()[::4] for x in h[p]]
+    d.update(res)
+    res, _ = run(d.plan(torch.tensor([3]), 4), table(groups), entropy={3: 1.0})
+    d.update(res)
     return d
 
 
@@ -118,13 +157,13 @@ def test_depo_selection_by_hand() -> None:
     # K = 4 seen: top floor(4 * 0.5) = 2 by (score desc, count asc): 0 (2.4), then 1 (s1, count 1) before 3 (count
     # 2). Unseen 9 kept. 3 kept -> pad to a multiple of 2 with the least explored of {3 (count 2), 2 (count 1)}:
     # 2. Fill order 9, 0, 1, 2 with budget 14, n = 4: 4, 4, 4, then 2 < n_min = 4 -> 2 gets nothing.
-    res, _ = run(d.plan(torch.tensor([3, 2, 9, 1, 0]), 14), lambda r: torch.zeros(r.total, dtype=torch.float64))
+    res, _ = run(d.plan(torch.tensor([3, 2, 9, 1, 0]), 14), zero, entropy=zero)
     assert res.counts.tolist() == [0, 0, 4, 4, 4]
     assert [res.reason_of(p) for p in (0, 1, 2, 3, 9)] == ["selected", "selected", "over_budget", "filtered", "unseen"]
-    res, _ = run(d.plan(torch.tensor([3, 2, 9, 1, 0]), 100), lambda r: torch.zeros(r.total, dtype=torch.float64))
+    res, _ = run(d.plan(torch.tensor([3, 2, 9, 1, 0]), 100), zero, entropy=zero)
     assert res.counts.tolist() == [0, 4, 4, 4, 4] and res.reason_of(2) == "padded"
     d.set_epoch(100)  # thr floors at 0.4: floor(4 * 0.4) = 1 -> only 0; 9 + 0 = 2 kept, no padding needed
-    res, _ = run(d.plan(torch.tensor([3, 2, 9, 1, 0]), 100), lambda r: torch.zeros(r.total, dtype=torch.float64))
+    res, _ = run(d.plan(torch.tensor([3, 2, 9, 1, 0]), 100), zero, entropy=zero)
     assert res.counts.tolist() == [0, 0, 4, 0, 4]
 
 
@@ -132,16 +171,16 @@ def test_depo_window_is_bounded_and_averages_last_k() -> None:
     d = DEPO(n=2, history_k=2)
     groups = [[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]  # scores h (A = +-1, the failure dropped), 0, 0
     for g in groups:
-        res, _ = run(d.plan(torch.tensor([7]), 2), table({7: g}))
-        d.update(res, entropy=torch.tensor([0.25, 0.25], dtype=torch.float64))
+        res, _ = run(d.plan(torch.tensor([7]), 2), table({7: g}), entropy={7: 0.25})
+        d.update(res)
     st_ = d.state_dict()
     assert st_["scores"].shape == (1, 2) and st_["count"].tolist() == [3]
     score, _ = d.scores(torch.tensor([7]))
     assert float(score[0]) == 0.0  # window of 2 holds only the last two (zero) scores
     d2 = DEPO(n=2, history_k=3)
     for g in groups:
-        res, _ = run(d2.plan(torch.tensor([7]), 2), table({7: g}))
-        d2.update(res, entropy=torch.tensor([0.25, 0.25], dtype=torch.float64))
+        res, _ = run(d2.plan(torch.tensor([7]), 2), table({7: g}), entropy={7: 0.25})
+        d2.update(res)
     # first score: A+ = 0.5 / (0.5 + eps) times the correct entropy 0.25; the failure (0.25 > 0.5 * 0.25) drops
     want = 0.25 * 0.5 / (0.5 + 1e-8) / 3
     assert math.isclose(float(d2.scores(torch.tensor([7]))[0][0]), want, rel_tol=1e-12)
@@ -151,8 +190,8 @@ def test_depo_steps_per_epoch() -> None:
     d = DEPO(n=2, steps_per_epoch=2)
     sizes = []
     for _ in range(3):
-        res, _ = run(d.plan(torch.tensor([1, 2]), 4), table({1: [1.0, 0.0], 2: [0.0, 0.0]}))
-        d.update(res, entropy=torch.ones(res.rewards.numel(), dtype=torch.float64))
+        res, _ = run(d.plan(torch.tensor([1, 2]), 4), table({1: [1.0, 0.0], 2: [0.0, 0.0]}), entropy={1: 1.0, 2: 1.0})
+        d.update(res)
         sizes.append(int(res.counts.sum()))
     # epochs 0, 0, 1: everything kept twice, then floor(2 * 0.99) = 1 of the two seen prompts
     assert d.epoch == 1 and sizes == [4, 4, 2]
@@ -169,9 +208,10 @@ def hive_history(h: HIVE) -> None:
     """Prompts 0..4: mean rewards 0.5, 1.0, 0.0, 0.5, 0.5; response entropies 1, -, -, 3, 2; prompt entropies 2."""
     groups = {0: [1.0, 0.0], 1: [1.0, 1.0], 2: [0.0, 0.0], 3: [0.0, 1.0], 4: [1.0, 0.0]}
     ids = torch.tensor([0, 1, 2, 3, 4])
-    res, _ = run(h.plan(ids, 10, prompt_entropy=torch.full((5,), 2.0)), table(groups))
     e = {0: 1.0, 1: 9.0, 2: 9.0, 3: 3.0, 4: 2.0}
-    h.update(res, entropy=torch.tensor([e[int(p)] for p in res.prompt_ids], dtype=torch.float64))
+    res, reqs = run(h.plan(ids, 10), table(groups), entropy=e, prompt_entropy=dict.fromkeys(range(5), 2.0))
+    assert [r.is_probe for r in reqs] == [True, False] and reqs[0].prompt_ids.tolist() == [0, 1, 2, 3, 4]
+    h.update(res)
 
 
 def test_hive_stages_by_hand() -> None:
@@ -183,8 +223,16 @@ def test_hive_stages_by_hand() -> None:
     ids = torch.tensor([8, 4, 3, 2, 1, 0])
     # stage 1: 1 (mean 1.0) and 2 (mean 0.0) are out of the band [0.1, 0.9]; 8 unseen passes.
     # stage 2 (drop, delta 0.1): 3's prompt entropy fell 2.0 -> 1.7 (> 10 %): pruned; 4: 2.0 -> 1.9 stays.
-    pe = torch.tensor([5.0, 1.9, 1.7, 2.0, 2.0, 2.0], dtype=torch.float64)
-    res, _ = run(h.plan(ids, 4, prompt_entropy=pe), lambda q: torch.zeros(q.total, dtype=torch.float64))
+    pe = {8: 5.0, 4: 1.9, 3: 1.7, 2: 2.0, 1: 2.0, 0: 2.0}
+    res, reqs = run(h.plan(ids, 4), zero, prompt_entropy=pe)
+    # the probe measures the stage-1 survivors only (in plan order), then one generating request
+    probe, gen = reqs
+    assert probe.is_probe and probe.signals == ("prompt_entropy",)
+    assert probe.prompt_ids.tolist() == [8, 4, 3, 0] and probe.counts.tolist() == [0, 0, 0, 0]
+    assert not gen.is_probe and gen.signals == ("entropy",) and gen.prompt_ids.tolist() == [8, 4]
+    # the probed values, per planned prompt (NaN for the prompts stage 1 dropped)
+    assert res.signals["prompt_entropy"].tolist()[:3] == [5.0, 1.9, 1.7] and res.signals["prompt_entropy"][5] == 2.0
+    assert bool(res.signals["prompt_entropy"][3:5].isnan().all())
     # ranking: unseen 8 first, then by response entropy 4 (2.0) > 0 (1.0); budget 4 = two groups of 2
     assert res.counts.tolist() == [2, 2, 0, 0, 0, 0]
     assert [res.reason_of(p) for p in (8, 4, 3, 2, 1, 0)] == [
@@ -203,12 +251,34 @@ def test_hive_without_prompt_entropy_skips_stage_two_and_top_mode() -> None:
     h = hive()
     hive_history(h)
     ids = torch.tensor([0, 3, 4])
-    res, _ = run(h.plan(ids, 100), lambda q: torch.zeros(q.total, dtype=torch.float64))
-    assert res.counts.tolist() == [2, 2, 2]
+    # answered, a prompt entropy fallen from 2.0 to 1.0 prunes 3; the probe answered with nothing skips stage 2
+    res, _ = run(h.plan(ids, 100), zero, prompt_entropy={0: 2.0, 3: 1.0, 4: 2.0})
+    assert res.counts.tolist() == [2, 0, 2] and res.reason_of(3) == "entropy_pruned"
+    h = hive()
+    hive_history(h)
+    res, reqs = run(h.plan(ids, 100), zero)
+    assert reqs[0].is_probe and reqs[0].prompt_ids.tolist() == [0, 3, 4]
+    assert res.counts.tolist() == [2, 2, 2] and "prompt_entropy" not in res.signals
+    assert h.history(ids)[2].tolist() == [2.0, 2.0, 2.0]  # nothing measured, nothing stored
     t = hive(stage2="top")
     hive_history(t)
-    res, _ = run(t.plan(ids, 4, prompt_entropy=torch.tensor([3.0, 0.1, 1.0])), lambda q: torch.zeros(q.total))
+    res, _ = run(t.plan(ids, 4), lambda q: torch.zeros(q.total), prompt_entropy={0: 3.0, 3: 0.1, 4: 1.0})
     assert res.counts.tolist() == [2, 0, 2] and res.reason_of(3) == "over_budget"  # top-2 by prompt entropy
+    # stage2="top" ranks by the prompt entropy: a probe answered without it is refused, naming it
+    plan = t.plan(ids, 4)
+    probe = plan.next()
+    assert probe is not None and probe.is_probe
+    plan.observe(probe, None)
+    with pytest.raises(InputError, match="prompt_entropy"):
+        plan.next()
+
+
+def test_hive_no_probe_when_stage_one_drops_everything() -> None:
+    h = hive()
+    hive_history(h)
+    res, reqs = run(h.plan(torch.tensor([1, 2]), 100), zero)  # means 1.0 and 0.0: both out of band
+    assert reqs == [] and res.counts.tolist() == [0, 0]
+    assert {res.reason_of(1), res.reason_of(2)} == {"out_of_band"}
 
 
 @settings(max_examples=30, deadline=None)
@@ -226,9 +296,9 @@ def test_hive_structure(seed: int, budget: int, p_lo: float, width: float, delta
     gen = torch.Generator().manual_seed(seed)
     for s in range(3):
         ids = torch.randperm(40, generator=gen)[:20]
-        pe = torch.rand(20, generator=gen, dtype=torch.float64)
+        pe = dict(zip(ids.tolist(), torch.rand(20, generator=gen, dtype=torch.float64).tolist(), strict=True))
         seen_before = ~torch.isnan(h.history(ids)[0])
-        res, _ = run(h.plan(ids, budget, prompt_entropy=pe), bern(seed + s, 40))
+        res, reqs = run(h.plan(ids, budget), bern(seed + s, 40), entropy=ents(s), prompt_entropy=pe)
         reasons = res.reasons
         stage1 = reasons != 1
         stage2_ = stage1 & (reasons != 2)
@@ -238,7 +308,11 @@ def test_hive_structure(seed: int, budget: int, p_lo: float, width: float, delta
         nz = res.counts[res.counts > 0]
         assert bool(((nz >= 2) & (nz <= 5)).all())
         assert bool((res.counts[reasons != 0] == 0).all())
-        h.update(res, entropy=ents(res, s))
+        if bool(stage1.any()):  # the probe asked exactly the stage-1 survivors
+            assert reqs[0].is_probe and reqs[0].prompt_ids.tolist() == ids[stage1].tolist()
+        else:
+            assert reqs == []
+        h.update(res)
 
 
 # -- both: budget, caps, determinism, permutation, state round trip -----------------------------------------------
@@ -254,12 +328,9 @@ def drive(a: HIVE | DEPO, steps: range, budget: int, pools: list[torch.Tensor]) 
         if isinstance(a, DEPO):
             a.set_epoch(s // 2)
         pool = pools[s]
-        if isinstance(a, HIVE):
-            pe = (pool.double() * 0.37 + s).sin().abs()
-            res, _ = run(a.plan(pool, budget, prompt_entropy=pe), bern(s))
-        else:
-            res, _ = run(a.plan(pool, budget), bern(s))
-        a.update(res, entropy=ents(res, s))
+        pe = dict(zip(pool.tolist(), (pool.double() * 0.37 + s).sin().abs().tolist(), strict=True))
+        res, _ = run(a.plan(pool, budget), bern(s), entropy=ents(s), prompt_entropy=pe if isinstance(a, HIVE) else None)
+        a.update(res)
         out.append(res)
     return out
 
@@ -292,14 +363,10 @@ def test_permutation_permutes_the_plan(kind: str, seed: int, budget: int) -> Non
         b.set_epoch(2)
     ids = torch.randperm(64, generator=gen)[:30]
     perm = torch.randperm(30, generator=gen)
-    pe = torch.rand(30, generator=gen, dtype=torch.float64)
-    zero: Rewards = lambda q: torch.zeros(q.total, dtype=torch.float64)  # noqa: E731
-    if isinstance(a, HIVE) and isinstance(b, HIVE):
-        x, _ = run(a.plan(ids, budget, prompt_entropy=pe), zero)
-        y, _ = run(b.plan(ids[perm], budget, prompt_entropy=pe[perm]), zero)
-    else:
-        x, _ = run(a.plan(ids, budget), zero)
-        y, _ = run(b.plan(ids[perm], budget), zero)
+    pe = dict(zip(ids.tolist(), torch.rand(30, generator=gen, dtype=torch.float64).tolist(), strict=True))
+    probe = pe if isinstance(a, HIVE) else None  # each prompt keeps its prompt entropy under the permutation
+    x, _ = run(a.plan(ids, budget), zero, entropy=zero, prompt_entropy=probe)
+    y, _ = run(b.plan(ids[perm], budget), zero, entropy=zero, prompt_entropy=probe)
     assert torch.equal(y.counts, x.counts[perm]) and torch.equal(y.reasons, x.reasons[perm])
 
 
@@ -329,9 +396,11 @@ def test_state_dict_round_trip_mid_run(kind: str) -> None:
 def test_empty_pool_and_zero_budget(kind: str) -> None:
     for ids, budget in ((torch.zeros(0, dtype=torch.long), 100), (torch.arange(3), 0)):
         a = make(kind, 0)
-        res, reqs = run(a.plan(ids, budget), lambda r: torch.zeros(r.total, dtype=torch.float64))
-        assert reqs == [] and int(res.counts.sum()) == 0
-        a.update(res, entropy=torch.zeros(0, dtype=torch.float64))
+        res, reqs = run(a.plan(ids, budget), zero, entropy=zero, prompt_entropy=dict.fromkeys(range(3), 1.0))
+        # nothing generated; HIVE still probes its (unseen, so surviving) candidates when there are some
+        assert [r for r in reqs if not r.is_probe] == [] and int(res.counts.sum()) == 0
+        assert len(reqs) == (1 if kind == "hive" and ids.numel() else 0)
+        a.update(res)
         assert a.state_dict()["ids"].numel() == 0
 
 
@@ -388,30 +457,58 @@ def test_bad_plan_observe_update_load(kind: str) -> None:
     assert req is not None
     with pytest.raises(InputError, match="request"):  # unknown ids / not the pending request
         plan.observe(Request(torch.tensor([9]), torch.tensor([8])), torch.zeros(8))
+    if isinstance(a, HIVE):  # the probe first: bad prompt entropies, then a good answer
+        assert req.is_probe and req.prompt_ids.tolist() == [1, 2]
+        with pytest.raises(InputError, match="prompt_entropy"):
+            plan.observe(req, None, prompt_entropy=torch.zeros(3))  # one per probed row
+        with pytest.raises(InputError, match="prompt_entropy"):
+            plan.observe(req, None, prompt_entropy=torch.tensor([0.5, float("nan")]))
+        with pytest.raises(InputError, match=r"^entropy"):  # not asked for by a probe
+            plan.observe(req, None, prompt_entropy=torch.zeros(2), entropy=torch.zeros(2))
+        with pytest.raises(InputError, match="rewards"):  # a probe generates nothing
+            plan.observe(req, torch.zeros(2), prompt_entropy=torch.zeros(2))
+        plan.observe(req, None, prompt_entropy=torch.ones(2))
+        req = plan.next()
+        assert req is not None
+    assert not req.is_probe and req.signals == ("entropy",) and req.total == 8
     with pytest.raises(InputError, match="rewards"):
-        plan.observe(req, torch.zeros(2, 4))
+        plan.observe(req, torch.zeros(2, 4), entropy=torch.zeros(8))
     with pytest.raises(InputError, match="rewards"):
-        plan.observe(req, torch.full((8,), float("nan")))
-    plan.observe(req, torch.zeros(8))
+        plan.observe(req, torch.full((8,), float("nan")), entropy=torch.zeros(8))
+    with pytest.raises(InputError, match=r"^entropy"):
+        plan.observe(req, torch.zeros(8), entropy=torch.zeros(7))
+    with pytest.raises(InputError, match=r"^entropy"):
+        plan.observe(req, torch.zeros(8), entropy=torch.full((8,), float("nan")))
+    with pytest.raises(InputError, match=r"^prompt_entropy"):  # a probe signal with rollouts: not asked for
+        plan.observe(req, torch.zeros(8), entropy=torch.zeros(8), prompt_entropy=torch.zeros(2))
+    with pytest.raises(InputError, match=r"^hardness"):
+        plan.observe(req, torch.zeros(8), entropy=torch.zeros(8), hardness=torch.zeros(2))
+    if isinstance(a, DEPO):
+        with pytest.raises(InputError, match=r"^entropy"):  # DEPO requires it
+            plan.observe(req, torch.zeros(8))
+    plan.observe(req, torch.zeros(8), entropy=torch.zeros(8))
     res = plan.finish()
     with pytest.raises(InputError, match="result"):
-        a.update(None, entropy=torch.zeros(8))  # type: ignore[arg-type]
-    with pytest.raises(InputError, match="entropy"):
-        a.update(res, entropy=torch.zeros(7))
-    with pytest.raises(InputError, match="entropy"):
-        a.update(res, entropy=torch.full((8,), float("nan")))
+        a.update(None)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="entropy"):  # a result whose entropy signal does not fit its rollouts
+        a.update(dataclasses.replace(res, signals={**res.signals, "entropy": torch.zeros(7, dtype=torch.float64)}))
+    if isinstance(a, DEPO):
+        with pytest.raises(InputError, match=r"^entropy"):  # a result without the required signal
+            a.update(dataclasses.replace(res, signals={}))
     with pytest.raises(InputError, match="state"):
         a.load_state_dict({})
-    a.update(res, entropy=torch.zeros(8))
+    a.update(res)
     bad = a.state_dict()
     bad["ids"] = torch.tensor([2, 1])
     with pytest.raises(InputError, match="ids"):
         a.load_state_dict(bad)
     if isinstance(a, HIVE):
+        top = HIVE(stage2="top", experimental=True).plan(torch.tensor([1]), 8)
+        probe = top.next()
+        assert probe is not None and probe.is_probe
+        top.observe(probe, None)
         with pytest.raises(InputError, match="prompt_entropy"):
-            a.plan(torch.tensor([1, 2]), 8, prompt_entropy=torch.zeros(3))
-        with pytest.raises(InputError, match="prompt_entropy"):
-            HIVE(stage2="top", experimental=True).plan(torch.tensor([1]), 8)
+            top.next()
     else:
         with pytest.raises(InputError, match="epoch"):
             a.set_epoch(-1)

@@ -42,10 +42,16 @@ def D(*xs: float) -> torch.Tensor:  # noqa: N802
     return torch.tensor(xs, dtype=F64)
 
 
-def run(plan: Conversation, reward_fn: Any) -> AllocationResult:
-    """Drive a plan; ``reward_fn(prompt_ids [R], counts [R]) -> rewards [counts.sum()]``."""
+def run(plan: Conversation, reward_fn: Any, hardness: Any = None) -> AllocationResult:
+    """Drive a plan; ``reward_fn(prompt_ids [R], counts [R]) -> rewards [counts.sum()]``. ``hardness``: the
+    optional per-prompt signal, ``{prompt: value}`` or ``fn(prompt_ids [R]) -> [R]``, observed per request row."""
     while (req := plan.next()) is not None:
-        plan.observe(req, reward_fn(req.prompt_ids, req.counts))
+        signals = {}
+        if hardness is not None:
+            assert "hardness" in req.signals
+            h = hardness if callable(hardness) else lambda ids: torch.tensor([hardness[int(i)] for i in ids], dtype=F64)
+            signals["hardness"] = h(req.prompt_ids)
+        plan.observe(req, reward_fn(req.prompt_ids, req.counts), **signals)
     return plan.finish()
 
 
@@ -580,6 +586,11 @@ def test_bad_protocol_input(kind: str) -> None:
         plan.observe(req, torch.full((req.total,), math.nan))
     with pytest.raises(InputError, match=r"^rewards:"):
         plan.observe(req, torch.zeros(req.total, dtype=torch.long))
+    assert req.signals == ("hardness",)  # optional: observed per request row when the trainer measures it
+    with pytest.raises(InputError, match=r"^hardness:"):
+        plan.observe(req, torch.zeros(req.total), hardness=torch.zeros(req.total + 5))
+    with pytest.raises(InputError, match=r"^entropy:"):  # a signal the request did not ask for
+        plan.observe(req, torch.zeros(req.total), entropy=torch.zeros(req.total))
     with pytest.raises(InputError, match=r"^prompt_ids:"):
         plan.positions(L(99))  # an id outside the plan
     with pytest.raises(InputError, match=r"^result:"):
@@ -594,13 +605,30 @@ def test_bad_update_inputs() -> None:
     with pytest.raises(InputError, match=r"^result:"):
         al.update(foreign)  # a result without the controller's metrics
     pg = PromptGDRO(n=2, experimental=True)
-    res = run(pg.plan(L(1, 2), 4), lambda i, c: torch.zeros(int(c.sum())))
+    plan = pg.plan(L(1, 2), 4)
+    req = plan.next()
+    assert req is not None and req.prompt_ids.tolist() == [1, 2] and req.signals == ("hardness",)
     with pytest.raises(InputError, match=r"^hardness:"):
-        pg.update(res, hardness=torch.zeros(3))
+        plan.observe(req, torch.zeros(4), hardness=torch.zeros(3))  # one per request row
     with pytest.raises(InputError, match=r"^hardness:"):
-        pg.update(res, hardness=torch.tensor([0.0, math.nan]))
-    pg.update(res, hardness=torch.tensor([0.2, 0.4]))  # the right shape works: one step of 0.3 for the bin
+        plan.observe(req, torch.zeros(4), hardness=torch.tensor([0.0, math.nan]))
+    plan.observe(req, torch.zeros(4), hardness=torch.tensor([0.2, 0.4]))  # the right shape works
+    res = plan.finish()
+    torch.testing.assert_close(res.signals["hardness"], torch.tensor([0.2, 0.4]))
+    pg.update(res)  # one step of 0.3 (the mean hardness, replacing the fail rate 1.0) for the bin
     assert pg._scores.s[-1].item() == pytest.approx(0.1 * 0.3)
+
+
+@pytest.mark.parametrize("cls", [PromptGDRO, RolloutGDRO])
+def test_hardness_signal_with_unrequested_prompts(cls: Any) -> None:
+    # 3 candidates, budget 4 at 2 rollouts each: one prompt gets nothing, its hardness is NaN in the result
+    al = cls(n=2, experimental=True) if cls is PromptGDRO else cls(n_min=2, n_max=2, experimental=True)
+    of = {5: 0.2, 6: 0.4, 7: 0.6}
+    res = run(al.plan(L(5, 6, 7), 4), lambda i, c: torch.zeros(int(c.sum()), dtype=F64), hardness=of)
+    h, asked = res.signals["hardness"], res.counts > 0
+    assert int(asked.sum()) == 2 and bool(torch.isnan(h[~asked]).all())
+    assert h[asked].tolist() == pytest.approx([of[int(i)] for i in res.plan_prompt_ids[asked]])
+    al.update(res)  # learns from the requested prompts' hardness only
 
 
 def test_bad_function_inputs() -> None:

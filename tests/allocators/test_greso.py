@@ -4,6 +4,7 @@ hand, properties, bad input."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -66,6 +67,7 @@ def step(g: GRESO, ids: list[int], budget: int, rewards: Rewards) -> AllocationR
 # -- by hand following the GRESO code -----------------------------------------------------------------------------
 def test_spec_oracle_skip_probabilities() -> None:
     g = small(filter_zero_variance=False, p_easy=1.0, p_hard=1.0)  # p = 1: no skips while the history is built
+    g.set_epoch(0)  # the same prompts every step within epoch 0 on purpose (silences the untold-epoch warning)
     ids = [1, 2, 3]
     # prompt 1: 0.5, 1.0, 0.98 (two easy entries after a non-easy one); prompt 2: easy x 3; prompt 3: last 0.5
     for h in ({1: 0.5, 2: 1.0, 3: 1.0}, {1: 1.0, 2: 1.0, 3: 0.0}, {1: 0.98, 2: 1.0, 3: 0.5}):
@@ -90,6 +92,7 @@ def test_spec_oracle_skip_probabilities() -> None:
 
 def test_hard_run_length_thresholds() -> None:
     g = small(filter_zero_variance=False, p_hard=1.0)
+    g.set_epoch(0)  # repeated prompts within epoch 0 on purpose (silences the untold-epoch warning)
     step(g, [1, 2, 3], 100, const_mean({1: 0.1, 2: 0.11, 3: 0.2}))
     step(g, [1, 2, 3], 100, const_mean({1: 0.0, 2: 0.12, 3: 0.0}))
     k_e, k_h = g.run_lengths(torch.tensor([1, 2, 3, 4]))
@@ -167,6 +170,75 @@ def test_adaptive_batch_not_last_and_floor() -> None:
     g = GRESO(n=4, train_batch_size=3, sampling_batch_size=4, min_sampling_batch_size=3)
     _, reqs = run(g.plan(torch.arange(40), 1000), kind)
     assert [q.prompt_ids.numel() for q in reqs] == [4, 3]
+
+
+def test_round_granularity_follows_the_code_with_loader_batch_size() -> None:
+    """Rounds of whole loader batches (the code) versus exactly the adaptive size (ours, the default).
+
+    ``Infini-AI-Lab/GRESO@b27784315479921ea1977178d7e6c4858b2ae5a1``, ``verl/trainer/ppo/ray_trainer.py``
+    (``fit``): each dataloader batch (``data.train_batch_size`` prompts) is skip-filtered and appended to
+    ``acc_batch``; generation runs only once ``len(acc_batch) >= adaptive_sampling_bs``, on all of ``acc_batch``.
+
+    Loader batches of 4, ids 0-11, no history (no skips), n = 2, T = 5 prompts wanted, sampling_batch_size 6;
+    even ids have variance. Code: blocks [0-3] (4 < 6), + [4-7] = 8 >= 6: round 1 is ids 0-7, 4 kept, z = 1/2;
+    R = (5 - 4) * 2 = 2, int(1.25 * 2 / (0.5 * 2)) = 2 <= 6, so the next round is the last, size max(2, floor):
+    block [8-11] (4 >= 2), all of it; kept 0, 2, 4, 6, 8 and 10 is surplus.
+    Ours: round 1 is ids 0-5 (3 kept, z = 1/2), R = 4, int(1.25 * 4 / 1) = 5 <= 6: last round ids 6-10.
+    """
+    kind = world(lambda p: torch.where(p % 2 == 0, 2, 1))
+    code = GRESO(n=2, train_batch_size=5, sampling_batch_size=6, min_sampling_batch_size=1, loader_batch_size=4)
+    res, reqs = run(code.plan(torch.arange(12), 1000), kind)
+    assert [q.prompt_ids.tolist() for q in reqs] == [list(range(8)), [8, 9, 10, 11]]
+    assert [res.reason_of(p) for p in (8, 9, 10, 11)] == ["kept", "zero_variance", "surplus", "zero_variance"]
+    ours = GRESO(n=2, train_batch_size=5, sampling_batch_size=6, min_sampling_batch_size=1)
+    res, reqs = run(ours.plan(torch.arange(12), 1000), kind)
+    assert [q.prompt_ids.tolist() for q in reqs] == [list(range(6)), [6, 7, 8, 9, 10]]
+    assert res.reason_of(10) == "surplus" and res.reason_of(11) == "not_reached"
+    # skipped candidates inside a block that was read count as reached (the code read the whole block)
+    skip = GRESO(n=2, train_batch_size=1, sampling_batch_size=2, min_sampling_batch_size=1, loader_batch_size=4)
+    skip.load_state_dict(
+        {
+            **skip.state_dict(),
+            "ids": torch.tensor([1]),
+            "k_easy": torch.tensor([50]),
+            "k_hard": torch.tensor([0]),
+            "p_easy": 0.0,
+        }
+    )  # id 1: skip probability 0.99
+    plan = skip.plan(torch.arange(8), 1000)
+    res, reqs = run(plan, world(lambda p: p * 0 + 2))
+    assert res.reason_of(1) == "skip_easy"  # drawn with probability 0.99 (seed 0)
+    assert [q.prompt_ids.tolist() for q in reqs] == [[0, 2, 3]]  # block [0-3] minus the skipped 1
+    assert [res.reason_of(p) for p in range(5)] == ["kept", "skip_easy", "surplus", "surplus", "not_reached"]
+
+
+def test_units_default_floor_and_error_names_them() -> None:
+    """The code hard-codes a floor of 64 prompts; here it defaults to min(64, sampling_batch_size)."""
+    g = GRESO(n=4, train_batch_size=8, sampling_batch_size=8)  # raised "expected <= 8, got 64" before
+    assert g.min_sampling_batch_size == 8 and GRESO().min_sampling_batch_size == 64
+    res, reqs = run(g.plan(torch.arange(20), 1000), world(lambda p: p * 0 + 2))
+    assert [q.prompt_ids.numel() for q in reqs] == [8] and float(res.metrics["kept_prompts"]) == 8
+    with pytest.raises(InputError, match=r"count prompts per round, not rollouts") as err:
+        GRESO(n=4, train_batch_size=8, sampling_batch_size=8, min_sampling_batch_size=64)
+    msg = str(err.value)
+    assert "budget counts rollouts" in msg and "min_sampling_batch_size <= 8" in msg and "None" in msg
+
+
+def test_warns_once_when_the_epoch_is_never_told() -> None:
+    """Code: p adapts only when ``epoch > 0``. Without set_epoch or steps_per_epoch the epoch stays 0 forever:
+    a prompt coming back (a new epoch in a dataloader) warns, once; set_epoch or steps_per_epoch silence it."""
+    g = small()
+    step(g, [1, 2, 3], 100, world(lambda p: p * 0 + 2))  # first time seen: no warning
+    with pytest.warns(UserWarning, match="never adapt"):
+        step(g, [1, 2, 3], 100, world(lambda p: p * 0 + 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(g, [1, 2, 3], 100, world(lambda p: p * 0 + 2))  # once only
+        for quiet in (small(), small(steps_per_epoch=100), small(adapt_from_epoch=0)):
+            if quiet.steps_per_epoch is None and quiet.adapt_from_epoch:
+                quiet.set_epoch(0)
+            for _ in range(2):
+                step(quiet, [1, 2, 3], 100, world(lambda p: p * 0 + 2))
 
 
 def test_all_zero_variance_round_samples_full_batch() -> None:
@@ -399,6 +471,7 @@ def test_empty_pool_and_zero_budget() -> None:
 def test_run_lengths_match_the_code_trace_walk() -> None:
     """The two counters equal the code's backward walk over the full (epoch, mean) trace, on random histories."""
     g = small(filter_zero_variance=False, p_easy=1.0, p_hard=1.0, sampling_batch_size=20)
+    g.set_epoch(0)  # repeated prompts within epoch 0 on purpose (silences the untold-epoch warning)
     trace: dict[int, list[float]] = {}
     levels = torch.tensor([0.0, 0.1, 0.11, 0.12, 0.5, 0.97, 0.98, 1.0], dtype=torch.float64)
     for s in range(12):

@@ -100,7 +100,9 @@ def test_dots_draws_follow_the_softmax() -> None:
 
 # -- DOTS: replay by hand ---------------------------------------------------------------------------------------
 def test_dots_replay_hand_example() -> None:
-    dots = DOTS(n=2, sigma=0.5, buffer_size=3, seed=0)
+    # buffer_rule="paper": this test encodes the earlier default (a FIFO of the groups with unequal rewards,
+    # replay from the second plan); the authors' code's rule, now the default, is tested below
+    dots = DOTS(n=2, sigma=0.5, buffer_size=3, buffer_rule="paper", seed=0)
     world = {0: [1.0, 0.0], 1: [1.0, 1.0], 2: [0.0, 0.0], 3: [0.0, 1.0]}
     plan = dots.plan(torch.arange(4), 8)
     assert plan.replayed().num_groups == 0  # empty buffer: all fresh (the code's first round)
@@ -129,7 +131,8 @@ def test_dots_replay_hand_example() -> None:
 
 
 def test_dots_fifo_is_bounded_and_keeps_the_newest() -> None:
-    dots = DOTS(n=4, buffer_size=5, seed=1)
+    # buffer_rule="paper" (the earlier default): a FIFO of at most buffer_size informative groups
+    dots = DOTS(n=4, buffer_size=5, buffer_rule="paper", seed=1)
     rate = torch.full((40,), 0.5, dtype=F64)
     for step in range(6):
         res, _ = run(dots.plan(torch.arange(40), 64), bernoulli(rate, step))
@@ -142,6 +145,79 @@ def test_dots_fifo_is_bounded_and_keeps_the_newest() -> None:
         # every stored group has unequal rewards
         for row, c in zip(buf["rewards"], buf["counts"], strict=True):
             assert row[: int(c)].max() > row[: int(c)].min()
+
+
+def test_dots_code_buffer_rule_by_hand() -> None:
+    """The default buffer rule follows ASTRAL-Group/data-efficient-llm-rl@59df9187b7786c0058316f886b77c13c8608c533,
+    ``rl_training/verl/verl/trainer/ppo/ray_trainer_teacher_replay.py``: ``select_buffer`` keeps the last group of
+    each prompt (dedup), its all-0/all-1 filter is commented out, it draws ``int((1 - sigma) B)`` groups at random
+    and then truncates to the newest ``buffer_size - int(sigma B)`` groups before the step's batch is appended;
+    the first round (``epoch == 0``, ``mu = 2`` steps) never replays."""
+    dots = DOTS(n=2, sigma=0.5, buffer_size=4, seed=0)
+    assert dots.buffer_rule == "code" and dots.warmup_steps == 2
+    world = {0: [1.0, 1.0], 1: [0.0, 0.0], 2: [1.0, 0.0], 3: [0.0, 1.0]}
+    # step 0: B = 8 // 2 = 4 groups, no replay (first round). Truncate the empty buffer to 4 - 2 = 2, append all 4
+    # groups (all-1 prompt 0 and all-0 prompt 1 included) in prompt-id order
+    plan = dots.plan(torch.arange(4), 8)
+    assert plan.replayed().num_groups == 0
+    res, _ = run(plan, const(world))
+    dots.update(res)
+    buf = dots.replay_buffer()
+    assert buf["prompt_ids"].tolist() == [0, 1, 2, 3] and buf["keys"].tolist() == [0, 1, 2, 3]
+    assert buf["rewards"].tolist() == [[1.0, 1.0], [0.0, 0.0], [1.0, 0.0], [0.0, 1.0]]
+    # step 1: still the first round (warmup_steps = 2), so 4 fresh groups and no replay although the buffer is full.
+    # Truncate to the newest 2 groups (keys 2, 3: prompts 2, 3), append keys 4..7 (prompts 0..3), dedup: the newer
+    # groups of prompts 2 and 3 replace keys 2 and 3
+    plan = dots.plan(torch.arange(4), 8)
+    assert plan.replayed().num_groups == 0
+    res, reqs = run(plan, const(world))
+    assert reqs[0].total == 8
+    dots.update(res)
+    buf = dots.replay_buffer()
+    assert buf["keys"].tolist() == [4, 5, 6, 7] and buf["prompt_ids"].tolist() == [0, 1, 2, 3]
+    assert buf["steps"].tolist() == [1, 1, 1, 1]
+    # step 2: k = min(int(0.5 * 4), 4) = 2 groups drawn from keys 4..7, 2 fresh groups (4 rollouts). The labels
+    # (p = 1, 0, 0.5, 0.5) with tau = 1e-3 pick prompts 2 and 3 for the fresh groups
+    plan = dots.plan(torch.arange(4), 8)
+    rep = plan.replayed()
+    assert rep.num_groups == 2 and set(rep.keys.tolist()) <= {4, 5, 6, 7} and rep.steps.tolist() == [1, 1]
+    res, reqs = run(plan, const(world))
+    assert len(reqs) == 1 and reqs[0].total == 4 and sorted(reqs[0].prompt_ids.tolist()) == [2, 3]
+    dots.update(res)
+    # truncate keys 4..7 to the newest 2 (keys 6, 7: prompts 2, 3), append keys 8, 9 (prompts 2, 3), dedup
+    buf = dots.replay_buffer()
+    assert buf["keys"].tolist() == [8, 9] and buf["prompt_ids"].tolist() == [2, 3] and buf["steps"].tolist() == [2, 2]
+    # the paper variant instead stores only prompts 2 and 3 at step 0 and replays them from the second plan
+    paper = DOTS(n=2, sigma=0.5, buffer_size=4, buffer_rule="paper", seed=0)
+    paper.update(run(paper.plan(torch.arange(4), 8), const(world))[0])
+    assert paper.replay_buffer()["prompt_ids"].tolist() == [2, 3]
+    assert paper.plan(torch.arange(4), 8).replayed().num_groups == 2
+    # warmup_steps=0 with the code rule replays from the second plan too
+    early = DOTS(n=2, sigma=0.5, buffer_size=4, warmup_steps=0, seed=0)
+    early.update(run(early.plan(torch.arange(4), 8), const(world))[0])
+    assert early.plan(torch.arange(4), 8).replayed().num_groups == 2
+
+
+def test_dots_code_buffer_rule_state_round_trip() -> None:
+    world = {i: [1.0, 0.0] for i in range(6)}
+    a = DOTS(n=2, sigma=0.5, buffer_size=4, seed=3)
+    for _ in range(2):
+        a.update(run(a.plan(torch.arange(6), 12), const(world))[0])
+    state = a.state_dict()
+    assert state["planned_groups"] == 6
+    b = DOTS(n=2, sigma=0.5, buffer_size=4, seed=9)
+    b.load_state_dict(state)
+    pa, pb = a.plan(torch.arange(6), 12), b.plan(torch.arange(6), 12)
+    assert torch.equal(pa.replayed().keys, pb.replayed().keys) and pa.replayed().num_groups == 3
+    ra, rb = run(pa, const(world))[0], run(pb, const(world))[0]
+    a.update(ra)
+    b.update(rb)
+    for key, value in a.replay_buffer().items():
+        assert torch.equal(value, b.replay_buffer()[key])
+    for bad in (-1, 1.5, "6", True):
+        broken = dict(state, planned_groups=bad)
+        with pytest.raises(InputError, match="planned_groups"):
+            DOTS(n=2).load_state_dict(broken)
 
 
 def test_sigma_one_or_replay_off_never_replays() -> None:
@@ -285,6 +361,8 @@ def test_dots_seeded_and_state_round_trip_mid_run() -> None:
         ({"buffer_size": -1}, "buffer_size"),
         ({"ref_size": 0}, "ref_size"),
         ({"replay": 1}, "replay"),
+        ({"buffer_rule": "fifo"}, "buffer_rule"),
+        ({"warmup_steps": -1}, "warmup_steps"),
         ({"prior": float("nan")}, "prior"),
         ({"similarity_temperature": -1.0}, "similarity_temperature"),
         ({"predictor": 3}, "predictor"),

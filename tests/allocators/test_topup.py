@@ -263,6 +263,30 @@ def test_pilot_commit_rounds_gen_batch_and_buffer_carry() -> None:
     assert 22 not in pc.buffered_ids().tolist() and 21 in pc.buffered_ids().tolist()
 
 
+def test_pilot_commit_ties_follow_pilot_order_like_the_code() -> None:
+    """Equal pilot std and step: the prompt piloted first is committed first (not the lower id).
+
+    ``databricks/pilot-commit@6def20ea211fc936ed092a5a08624807c54df381``, ``recipe/pc/replay_buffer.py``:
+    ``add`` inserts kept prompts into a dict in the order of the explore batch (the data loader's), and
+    ``_sample_by_variance`` sorts ``(uid, std, step)`` with ``sort(key=(std, step), reverse=True)``; Python's
+    sort is stable, so equal keys keep the dict's insertion order (pilot order), also across steps.
+    """
+    # step 0: 30, 10, 20 all 4/8 (std .5, step 0), B = 2: the code commits 30 and 10 (inserted first), keeps 20
+    pc = PilotCommit(n_pilot=8, n_commit=4, batch_size=2)
+    res, reqs = run(pc.plan(torch.tensor([30, 10, 20]), 1000), pilot_table({30: 4, 10: 4, 20: 4}))
+    assert reqs == [([30, 10, 20], [8, 8, 8]), ([30, 10], [4, 4])]  # the lower id first would give [10, 20]
+    assert reasons(res) == ["committed", "committed", "buffered"]
+    # across steps: 7, 6, 5 piloted in that order at step 0 (B = 1 commits 7); at step 1 the carried 6 and 5
+    # tie on (std, step), and the code takes 6 (inserted before 5), whatever order the trainer re-lists them in
+    pc = PilotCommit(n_pilot=8, n_commit=4, batch_size=1)
+    res, reqs = run(pc.plan(torch.tensor([7, 6, 5]), 1000), pilot_table({7: 4, 6: 4, 5: 4}))
+    assert reqs[1] == ([7], [4]) and reasons(res) == ["committed", "buffered", "buffered"]
+    pc.update(res)
+    assert pc.buffered_ids().tolist() == [5, 6]
+    res2, reqs2 = run(pc.plan(torch.tensor([5, 6]), 1000), pilot_table({5: 4, 6: 4}))
+    assert reqs2 == [([6], [4])] and reasons(res2) == ["buffered", "committed_carried"]
+
+
 def test_pilot_commit_flushes_stale_buffer() -> None:
     pc = PilotCommit(n_pilot=8, n_commit=4, batch_size=1, max_off_steps=2)
     res, _ = run(pc.plan(torch.tensor([1, 2]), 1000), pilot_table({1: 4, 2: 3}))
@@ -328,7 +352,13 @@ def test_pilot_commit_permutation(p: int, seed: int) -> None:
     pc = PilotCommit(n_pilot=4, n_commit=6, batch_size=3, p_lower=0.25, p_upper=0.25)
     a, _ = run(pc.plan(ids, 10_000), hashed(seed))
     b, _ = run(pc.plan(ids[perm], 10_000), hashed(seed))
-    assert torch.equal(b.counts, a.counts[perm]) and torch.equal(b.reasons, a.reasons[perm])
+    # Buffer ties on (pilot std, step) now go to the prompt piloted first, as in the code (previously: the lower
+    # id), so which of two tied prompts is committed follows the given order; what is committed, buffered or
+    # dropped, and how many rollouts each class gets, does not.
+    assert sorted(b.counts.tolist()) == sorted(a.counts.tolist())
+    assert sorted(b.reasons.tolist()) == sorted(a.reasons.tolist())
+    # the kept prompts (committed, committed_carried or buffered) are the same set
+    assert set(a.plan_prompt_ids[a.reasons <= 2].tolist()) == set(b.plan_prompt_ids[b.reasons <= 2].tolist())
 
 
 def test_pilot_commit_state_dict_round_trip() -> None:

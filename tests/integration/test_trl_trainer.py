@@ -661,7 +661,7 @@ def test_selector_allocator_chooses_the_trained_prompts(which: str) -> None:
 
 
 def test_allocators_trl_cannot_run_are_refused() -> None:
-    from rolloutopt.allocators import DOTS, DPS, GRESO, VIGOR, DAPODynamicSampling, Uniform
+    from rolloutopt.allocators import DEPO, DOTS, DPS, GRESO, VIGOR, DAPODynamicSampling, Uniform
 
     ds = datasets.Dataset.from_dict({"prompt": ALLOC_PROMPTS})
 
@@ -680,6 +680,8 @@ def test_allocators_trl_cannot_run_are_refused() -> None:
         build(DOTS(), advantage="grpo")
     with pytest.raises(InputError, match=r"^allocator:.*DAPODynamicSampling"):
         build(DAPODynamicSampling())
+    with pytest.raises(InputError, match=r"^allocator:.*DEPO, which requires each response's mean token entropy"):
+        build(DEPO(n=2), advantage="grpo")
     with pytest.raises(InputError, match=r"^allocator:.*filter_zero_variance"):
         build(GRESO(n=2))
     with pytest.raises(InputError, match=r"^allocator:.*num_generations"):
@@ -728,6 +730,25 @@ def test_count_allocator_presents_allocated_counts_with_weights(n: int | None) -
     assert_close(torch.tensor(shown), want, rtol=1e-5, atol=1e-6)
     assert (want != 0).sum() == (2 if n is None else 0)  # only the pair forms a group with variance
     assert [h["rolloutopt/alloc/padded_rows"] for h in logs] == [0.0 if n is None else 1.0] * 3
+
+
+def test_hive_runs_with_its_probe_answered_without_prompt_entropy() -> None:
+    """HIVE's plan first probes the prompts for their prompt entropy; TRL has no prefill pass there, so the adapter
+    answers the probe without it (stage 2 skipped) and HIVE allocates from its history: one rollout per prompt of
+    the pool of 3 (n=1) that passes its reward band, the rest of the batch weight-0 padding rows."""
+    from rolloutopt.allocators import HIVE
+
+    alloc = spy(functools.partial(HIVE, n=1, experimental=True))
+    trainer, _, scored = selector_run(alloc, pool=3, advantage=functools.partial(advantages.grpo, eps=1e-4))
+    logs = step_logs(trainer)
+    assert len(logs) == 3 and all(math.isfinite(h["loss"]) for h in logs)
+    assert alloc.results[0].counts.tolist() == [1, 1, 1]  # all unseen: every prompt passes stage 1
+    for res, rewards, log in zip(alloc.results, scored, logs, strict=True):
+        n = int(res.counts.sum())
+        assert set(res.counts.tolist()) <= {0, 1} and "prompt_entropy" not in res.signals
+        assert {res.reason_names[int(r)] for r in res.reasons} <= {"selected", "out_of_band"}  # never pruned
+        assert_close(res.rewards, torch.tensor(rewards[:n], dtype=torch.float32))
+        assert log["rolloutopt/alloc/padded_rows"] == 4.0 - n
 
 
 TWO_PROCESS_ALLOC_SCRIPT = """

@@ -1,8 +1,10 @@
 """Rollout budget allocators and prompt selectors (``docs/api/allocators.md``).
 
 Every allocator speaks one protocol — ``plan(prompt_ids, budget)`` → ``next()``/``observe()`` → ``finish()`` →
-``update(result)`` — implemented once in :class:`Conversation`; ``state_dict()``/``load_state_dict()``
-checkpoint it. :class:`PromptHistory` is the shared, bounded per-prompt store.
+``update(result)`` — implemented once in :class:`Conversation` and driven by :func:`run_step` given a
+``generate(request)`` callable. What an allocator learns from beyond rewards (:data:`SIGNALS`) travels with
+``observe`` and in ``result.signals``. ``state_dict()``/``load_state_dict()`` checkpoint it.
+:class:`PromptHistory` is the shared, bounded per-prompt store.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from rolloutopt.allocators import (
     topup,
 )
 from rolloutopt.allocators._base import (
+    SIGNALS,
     AllocationResult,
     Allocator,
     Conversation,
@@ -35,6 +38,7 @@ from rolloutopt.allocators.baselines import *  # noqa: F403
 from rolloutopt.allocators.budget import *  # noqa: F403
 from rolloutopt.allocators.difficulty import *  # noqa: F403
 from rolloutopt.allocators.dps import *  # noqa: F403
+from rolloutopt.allocators.driver import Generated, run_step
 from rolloutopt.allocators.dynamic import *  # noqa: F403
 from rolloutopt.allocators.filters import *  # noqa: F403
 from rolloutopt.allocators.gdro import *  # noqa: F403
@@ -43,7 +47,18 @@ from rolloutopt.allocators.history import *  # noqa: F403
 from rolloutopt.allocators.replay import *  # noqa: F403
 from rolloutopt.allocators.topup import *  # noqa: F403
 
-__all__ = ["AllocationResult", "Allocator", "Conversation", "OneShotPlan", "Request", "as_prompt_ids", "check_budget"]
+__all__ = [
+    "SIGNALS",
+    "AllocationResult",
+    "Allocator",
+    "Conversation",
+    "Generated",
+    "OneShotPlan",
+    "Request",
+    "as_prompt_ids",
+    "check_budget",
+    "run_step",
+]
 __all__ += baselines.__all__
 __all__ += history.__all__
 __all__ += dynamic.__all__

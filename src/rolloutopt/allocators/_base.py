@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from jaxtyping import Bool
+from jaxtyping import Bool, Float, Shaped
 from torch import Tensor
 
 from rolloutopt._validation import check_int, check_real, checks_enabled, describe
@@ -29,6 +29,7 @@ from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, FloatP, IntB, IntP, Scalar
 
 __all__ = [
+    "SIGNALS",
     "AllocationResult",
     "Allocator",
     "Conversation",
@@ -39,17 +40,50 @@ __all__ = [
 ]
 
 
+SIGNALS: dict[str, str] = {
+    "entropy": "rollout",
+    "tokens": "rollout",
+    "hardness": "prompt",
+    "prompt_entropy": "probe",
+}
+"""What an allocator may learn from beyond rewards, by name, and how each travels through the conversation.
+
+- ``"rollout"`` signals come with the rewards, one value per generated rollout (``[n]`` for a request of ``n``
+  rollouts, in reward order): ``entropy`` (each response's mean token entropy), ``tokens`` (each response's
+  length in tokens);
+- ``"prompt"`` signals come with the rewards, one value per request row (``[R]``): ``hardness`` (a per-prompt
+  hardness the trainer measured, e.g. the prompt's mean loss);
+- ``"probe"`` signals are measured *before* generation: the allocator sends a probe request (``counts`` all 0,
+  ``signals`` naming what to measure) and the answer carries one value per row and no rewards:
+  ``prompt_entropy`` (the current policy's mean token entropy over the prompt, one prefill pass).
+
+An allocator declares the signals it cannot run without (``requires``) and those it reads when given
+(``accepts``); every request names the signals to collect for it (``request.signals``), ``observe`` refuses
+a missing required signal and any signal the request did not ask for, and the result carries what was
+collected (``result.signals``), which ``update`` reads."""
+
+
 @dataclass(frozen=True)
 class Request:
-    """Rollouts to generate: ``counts[r]`` more samples of prompt ``prompt_ids[r]`` (both int64 ``[R]``)."""
+    """Rollouts to generate: ``counts[r]`` more samples of prompt ``prompt_ids[r]`` (both int64 ``[R]``).
+
+    ``signals`` names what to collect with the rewards (see :data:`SIGNALS`). A *probe* request
+    (:attr:`is_probe`: every count 0, only probe signals) asks for measurements of the prompts and no rollouts.
+    """
 
     prompt_ids: IntP
     counts: IntP
+    signals: tuple[str, ...] = ()
 
     @property
     def total(self) -> int:
         """Number of rollouts requested (``counts.sum()``)."""
         return int(self.counts.sum())
+
+    @property
+    def is_probe(self) -> bool:
+        """Whether this request measures the prompts (probe signals) instead of generating rollouts."""
+        return bool(self.signals) and all(SIGNALS.get(s) == "probe" for s in self.signals)
 
 
 @dataclass(frozen=True)
@@ -65,6 +99,9 @@ class AllocationResult:
     ``counts.sum()`` (rollouts generated, what the budget paid for) can be less than ``rewards.numel()``.
     Per planned prompt (``[P]``, the order given to ``plan``): ``plan_prompt_ids``, ``counts`` (rollouts it
     got), ``reasons`` (int codes into ``reason_names``, why it got them). ``metrics``: detached 0-d tensors.
+    ``signals``: what was collected beyond rewards (:data:`SIGNALS`): a ``"rollout"`` signal per generated rollout
+    ``[counts.sum()]`` in reward order, a ``"prompt"`` or ``"probe"`` signal per planned prompt ``[P]`` (NaN for a
+    prompt it was not measured for).
     """
 
     prompt_ids: IntB
@@ -76,6 +113,7 @@ class AllocationResult:
     reasons: IntP
     reason_names: tuple[str, ...]
     metrics: dict[str, Scalar] = field(default_factory=dict)
+    signals: dict[str, Float[Tensor, " _"]] = field(default_factory=dict)
 
     def reason_of(self, prompt_id: int) -> str:
         """The reason recorded for one planned prompt (a convenience for logs and tests)."""
@@ -189,10 +227,19 @@ class Conversation:
 
     reason_names: tuple[str, ...] = ("allocated",)
 
-    def __init__(self, prompt_ids: IntP, budget: int) -> None:
+    def __init__(
+        self, prompt_ids: IntP, budget: int, *, requires: tuple[str, ...] = (), accepts: tuple[str, ...] = ()
+    ) -> None:
         self.prompt_ids = prompt_ids
         self.budget = budget
         self.spent = 0
+        self.requires = requires
+        self.accepts = accepts
+        # the signals every generating request collects (rollout and prompt kinds; probes name their own)
+        self._collect = tuple(s for s in (*requires, *accepts) if SIGNALS[s] != "probe")
+        self._rollout_signals: dict[str, list[Tensor]] = {}
+        self._prompt_signals: dict[str, Tensor] = {}  # name -> float64 [P], NaN where not measured
+        self._generating_requests = 0  # observed requests with rollouts (a rollout signal must come with each)
         self._by_id: tuple[Tensor, Tensor] | None = None  # prompt_ids.sort(), made on first use
         p = prompt_ids.numel()
         self._n = torch.zeros(p, dtype=torch.long)
@@ -232,12 +279,30 @@ class Conversation:
 
     def request(self, rows: IntP | Bool[Tensor, " _"], counts: IntP) -> Request:
         """A request for the planned prompts at ``rows`` (positions into ``prompt_ids``, int64 ``[R]``, or a bool
-        mask ``[P]``) with ``counts`` ``[R]``. Same as ``Request(self.prompt_ids[rows], counts)``, except that the
-        plan remembers the positions, so :meth:`observe` needs no id lookup when :meth:`decide` returns it."""
+        mask ``[P]``) with ``counts`` ``[R]``, collecting the plan's declared rollout and prompt signals. Same as
+        ``Request(self.prompt_ids[rows], counts, signals)``, except that the plan remembers the positions, so
+        :meth:`observe` needs no id lookup when :meth:`decide` returns it."""
         pos = rows.nonzero().squeeze(1) if rows.dtype == torch.bool else rows
-        req = Request(self.prompt_ids[pos], counts)
+        req = Request(self.prompt_ids[pos], counts, self._collect)
         self._issued = (req, pos)
         return req
+
+    def probe(self, rows: IntP | Bool[Tensor, " _"], signals: tuple[str, ...]) -> Request:
+        """A probe request: measure ``signals`` (probe kind, :data:`SIGNALS`) for the prompts at ``rows``, no
+        rollouts. Its answer, ``observe(request, None, **measured)``, is read with :meth:`signal`."""
+        assert signals and all(SIGNALS[s] == "probe" for s in signals), "allocator bug: not probe signals"
+        pos = rows.nonzero().squeeze(1) if rows.dtype == torch.bool else rows
+        req = Request(self.prompt_ids[pos], torch.zeros(pos.numel(), dtype=torch.long), signals)
+        self._issued = (req, pos)
+        return req
+
+    def signal(self, name: str) -> Float[Tensor, " _"] | None:
+        """What was observed so far of signal ``name``: float64 ``[P]`` for a prompt or probe signal (NaN where
+        not measured), ``[N]`` in observation order for a rollout signal; None if it never came."""
+        if SIGNALS[name] == "rollout":
+            parts = self._rollout_signals.get(name)
+            return None if parts is None else torch.cat(parts).double()
+        return self._prompt_signals.get(name)
 
     # -- to implement ---------------------------------------------------------------------------------------
     def decide(self) -> Request | None:
@@ -301,7 +366,7 @@ class Conversation:
         if req is None:
             return None
         assert req.prompt_ids.dtype == torch.long and req.counts.dtype == torch.long, "allocator bug: dtypes"
-        assert bool((req.counts >= 1).all()), "allocator bug: a request row with count < 1"
+        assert req.is_probe or bool((req.counts >= 1).all()), "allocator bug: a request row with count < 1"
         assert self.spent + req.total <= self.budget, "allocator bug: request exceeds the budget"
         self.spent += req.total
         self._pending = req
@@ -309,8 +374,15 @@ class Conversation:
         self._known = issued if issued is not None and issued[0] is req else None
         return req
 
-    def observe(self, request: Request, rewards: FloatB) -> None:
-        """Record the rewards of ``request``: a float tensor of ``request.counts.sum()`` values, row by row."""
+    def observe(self, request: Request, rewards: FloatB | None, **signals: Shaped[Tensor, " _"]) -> None:
+        """Record the rewards of ``request``: a float tensor of ``request.counts.sum()`` values, row by row, with
+        the signals the request names (``request.signals``, see :data:`SIGNALS`): a rollout signal ``[n]`` aligned
+        with ``rewards``, a prompt signal ``[R]`` aligned with ``request.prompt_ids``. A probe request
+        (``request.is_probe``) is answered with ``rewards=None`` and its measurements ``[R]``.
+
+        A required signal that is missing, and any signal the request did not ask for, is an ``InputError``:
+        nothing is silently ignored. An optional signal must come with every request of the step or with none.
+        """
         if self._pending is None or request is not self._pending:
             raise InputError(
                 "request",
@@ -318,6 +390,18 @@ class Conversation:
                 "another request" if self._pending is not None else "no pending request",
                 "observe each request once, in order",
             )
+        self._observe_signals(request, signals)
+        if request.is_probe:
+            if rewards is not None and (not isinstance(rewards, Tensor) or rewards.numel() != 0):
+                raise InputError(
+                    "rewards", "None for a probe request (it generates nothing)", describe(rewards), "pass None"
+                )
+            known = self._known
+            rows = known[1] if known is not None and known[0] is request else self.positions(request.prompt_ids)
+            self._store_signals(request, signals, rows)
+            self._pending = None
+            self._known = None
+            return
         if not isinstance(rewards, Tensor) or not rewards.is_floating_point():
             raise InputError("rewards", "a float tensor", describe(rewards), "pass torch.tensor(rewards).float()")
         if rewards.ndim != 1 or rewards.numel() != request.total:
@@ -343,9 +427,60 @@ class Conversation:
         self._unfolded.append((pos, r))
         self._log_pos.append(pos)
         self._log_rewards.append(r)
+        self._store_signals(request, signals, rows)
         self._pending = None
         self._known = None
         self.on_observe(pos, r)
+
+    def _observe_signals(self, request: Request, signals: dict[str, Any]) -> None:
+        """Validate the signals of one ``observe`` against the request (nothing is stored yet)."""
+        asked = request.signals
+        for name, value in signals.items():
+            if name not in asked:
+                raise InputError(
+                    name,
+                    f"only the signals the request asks for ({', '.join(asked) or 'none'}; request.signals)",
+                    f"{name}=...",
+                    f"drop {name}=",
+                )
+            n = request.total if SIGNALS[name] == "rollout" else request.prompt_ids.numel()
+            what = "rollout of the request" if SIGNALS[name] == "rollout" else "row of the request"
+            if not isinstance(value, Tensor) or value.ndim != 1 or value.numel() != n or value.dtype == torch.bool:
+                raise InputError(name, f"a 1-d number tensor of {n} values, one per {what}", describe(value), "fix it")
+            if checks_enabled() and not bool(torch.isfinite(value.detach().double()).all()):
+                raise InputError(name, "finite values", f"{describe(value)} with NaN or inf", f"fix the {name}")
+        for name in asked:
+            if name in self.requires and name not in signals:
+                raise InputError(
+                    name, f"{name}=... with this request (the allocator requires it)", "nothing", f"pass {name}="
+                )
+        if not request.is_probe:
+            for name in asked:
+                if (
+                    SIGNALS[name] == "rollout"
+                    and self._generating_requests
+                    and ((name in signals) != (name in self._rollout_signals))
+                ):
+                    raise InputError(
+                        name,
+                        "the signal with every request of the step or with none",
+                        "given for some requests only",
+                        f"pass {name}= with every request, or never",
+                    )
+
+    def _store_signals(self, request: Request, signals: dict[str, Any], rows: Tensor) -> None:
+        for name, value in signals.items():
+            v = value.detach().cpu()
+            if SIGNALS[name] == "rollout":
+                self._rollout_signals.setdefault(name, []).append(v)
+            else:
+                stored = self._prompt_signals.get(name)
+                if stored is None:
+                    stored = torch.full((self.prompt_ids.numel(),), math.nan, dtype=torch.float64)
+                    self._prompt_signals[name] = stored
+                stored.index_copy_(0, rows, v.double())
+        if not request.is_probe:
+            self._generating_requests += 1
 
     def finish(self) -> AllocationResult:
         """Assemble the step's :class:`AllocationResult` (after ``next()`` returned None)."""
@@ -359,6 +494,12 @@ class Conversation:
         n = pos.numel()
         kept = int(torch.count_nonzero(weight)) if n else 0
         dtype = self.result_dtype
+        signals = {name: self._rollout_signal(name, n, dtype) for name in self._rollout_signals}
+        if not self._generating_requests:  # nothing generated: a required rollout signal is there, empty
+            for name in self.requires:
+                if SIGNALS[name] == "rollout":
+                    signals[name] = torch.full((n,), math.nan, dtype=dtype)
+        signals.update({name: v.to(dtype) for name, v in self._prompt_signals.items()})
         return AllocationResult(
             prompt_ids=self.prompt_ids.index_select(0, pos),
             group=pos,
@@ -373,7 +514,16 @@ class Conversation:
                 "budget_used_frac": torch.tensor(n / max(self.budget, 1), dtype=torch.float64),
                 "kept_frac": torch.tensor(kept / n if n else 0.0, dtype=torch.float64),
             },
+            signals=signals,
         )
+
+    def _rollout_signal(self, name: str, n: int, dtype: torch.dtype) -> Tensor:
+        """A rollout signal over the result's rows: the generated rollouts' values, then NaN for rows an
+        allocator appended that were not generated this step (AR3PO's reused responses)."""
+        v = torch.cat([p.to(dtype) for p in self._rollout_signals[name]])
+        if v.numel() < n:
+            v = torch.cat([v, torch.full((n - v.numel(),), math.nan, dtype=dtype)])
+        return v
 
 
 class OneShotPlan(Conversation):
@@ -384,8 +534,8 @@ class OneShotPlan(Conversation):
     ``reasons`` (int64 ``[P]``).
     """
 
-    def __init__(self, prompt_ids: IntP, budget: int, counts: IntP, reasons: IntP) -> None:
-        super().__init__(prompt_ids, budget)
+    def __init__(self, prompt_ids: IntP, budget: int, counts: IntP, reasons: IntP, **signals: Any) -> None:
+        super().__init__(prompt_ids, budget, **signals)
         self._counts = counts
         self._reasons = reasons
         self._sent = False
@@ -521,4 +671,12 @@ def _check_result(
         raise bad("counts", "non-negative rollout counts", describe(result.counts))
     if p and (int(result.reasons.min()) < 0 or int(result.reasons.max()) >= len(result.reason_names)):
         raise bad("reasons", f"codes into reason_names (0..{len(result.reason_names) - 1})", describe(result.reasons))
+    if not isinstance(result.signals, dict):
+        raise bad("signals", "a dict of signal name -> tensor", describe(result.signals))
+    for name, value in result.signals.items():
+        if name not in SIGNALS:
+            raise bad("signals", f"signals among {sorted(SIGNALS)}", repr(name))
+        n = group.numel() if SIGNALS[name] == "rollout" else p
+        if not isinstance(value, Tensor) or value.shape != (n,) or not value.is_floating_point():
+            raise bad(f"signals[{name!r}]", f"a float tensor [{n}]", describe(value))
     return result

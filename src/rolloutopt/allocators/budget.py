@@ -5,8 +5,11 @@ give every prompt of the batch its own number of rollouts, in one request, befor
 
 - :class:`CoBA` — CoBA-RL, arXiv 2602.03048, code ``Within-yao/CoBA-RL``
   ``recipe/coba_rl/budget_allocators.py`` (``BetaAllocator``).
-- :class:`Knapsack` — Knapsack-RL, arXiv 2509.25849, the public module "Knapsack-based Sampling Budget
-  Allocation" (``sampling_budget_by_knapsack``, ``solve_by_dp``). See ``docs/methods/budget.md``.
+- :class:`Knapsack` — Knapsack-RL, arXiv 2509.25849, code ``liziniu/KnapsackRL`` (read at
+  ``ca5d5f5b7e933378d916d05d1aeb4ae9de929ee5``): ``verl/trainer/ppo/exploration_utils.py``
+  (``sampling_budget_by_knapsack``, ``solve_by_dp``) and the per-prompt estimate of
+  ``verl/utils/dataset/rl_dataset.py`` (``update_sample_state``, ``get_sample_state``). See
+  ``docs/methods/budget.md``.
 
 Both greedy/DP solvers reduce to "take the ``R`` largest marginal gains of a ``[E, L]`` table whose rows are
 non-increasing" (:func:`_top_units`): one ``torch.kthvalue`` and a cumulative tie cut, no loop over prompts.
@@ -22,7 +25,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 import torch
-from jaxtyping import Float, Real
+from jaxtyping import Bool, Float, Real
 from torch import Tensor
 
 from rolloutopt._validation import check_int as _int
@@ -33,6 +36,7 @@ from rolloutopt.allocators._base import (
     Conversation,
     Request,
     _check_result,
+    _lookup,
     _sort_ids,
     as_prompt_ids,
     check_budget,
@@ -467,9 +471,16 @@ def knapsack_value(n: Real[Tensor, " ..."], p: FloatAny) -> FloatAny:
 class Knapsack:
     r"""Knapsack-RL: per-prompt rollout counts maximising :math:`\sum_i V(N_i, p_i)` under the step's budget.
 
-    Per prompt, ``p`` is the success rate of its last group (a reward ``>= success_threshold`` succeeds).
-    Base allocation: ``n_min`` for :math:`0 < p < 1` (an *effective* item), ``negative_n`` for :math:`p = 0`,
-    ``positive_n`` for :math:`p = 1`, ``n`` for a never-seen prompt. Then, with the leftover ``B``:
+    **Per-prompt estimate** (the code's ``update_sample_state`` with its defaults ``epoch_estimation`` and
+    ``robust_epoch_estimation``): a reward ``>= success_threshold`` succeeds. After each group, ``p`` is the group's
+    success rate when the group has at least ``reward_window`` (16) rollouts, else the success rate of the last
+    ``reward_window`` rewards of the prompt (this group's and, newest first, the older groups'; all of them while
+    fewer exist). A prompt is *valid* once it has ``min_rewards`` (8) rewards in total; until then it is treated as
+    never seen (base ``n``, reason ``"unseen"``, :math:`p = 0` for the surplus). ``reward_window=1,
+    min_rewards=1`` gives the last group's rate from the first group on (the rule before the code was read; the
+    code's own settings allow it). Base allocation: ``n_min`` for :math:`0 < p < 1` (an *effective* item),
+    ``negative_n`` for :math:`p = 0`, ``positive_n`` for :math:`p = 1`, ``n`` for a prompt that is not valid.
+    Then, with the leftover ``B``:
 
     - no effective item: ``B`` is split uniformly over the :math:`p = 0` prompts (else over all prompts);
     - else (``allow_fallback``): the effective items' estimated need
@@ -491,15 +502,17 @@ class Knapsack:
     ``no_extra="zero"`` reproduces the code (:math:`f_i(0) = 0`), which biases the DP towards giving every
     effective item at least one extra rollout; it is still concave, so the same greedy solves it.
 
-    Reference: arXiv 2509.25849; module "Knapsack-based Sampling Budget Allocation"
-    (``sampling_budget_by_knapsack``, ``solve_by_dp``; hosting repository not identified);
-    ``docs/methods/budget.md``.
+    Reference: arXiv 2509.25849; code ``liziniu/KnapsackRL@ca5d5f5b7e933378d916d05d1aeb4ae9de929ee5``
+    (``verl/trainer/ppo/exploration_utils.py``: ``sampling_budget_by_knapsack``, ``solve_by_dp``;
+    ``verl/utils/dataset/rl_dataset.py``: ``update_sample_state``; ``examples/knapsack_trainer/
+    run_knapsack_grpo_7b.sh``); ``docs/methods/budget.md``.
 
-    Reproduced code details: a never-seen prompt counts as a :math:`p = 0` prompt for the surplus (the code's
-    rate array holds 0 for it). Deliberate fixes: every count is capped at ``n_max`` (the code's surplus splits
-    and its spread of DP-infeasible budget have no cap); a budget below the base allocation (the code fails its
-    assertion) gives ``n_min`` to the first ``budget // n_min`` prompts by id (reason ``"short_budget"``); no
-    prompt for the surplus (the code divides by zero) keeps the surplus in the DP; the code's reset of every
+    Reproduced code details: a prompt that is not valid counts as a :math:`p = 0` prompt for the surplus (the
+    code's rate array holds 0 for it); ``min_rewards=0`` makes every prompt valid, a never-seen one with
+    :math:`p = 0`, as the code's ``min_buffer_length=0``. Deliberate fixes: every count is capped at ``n_max``
+    (the code's surplus splits and its spread of DP-infeasible budget have no cap); a budget below the base
+    allocation (the code fails its assertion) gives ``n_min`` to the first ``budget // n_min`` prompts by id
+    (reason ``"short_budget"``); no prompt for the surplus (the code divides by zero) keeps the surplus in the DP; the code's reset of every
     count to ``n`` when nothing is effective and no prompt has :math:`p = 0` (which fails its own assertion
     unless the budget is ``P n``) is a uniform split over all prompts. Float64 costs (the code's are float32).
 
@@ -509,8 +522,8 @@ class Knapsack:
     ``"surplus"`` (a non-effective prompt that got surplus), ``"short_budget"``, ``"no_budget"``.
 
     Args:
-        n: rollouts of a never-seen prompt (the code's ``n``; the budget is ``P n`` by default there, here the
-            plan's ``budget``). Default 8.
+        n: rollouts of a prompt that is not valid (never seen, or fewer than ``min_rewards`` rewards; the code's
+            ``n``; the budget is ``P n`` by default there, here the plan's ``budget``). Default 8.
         n_min: ``min_n`` (code default 2).
         n_max: ``max_n``, the cap of every prompt (the code has no working default; its docstring says ``n``,
             which would leave no room to reallocate; default 128 here so the paper's 93 rollouts fit).
@@ -520,12 +533,15 @@ class Knapsack:
         allow_fallback: the surplus rule (code True).
         no_extra: ``"value"`` (fix, default) or ``"zero"`` (the code's quirk).
         success_threshold: a reward ``>=`` it is a success (default 1.0).
-        capacity: prompts kept in the history.
+        reward_window: the code's ``reward_buffer_length`` (16): a group smaller than it is pooled with the
+            prompt's previous rewards up to this many; >= 1.
+        min_rewards: the code's ``min_buffer_length`` (8): rewards a prompt needs before its ``p`` is used; >= 0.
+        capacity: prompts kept in the history (and in the reward store aligned with it).
 
     Edge cases: an empty batch or a zero budget requests nothing; ``update`` ignores prompts with no rollouts.
     """
 
-    reference: ClassVar[str] = "arXiv 2509.25849 (Knapsack-RL)"
+    reference: ClassVar[str] = "arXiv 2509.25849 (Knapsack-RL); code liziniu/KnapsackRL"
     experimental: ClassVar[str | None] = None
 
     reason_names = ("effective", "unsolved", "solved", "unseen", "surplus", "short_budget", "no_budget")
@@ -543,6 +559,8 @@ class Knapsack:
         allow_fallback: bool = True,
         no_extra: Literal["value", "zero"] = "value",
         success_threshold: float = 1.0,
+        reward_window: int = 16,
+        min_rewards: int = 8,
         capacity: int = 1_000_000,
     ) -> None:
         self.n_min = _int(n_min, "n_min", 1)
@@ -569,7 +587,12 @@ class Knapsack:
         self.no_extra = no_extra
         st = _float(success_threshold, "success_threshold", -1e300, 1e300)
         self.history = PromptHistory(window=1, success_threshold=st, capacity=_int(capacity, "capacity", 1))
+        self.reward_window = _int(reward_window, "reward_window", 1)
+        self.min_rewards = _int(min_rewards, "min_rewards", 0)
         self._step = 0
+        # the reward store, aligned with the history's sorted ids: the last reward_window successes (newest first),
+        # how many of them are filled, the total rewards seen and the estimate p of the last update
+        self._rewards = _empty_rewards(self.reward_window)
 
     def gains(self, p: FloatP, cols: int | None = None) -> Float[Tensor, "P cols"]:
         """Marginal gains ``[E, cols]`` of the effective items (column ``k``: the ``(k+1)``-th extra unit; ``cols``
@@ -589,10 +612,24 @@ class Knapsack:
             return math.log(1.0 - self.alpha) / torch.log(torch.maximum(p, 1.0 - p))
         return 1.0 / (p * (1.0 - p)) - 1.0
 
+    def estimates(self, prompt_ids: IntP) -> tuple[Bool[Tensor, " P"], FloatP]:
+        """``(valid, p)`` per prompt ``[P]``: valid once ``min_rewards`` rewards were seen; ``p`` the code's estimate
+        (0 where not valid; see the class docstring)."""
+        ids = as_prompt_ids(prompt_ids)
+        store = self._rewards
+        if store["prompt_ids"].numel() == 0:
+            total = torch.zeros(ids.shape, dtype=torch.long)
+            rate = torch.zeros(ids.shape, dtype=_F64)
+        else:
+            pos, found = _lookup(store["prompt_ids"], ids)
+            total = torch.where(found, store["total"][pos], 0)
+            rate = torch.where(found, store["rate"][pos], 0.0)
+        valid = total >= self.min_rewards
+        return valid, torch.where(valid, rate, 0.0)
+
     def _allocate(self, ids: Tensor, budget: int) -> tuple[Tensor, Tensor]:
         m = ids.numel()
-        seen, rate = self.history._window_pass_rate(ids)
-        p = torch.where(seen, rate, 0.0)
+        seen, p = self.estimates(ids)
         eff = seen & (p > 0) & (p < 1)
         zero = seen & (p == 0)
         one = seen & (p == 1)
@@ -605,7 +642,7 @@ class Knapsack:
             counts = _short(budget, m, self.n_min, self.n_max)
             return counts, torch.where(counts > 0, 5, 6)
         counts = base.clone()
-        zeroish = ~seen | zero  # the code's rate array holds 0 for never-seen prompts
+        zeroish = ~seen | zero  # the code's rate array holds 0 for prompts that are not valid
         if rem > 0 and not bool(eff.any()):
             target = zeroish if bool(zeroish.any()) else torch.ones(m, dtype=torch.bool)
             give = _spread(rem, target, self.n_max - counts)
@@ -640,16 +677,113 @@ class Knapsack:
         return _OneShot(ids, budget, _unsort(counts, order), _unsort(reasons, order), self.reason_names)
 
     def update(self, result: AllocationResult) -> None:
-        """Record each rolled-out prompt's group (its success rate is the next plan's ``p``)."""
-        self.history.update_from_result(_check_result(result), step=self._step)
+        """Record each rolled-out prompt's group: the history, then the last ``reward_window`` successes, the total
+        and the estimate ``p`` of each prompt (the code's ``update_sample_state``, once per prompt and step)."""
+        result = _check_result(result)
+        self.history.update_from_result(result, step=self._step)
         self._step += 1
+        ids = self.history.prompt_ids  # sorted; the prompts of this result are never evicted
+        old = self._rewards
+        width = self.reward_window
+        if old["prompt_ids"].numel():
+            pos, found = _lookup(old["prompt_ids"], ids)
+            keep = found.view(-1, 1)
+            store = {
+                key: torch.where(keep if v.ndim == 2 else found, v[pos], torch.zeros((), dtype=v.dtype))
+                for key, v in old.items()
+            }
+        else:
+            store = _empty_rewards(width, ids.numel())
+        store["prompt_ids"] = ids
+        if result.rewards.numel():
+            p = result.plan_prompt_ids.numel()
+            n = torch.bincount(result.group, minlength=p)
+            played = (n > 0).nonzero().squeeze(1)
+            slot = torch.full((p,), -1, dtype=torch.long)
+            slot[played] = torch.arange(played.numel())
+            success = self.history._success(result.rewards.detach().cpu().to(_F64))
+            gs = slot[result.group]
+            gs_sorted, perm = torch.sort(gs, stable=True)  # rollouts by group, in observation order within one
+            ng = n[played]
+            starts = torch.cumsum(ng, 0) - ng
+            newest_first = ng[gs_sorted] - 1 - (torch.arange(gs.numel()) - starts[gs_sorted])
+            fresh = torch.zeros(played.numel(), width, dtype=torch.bool)
+            fits = newest_first < width
+            fresh[gs_sorted[fits], newest_first[fits]] = success[perm][fits]
+            rows = _lookup(ids, result.plan_prompt_ids[played])[0]
+            col = torch.arange(width)[None, :]
+            shift = col - ng[:, None]
+            tail = torch.where(shift >= 0, store["tail"][rows].gather(1, shift.clamp(min=0)), fresh)
+            filled = torch.clamp(store["filled"][rows] + ng, max=width)
+            pooled = (tail & (col < filled[:, None])).sum(1).to(_F64) / filled.to(_F64)
+            own = torch.zeros(played.numel(), dtype=_F64).index_add_(0, gs, success.to(_F64)) / ng.to(_F64)
+            store["tail"][rows] = tail
+            store["filled"][rows] = filled
+            store["total"][rows] += ng
+            store["rate"][rows] = torch.where(ng >= width, own, pooled)
+        self._rewards = store
 
     def state_dict(self) -> dict[str, Any]:
-        """The history and the step counter (copies)."""
-        return {"history": self.history.state_dict(), "step": self._step}
+        """The history, the reward store (``rewards``: ``prompt_ids [N]``, ``tail [N, reward_window]`` bool,
+        ``filled``, ``total`` ``[N]`` int64, ``rate [N]`` float64) and the step counter (copies)."""
+        return {
+            "history": self.history.state_dict(),
+            "rewards": {key: v.clone() for key, v in self._rewards.items()},
+            "step": self._step,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`."""
-        check_state(state, {"history", "step"}, "Knapsack")
-        self.history.load_state_dict(state["history"])
+        """Restore a :meth:`state_dict` (validated; a bad ``rewards`` field raises an InputError naming it)."""
+        check_state(state, {"history", "rewards", "step"}, "Knapsack")
+        rewards = state["rewards"]
+        fields = set(_empty_rewards(1))
+        if not isinstance(rewards, dict) or set(rewards) != fields:
+            raise InputError(
+                "state['rewards']", f"a dict with keys {sorted(fields)}", describe(rewards), "pass state_dict()"
+            )
+        for key in sorted(fields):
+            if not isinstance(rewards[key], Tensor):
+                raise InputError(f"state['rewards']['{key}']", "a tensor", describe(rewards[key]), "pass state_dict()")
+        size = rewards["prompt_ids"].numel()
+        shapes = {"prompt_ids": (size,), "tail": (size, self.reward_window), "filled": (size,), "total": (size,)}
+        shapes["rate"] = (size,)
+        for key, shape in shapes.items():
+            if tuple(rewards[key].shape) != shape:
+                raise InputError(
+                    f"state['rewards']['{key}']",
+                    f"shape {shape} (reward_window={self.reward_window})",
+                    describe(rewards[key]),
+                    "pass the state_dict() of a Knapsack with this reward_window",
+                )
+        filled = rewards["filled"]
+        if bool(((filled < 0) | (filled > self.reward_window) | (rewards["total"] < filled)).any()):
+            raise InputError(
+                "state['rewards']['filled']", f"counts in 0..{self.reward_window}, <= total", "other", "pass state"
+            )
+        history = PromptHistory(
+            window=1, success_threshold=self.history.success_threshold, capacity=self.history.capacity
+        )
+        history.load_state_dict(state["history"])
+        if not torch.equal(history.prompt_ids, rewards["prompt_ids"].long().cpu()):
+            raise InputError(
+                "state['rewards']['prompt_ids']", "the history's prompt ids", "other ids", "pass state_dict()"
+            )
+        self.history = history
+        self._rewards = {
+            "prompt_ids": rewards["prompt_ids"].long().cpu().clone(),
+            "tail": rewards["tail"].cpu().bool().clone(),
+            "filled": rewards["filled"].cpu().long().clone(),
+            "total": rewards["total"].cpu().long().clone(),
+            "rate": rewards["rate"].cpu().to(_F64).clone(),
+        }
         self._step = int(state["step"])
+
+
+def _empty_rewards(width: int, size: int = 0) -> dict[str, Tensor]:
+    return {
+        "prompt_ids": torch.zeros(size, dtype=torch.long),
+        "tail": torch.zeros(size, width, dtype=torch.bool),
+        "filled": torch.zeros(size, dtype=torch.long),
+        "total": torch.zeros(size, dtype=torch.long),
+        "rate": torch.zeros(size, dtype=_F64),
+    }

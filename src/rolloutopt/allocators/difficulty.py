@@ -369,11 +369,23 @@ class E3Budget:
     ``e3/data/rl_dataset.py`` ``update_prompt_stats``/``update_rank``; ``docs/methods/difficulty.md``).
 
     *State*, per prompt id (sorted int64 tensors): cumulative reward sum and rollout count over all steps, and a
-    rank. At :meth:`end_epoch` the known prompts are sorted by mean reward, descending (ties: the lower id), and
-    :math:`\mathrm{rank} = \mathrm{position}/K` (:math:`K` = known prompts; the code divides by the dataset size,
-    which the protocol does not know), so 0 is the easiest; prompts first seen after the last epoch end keep
-    rank -100 (weight 0, the code's never-seen value) until the next one. The caps follow the code's schedule:
-    both start at ``n`` and after each epoch
+    rank. At :meth:`end_epoch` the ranked prompts are sorted by mean reward, descending (ties: the lower id), and
+    :math:`\mathrm{rank} = \mathrm{position}/K`, so 0 is the easiest. Which prompts are ranked, and so
+    :math:`K`:
+
+    - ``dataset_ids=None`` (default): the *known* prompts (rolled out at least once, or ranked before);
+      :math:`K` is their number. A prompt not rolled out before the last epoch end keeps rank -100 (weight 0:
+      ``n_min`` plus any leftover) until the next epoch end that knows it. **This is not what the code does.**
+    - ``dataset_ids`` given (the training set's prompt ids): **the code's rule**. The code's
+      ``update_rank`` (``e3/data/rl_dataset.py``) sorts *every* data-set row, a row never rolled out keyed as
+      mean reward 0 (``sample_count == 0``), and divides by the data-set size. So at an epoch end an unseen
+      prompt gets a real rank, not -100: with rewards in [0, 1] it sorts with the all-wrong prompts, at the hard
+      end (and, by Python's stable sort, before those of them with a higher row index). Here the union of the
+      known ids and ``dataset_ids`` is ranked, an unknown id with mean 0, and :math:`K` is the size of that
+      union (the data-set size when every rolled-out id is in ``dataset_ids``). The code's -100 is only the
+      value before its first epoch end (no ``rank`` column in the data), as it is here.
+
+    The caps follow the code's schedule: both start at ``n`` and after each epoch
 
     .. math::
 
@@ -401,6 +413,8 @@ class E3Budget:
         n_min, n_max: initial caps (None: ``n``).
         cap_share: see above.
         steps_per_epoch: updates per epoch, or None (call :meth:`end_epoch`).
+        dataset_ids: the training set's prompt ids (int ``[D]``, distinct), to rank unseen prompts as the code
+            does (see *State*); None ranks the known prompts only.
         seed: unused (the allocation is deterministic), kept for a uniform constructor.
 
     Reasons: ``"ranked"`` (rank > 0 share), ``"unseen"`` (rank -100 or 0: ``n_min`` plus any leftover),
@@ -421,6 +435,7 @@ class E3Budget:
         n_max: int | None = None,
         cap_share: bool = True,
         steps_per_epoch: int | None = None,
+        dataset_ids: IntP | None = None,
         seed: int = 0,
     ) -> None:
         _int(n, "n", 1)
@@ -441,6 +456,13 @@ class E3Budget:
         self.n, self.n_low, self.n_high, self.n_update = n, n_low, n_high, n_update
         self.cap_share, self.steps_per_epoch, self.seed = cap_share, steps_per_epoch, seed
         self.n_min, self.n_max = lo, hi
+        self.dataset_ids: Tensor | None = None
+        if dataset_ids is not None:
+            ds = as_prompt_ids(dataset_ids, "dataset_ids")
+            uniq = torch.unique(ds)  # sorted
+            if uniq.numel() != ds.numel():  # as_prompt_ids skips this check when checks are off
+                raise InputError("dataset_ids", "distinct prompt ids", describe(dataset_ids), "pass each id once")
+            self.dataset_ids = uniq
         self._epoch = 0
         self._steps = 0
         self._ids = torch.zeros(0, dtype=torch.long)
@@ -504,7 +526,20 @@ class E3Budget:
             self.end_epoch()
 
     def end_epoch(self) -> None:
-        """Re-rank every known prompt by mean reward (descending) and move the caps one step (``n_update``)."""
+        """Re-rank the prompts by mean reward (descending) and move the caps one step (``n_update``).
+
+        Ranked: the known prompts, plus (if ``dataset_ids`` was given) every data-set id, an unseen one with
+        mean reward 0 as in the code's ``update_rank``; see the class docstring."""
+        if self.dataset_ids is not None:
+            new = self.dataset_ids[~torch.isin(self.dataset_ids, self._ids)]
+            if new.numel():
+                allid = torch.cat([self._ids, new])
+                order = torch.sort(allid).indices
+                zeros = torch.zeros(new.numel(), dtype=torch.float64)
+                self._ids = allid[order]
+                self._sum = torch.cat([self._sum, zeros])[order]
+                self._cnt = torch.cat([self._cnt, zeros.long()])[order]
+                self._rank = torch.cat([self._rank, torch.full_like(zeros, _UNSEEN_RANK)])[order]
         k = self._ids.numel()
         if k:
             mean = self._sum / self._cnt.double().clamp(min=1)

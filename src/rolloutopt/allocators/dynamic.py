@@ -61,11 +61,12 @@ class _DAPOPlan(Conversation):
         self.rounds = 0
         self.kept = 0
 
-    def observe(self, request: Request, rewards: FloatB) -> None:
-        super().observe(request, rewards)  # validates the rewards first
+    def observe(self, request: Request, rewards: FloatB | None, **signals: Tensor) -> None:
+        super().observe(request, rewards, **signals)  # validates the rewards first (DAPO requests no signals)
+        assert rewards is not None  # not a probe: observe refused None
         r = rewards.detach().cpu().to(torch.float64).view(-1, self._group_n)
-        # verl keeps a group iff np.std(metric) > 0 or it holds a single response; "not all equal" is the exact
-        # form of std > 0 (np.std of equal non-dyadic floats can round to ~1e-17 > 0).
+        # keep iff the rewards are not all equal (or n == 1): the intent of verl's np.std(metric) > 0, which
+        # differs on equal non-dyadic rewards (seven 0.1s: np.std = 1.4e-17 > 0, verl keeps; we drop)
         varied = (r.amax(1) > r.amin(1)) | (self._group_n == 1)
         self._varied[self.positions(request.prompt_ids)] = varied
         self.kept += int(varied.sum())
@@ -143,7 +144,11 @@ class DAPODynamicSampling:
 
         \mathrm{keep}_g = \big[\max_i r_{g,i} > \min_i r_{g,i}\big] \lor [n = 1]
 
-    (verl: ``np.std(metric) > 0 or len(metric) == 1``). Rounds continue until at least ``batch_size`` groups
+    This is the *intent* of verl's test ``np.std(metric) > 0 or len(metric) == 1``, not an equivalent of it:
+    the two agree on 0/1 (and any dyadic) rewards, but for equal non-dyadic rewards NumPy's float64 std rounds
+    to a tiny positive number (seven rewards of 0.1: ``np.std`` = 1.4e-17), so verl *keeps* such a group, whose
+    GRPO advantages are all zero, and we *drop* it (a deliberate difference). Rounds continue until at least
+    ``batch_size`` groups
     are kept; then the kept groups are truncated, in sampling order, to exactly ``batch_size`` (verl's
     ``batch[:train_batch_size * n]``). The step ends early when the budget cannot pay for one more group
     (``(budget - spent) // n == 0``), when every prompt of the pool has been sampled, or after
@@ -182,8 +187,8 @@ class DAPODynamicSampling:
         seed: seed of the allocator's ``torch.Generator`` (never the global RNG).
 
     Edge cases: ``n = 1`` keeps every group (no filtering, as verl); an empty pool or a budget below ``n``
-    gives an empty result (no request); ties in ``max``/``min`` are exact comparisons, so rewards differing in
-    the last bit count as varied.
+    gives an empty result (no request); ``max``/``min`` are exact comparisons, so rewards differing in the last
+    bit count as varied and bit-identical rewards never do (whatever ``np.std`` rounds them to).
 
     Example::
 

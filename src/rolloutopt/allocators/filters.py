@@ -16,10 +16,13 @@ per lookup, no Python loop over prompts or rollouts).
 
 See ``docs/methods/filters.md``.
 
-Both read per-rollout *response entropies* (the mean token entropy of each response), which the protocol's
-``observe`` does not carry: they are a keyword of ``update`` (``update(result, entropy=...)``, float ``[N]``
-aligned with ``result.rewards``; DEPO requires it, HIVE accepts it). HIVE's prompt entropy is a keyword of
-``plan`` (``prompt_entropy=``, float ``[P]`` aligned with ``prompt_ids``).
+Both read per-rollout *response entropies* (the mean token entropy of each response), the ``entropy`` signal:
+each request asks for it (``request.signals``), the trainer passes it with the rewards
+(``plan.observe(request, rewards, entropy=...)``, float ``[n]`` aligned with the rewards) and ``update`` reads
+``result.signals["entropy"]``; DEPO requires it, HIVE accepts it. HIVE's prompt entropy is a probe signal: its
+plan first sends a probe request (``request.is_probe``, counts 0) and the trainer answers
+``plan.observe(probe, None, prompt_entropy=...)`` (float ``[R]``, one per probed prompt) or ``observe(probe,
+None)`` when it cannot measure it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
     OneShotPlan,
+    Request,
     _check_float,
     _check_int,
     _check_result,
@@ -56,8 +60,47 @@ _DOCS = "docs/methods/filters.md"
 
 
 # -- shared helpers ---------------------------------------------------------------------------------------------
-class _HIVEPlan(OneShotPlan):
+class _HIVEPlan(Conversation):
+    """HIVE's conversation: a probe for the stage-1 survivors' prompt entropy (skipped when none survives), then
+    one request of ``n`` per selected prompt; every rollout kept."""
+
     reason_names = ("selected", "out_of_band", "entropy_pruned", "over_budget")
+
+    def __init__(self, hive: HIVE, ids: Tensor, budget: int) -> None:
+        super().__init__(ids, budget, accepts=HIVE.accepts)
+        self._hive = hive
+        self._stage1, self._keyed = hive._stage1(ids)
+        self._probed = False
+        self._reasons: Tensor | None = None
+        self._sent = False
+
+    def decide(self) -> Request | None:
+        if not self._probed:
+            self._probed = True
+            if bool(self._stage1.any()):
+                return self.probe(self._stage1, ("prompt_entropy",))
+        if self._sent:
+            return None
+        self._sent = True
+        h_now = self.signal("prompt_entropy")
+        if h_now is not None and bool(torch.isnan(h_now[self._stage1]).any()):
+            raise InputError(
+                "prompt_entropy", "a value for every probed prompt", "NaN for some", "measure every probed prompt"
+            )
+        if self._hive.stage2 == "top" and h_now is None and bool(self._stage1.any()):
+            raise InputError(
+                "prompt_entropy",
+                "the probe answered with prompt_entropy=... (HIVE(stage2='top') ranks by it)",
+                "a probe answered without it",
+                "pass plan.observe(probe, None, prompt_entropy=...)",
+            )
+        counts, self._reasons = self._hive._decide(self.prompt_ids, self.budget, self._stage1, h_now, self._keyed)
+        keep = counts > 0
+        return self.request(keep, counts[keep]) if bool(keep.any()) else None
+
+    def select(self) -> tuple[Tensor, Tensor]:
+        assert self._reasons is not None  # finish() comes after next() returned None, which decides first
+        return torch.ones(self.spent_observed, dtype=torch.float64), self._reasons
 
 
 class _DEPOPlan(OneShotPlan):
@@ -239,7 +282,7 @@ class DEPO:
         seed: seed of the tie-break generator.
 
     Budget: never more than ``budget``; it spends all of it only when the kept prompts can absorb it (up to
-    ``n_max`` each). Response entropies are required: ``update(result, entropy=...)``.
+    ``n_max`` each). Response entropies are required: ``plan.observe(request, rewards, entropy=...)``.
 
     Edge cases: an empty pool or a zero budget requests nothing; a planned prompt that got no rollouts keeps its
     history unchanged.
@@ -346,18 +389,19 @@ class DEPO:
         counts = torch.zeros(p, dtype=torch.long)
         counts[order] = _fill(order.numel(), budget, self.n, self.n_min, self.n_max)
         reasons = torch.where((counts == 0) & (reasons != 4), 5, reasons)
-        return _DEPOPlan(ids, budget, counts, reasons)
+        return _DEPOPlan(ids, budget, counts, reasons, requires=self.requires)
 
-    def update(self, result: AllocationResult, *, entropy: FloatB | None = None) -> None:
-        """Append each rolled-out prompt's explorability score; ``entropy`` (required): float ``[N]``, one per
-        rollout of ``result`` (the response's mean token entropy), in ``result.rewards`` order."""
+    def update(self, result: AllocationResult) -> None:
+        """Append each rolled-out prompt's explorability score, from the rewards and ``result.signals["entropy"]``
+        (required: each rollout's mean token entropy, observed with its rewards)."""
         result = _check_result(result)
+        entropy = result.signals.get("entropy")
         if entropy is None:
             raise InputError(
                 "entropy",
-                "float [N], each rollout's mean token entropy: DEPO requires it",
-                "None",
-                "pass update(result, entropy=...) in result.rewards order",
+                "the entropy signal in result.signals: DEPO requires each rollout's mean token entropy",
+                "a result without it",
+                "pass plan.observe(request, rewards, entropy=...) for every request",
             )
         e = _check_entropy(entropy, result.rewards.numel(), "entropy")
         p = result.plan_prompt_ids.numel()
@@ -412,11 +456,14 @@ class HIVE:
       :math:`p_\text{lo} \le \bar r \le p_\text{hi}`; unseen prompts always pass. Survivors are ranked by
       historical response entropy :math:`\bar H`, descending (unseen first, seen without recorded entropy
       last).
-    - **Stage 2** (online, needs ``plan(..., prompt_entropy=h)``, the mean token-level predictive entropy over
-      the prompt tokens from one prefill pass of the current policy, float ``[P]``):
+    - **Stage 2** (online): the plan's first request is a probe of the stage-1 survivors for their prompt
+      entropy :math:`h` (``request.is_probe``; the mean token-level predictive entropy over the prompt tokens
+      from one prefill pass of the current policy), answered with ``plan.observe(probe, None,
+      prompt_entropy=h)``, float ``[R]``:
 
       - ``stage2="drop"``: drop a survivor whose stored prompt entropy :math:`h_0` exists and
-        :math:`h_0 - h > \delta\,|h_0|` (``"entropy_pruned"``); without ``prompt_entropy`` stage 2 is skipped;
+        :math:`h_0 - h > \delta\,|h_0|` (``"entropy_pruned"``); a probe answered without ``prompt_entropy``
+        skips stage 2;
       - ``stage2="top"``: rank the stage-1 survivors by :math:`h`, descending (the budget then keeps the
         top ones).
 
@@ -434,7 +481,8 @@ class HIVE:
         experimental: must be True (every rule is reconstructed).
 
     Budget: never more than ``budget``; all of it only when enough prompts survive. Response entropies are
-    optional: ``update(result, entropy=...)`` (without them the entropy ranking falls back to ties).
+    optional: ``plan.observe(request, rewards, entropy=...)`` (without them the entropy ranking falls back to
+    ties). With ``stage2="top"`` the probe must be answered with ``prompt_entropy``.
 
     Edge cases: an empty pool or a zero budget requests nothing; a prompt that got no rollouts keeps its
     history (the prompt entropy of a selected prompt is stored at ``plan``).
@@ -498,25 +546,25 @@ class HIVE:
         h = torch.where(found, torch.nanmean(self._entropy[pos], dim=1), math.nan)
         return r, h, torch.where(found, self._prompt_entropy[pos], math.nan)
 
-    def plan(self, prompt_ids: IntP, budget: int, *, prompt_entropy: FloatP | None = None) -> Conversation:
-        """Stage 1, stage 2 (with ``prompt_entropy``, float ``[P]``), then one request of ``n`` per survivor."""
-        ids = as_prompt_ids(prompt_ids)
-        budget = check_budget(budget)
+    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
+        """Stage 1; a probe request for the survivors' prompt entropy (stage 2); then one request of ``n`` per
+        survivor (see the class docstring)."""
+        return _HIVEPlan(self, as_prompt_ids(prompt_ids), check_budget(budget))
+
+    def _decide(
+        self, ids: Tensor, budget: int, stage1: Tensor, h_now: Tensor | None, keyed: Any
+    ) -> tuple[Tensor, Tensor]:
+        """Stage 2 and the counts, once the probe is answered (``h_now``: float64 ``[P]`` or None)."""
         p = ids.numel()
-        h_now = None if prompt_entropy is None else _check_entropy(prompt_entropy, p, "prompt_entropy")
-        if self.stage2 == "top" and h_now is None:
-            raise InputError("prompt_entropy", "a float tensor [P] with stage2='top'", "None", "pass prompt_entropy")
-        seq, at, found = _keyed(ids, self._gen, self._ids)
+        seq, at, found = keyed
         r, h_hist, h_stored = self._history_at(at, found)
         seen = ~torch.isnan(r)
-        stage1 = ~seen | ((r >= self.p_lo) & (r <= self.p_hi))
         reasons = torch.where(stage1, 0, 1)
         if h_now is not None and self.stage2 == "drop":
             pruned = stage1 & ~torch.isnan(h_stored) & (h_stored - h_now > self.delta * h_stored.abs())
             reasons = torch.where(pruned, 2, reasons)
-        if self.stage2 == "top":
-            assert h_now is not None
-            key = -h_now
+        if self.stage2 == "top":  # h_now is None only when nothing survived stage 1 (no probe was sent)
+            key = -h_now if h_now is not None else torch.zeros(p, dtype=torch.float64)
         else:
             key = -torch.where(~seen, math.inf, torch.where(torch.isnan(h_hist), -math.inf, h_hist))
         order = _order([key], seq, reasons == 0)
@@ -529,12 +577,20 @@ class HIVE:
                 self._ids, ids[chosen], self._fields()
             )
             self._prompt_entropy[pos] = h_now[chosen][srt]
-        return _HIVEPlan(ids, budget, counts, reasons)
+        return counts, reasons
 
-    def update(self, result: AllocationResult, *, entropy: FloatB | None = None) -> None:
-        """Append each rolled-out prompt's group mean reward (and mean response entropy, from ``entropy``:
-        float ``[N]``, one per rollout of ``result``, in ``result.rewards`` order) to its window."""
+    def _stage1(self, ids: Tensor) -> tuple[Tensor, Any]:
+        """The stage-1 survivors ``[P]`` bool and the candidates' tie order and history positions."""
+        keyed = _keyed(ids, self._gen, self._ids)
+        r = self._history_at(keyed[1], keyed[2])[0]
+        seen = ~torch.isnan(r)
+        return ~seen | ((r >= self.p_lo) & (r <= self.p_hi)), keyed
+
+    def update(self, result: AllocationResult) -> None:
+        """Append each rolled-out prompt's group mean reward (and mean response entropy, from
+        ``result.signals["entropy"]`` when the trainer observed it) to its window."""
         result = _check_result(result)
+        entropy = result.signals.get("entropy")
         p = result.plan_prompt_ids.numel()
         cnt = result.counts.clamp(min=1).double()
         mean_r = torch.bincount(result.group, weights=result.rewards.double(), minlength=p) / cnt

@@ -501,13 +501,12 @@ def _visit_stats(result: AllocationResult, threshold: float) -> tuple[Tensor, Te
 
 
 def _hardness(kind: str, n: Tensor, c: Tensor, visited: Tensor, override: Any, p: int) -> Tensor:
-    if override is not None:
-        h = _float_tensor(override, "hardness")
-        if h.shape != (p,):
+    if override is not None:  # the observed hardness signal [P]: NaN for prompts not requested, so only the
+        if not isinstance(override, Tensor) or override.shape != (p,):  # visited ones must be finite
             raise InputError(
                 "hardness", f"a float tensor [P] = ({p},)", describe(override), "one value per result.plan_prompt_ids"
             )
-        return h[visited]
+        return _float_tensor(override[visited], "hardness")
     rate = c[visited].to(_F64) / n[visited].to(_F64)
     return 1 - rate if kind == "fail_rate" else rate * (1 - rate)
 
@@ -651,7 +650,7 @@ class PromptGDRO:
         counts = torch.zeros(p, dtype=torch.long)
         reasons = torch.full((p,), 1, dtype=torch.long)
         if p == 0:
-            return _PromptPlan(ids, budget, counts, reasons)
+            return _PromptPlan(ids, budget, counts, reasons, accepts=self.accepts)
         if p * self.n <= budget:
             m, size = p, min(self.n_max, budget // p)
         elif budget >= self.n:
@@ -659,7 +658,7 @@ class PromptGDRO:
         elif budget >= self.n_min:
             m, size = 1, budget
         else:
-            return _PromptPlan(ids, budget, counts, torch.full((p,), 2, dtype=torch.long))
+            return _PromptPlan(ids, budget, counts, torch.full((p,), 2, dtype=torch.long), accepts=self.accepts)
         sort = _sort_ids(ids)
         bins = self.classifier._bins_at(*self.classifier._find(ids, sort))
         k = self.classifier.num_bins
@@ -670,19 +669,18 @@ class PromptGDRO:
         chosen = score.topk(m).indices if m < p else torch.arange(p)
         counts[chosen] = size
         reasons[chosen] = 0
-        return _PromptPlan(ids, budget, counts, reasons)
+        return _PromptPlan(ids, budget, counts, reasons, accepts=self.accepts)
 
-    def update(self, result: AllocationResult, *, hardness: FloatP | None = None) -> None:
+    def update(self, result: AllocationResult) -> None:
         """Learn from a step: per bin (the bin each prompt had when planned) one EMA step towards the mean hardness
         of its visited prompts, then one classifier visit per visited prompt.
 
-        Args:
-            result: the step's :class:`AllocationResult`.
-            hardness: optional per planned prompt float ``[P]`` (aligned with ``result.plan_prompt_ids``) that
-                replaces the reward-based signal; prompts without rollouts are ignored.
+        The hardness is the reward-based signal (``hardness=`` of the constructor), or the ``hardness`` signal
+        when the trainer observed it with the rewards (``plan.observe(request, rewards, hardness=...)``, one
+        value per request row; ``result.signals["hardness"]`` ``[P]``), which replaces it.
         """
         n, c, visited = _visit_stats(result, self.classifier.success_threshold)
-        h = _hardness(self.hardness, n, c, visited, hardness, n.numel())
+        h = _hardness(self.hardness, n, c, visited, result.signals.get("hardness"), n.numel())
         ids = result.plan_prompt_ids[visited]
         pos, found = self.classifier._find(ids)
         self._scores.update(self.classifier._bins_at(pos, found), h)
@@ -711,9 +709,15 @@ class _RolloutPlan(OneShotPlan):
     reason_names = ("allocated", "trimmed_to_budget", "no_budget")
 
     def __init__(
-        self, prompt_ids: Tensor, budget: int, counts: Tensor, reasons: Tensor, metrics: dict[str, Tensor]
+        self,
+        prompt_ids: Tensor,
+        budget: int,
+        counts: Tensor,
+        reasons: Tensor,
+        metrics: dict[str, Tensor],
+        **signals: Any,
     ) -> None:
-        super().__init__(prompt_ids, budget, counts, reasons)
+        super().__init__(prompt_ids, budget, counts, reasons, **signals)
         self._metrics = metrics
 
     def finish(self) -> AllocationResult:
@@ -918,13 +922,13 @@ class RolloutGDRO:
             if self.step == "relative"
             else torch.tensor(1.0, dtype=_F64),
         }
-        return _RolloutPlan(ids, budget, counts, reasons, metrics)
+        return _RolloutPlan(ids, budget, counts, reasons, metrics, accepts=self.accepts)
 
-    def update(self, result: AllocationResult, *, hardness: FloatP | None = None) -> None:
+    def update(self, result: AllocationResult) -> None:
         """Learn from a step: the dual step on :math:`\\mu` (from the result's ``proposed_mean_n`` and ``n_bar``),
         one EMA step of each bin's success rate (or variance) and hardness (bins as planned), then one classifier
-        visit per visited prompt. ``hardness`` replaces the reward-based adversary signal, as in
-        :meth:`PromptGDRO.update`."""
+        visit per visited prompt. An observed ``hardness`` signal replaces the reward-based adversary signal, as
+        in :meth:`PromptGDRO.update`."""
         n, c, visited = _visit_stats(result, self.classifier.success_threshold)
         if not {"proposed_mean_n", "n_bar", "price_scale"} <= set(result.metrics):
             raise InputError(
@@ -933,7 +937,7 @@ class RolloutGDRO:
                 "a result without its metrics",
                 "update with the result of this allocator's own plan",
             )
-        h = _hardness(self.hardness, n, c, visited, hardness, n.numel())
+        h = _hardness(self.hardness, n, c, visited, result.signals.get("hardness"), n.numel())
         ids = result.plan_prompt_ids[visited]
         pos, found = self.classifier._find(ids)
         bins = self.classifier._bins_at(pos, found)

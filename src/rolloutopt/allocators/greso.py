@@ -14,6 +14,7 @@ looked up with ``torch.searchsorted``, O(1) memory per prompt and no Python loop
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, ClassVar
 
 import torch
@@ -79,6 +80,7 @@ class _GRESOPlan(Conversation):
         self._skip_hard = skip_hard
         self._eligible = (~(skip_easy | skip_hard)).nonzero().flatten()
         self._cursor = 0
+        self._reached = 0  # planned positions [0, _reached) were read (the dataloader got that far)
         self._batch = owner.sampling_batch_size
         self._last = False
         self._done = False
@@ -117,7 +119,13 @@ class _GRESOPlan(Conversation):
             else:  # the code divides by zero here; sample a full batch again instead
                 estimate = o.sampling_batch_size
             self._batch = max(min(estimate, o.sampling_batch_size), o.min_sampling_batch_size)
-        take = self._eligible[self._cursor : self._cursor + self._batch]
+        rest = self._eligible[self._cursor :]
+        lb = o.loader_batch_size
+        if lb is None:
+            take = rest[: self._batch]
+        else:  # the code's granularity: whole loader batches until their survivors reach the round size
+            last = int(rest[min(self._batch, rest.numel()) - 1]) // lb if rest.numel() else 0
+            take = rest[rest // lb <= last]
         remaining = self.budget - self.spent
         counts = _fill(take.numel(), min(remaining, take.numel() * o.n), o.n, o.n_min, o.n_max)
         go = counts > 0
@@ -125,7 +133,11 @@ class _GRESOPlan(Conversation):
             self._done = True
             return None
         take, counts = take[go], counts[go]
+        reached = int(take[-1]) + 1
+        if lb is not None and bool(go.all()):  # the whole last loader batch was read
+            reached = min(self.prompt_ids.numel(), (reached - 1) // lb * lb + lb)
         self._cursor += take.numel()
+        self._reached = max(self._reached, reached)
         self._round_pos = take
         self.rounds += 1
         self.batch_sizes.append(int(take.numel()))
@@ -145,7 +157,7 @@ class _GRESOPlan(Conversation):
         kept, zv = self._kept()
         rolled = self._n > 0
         reached = torch.zeros_like(rolled)
-        reached[: int(self._eligible[self._cursor - 1]) + 1 if self._cursor else 0] = True
+        reached[: self._reached] = True
         reasons = torch.full((self.prompt_ids.numel(),), 5, dtype=torch.long)
         reasons[reached & self._skip_hard] = 4
         reasons[reached & self._skip_easy] = 3
@@ -197,7 +209,17 @@ class GRESO:
         \text{sampling\_batch\_size}\right),
 
     :math:`R` the missing trajectories, :math:`z` the zero-variance fraction of the last round; when the estimate
-    is at most ``sampling_batch_size`` that round is the last and a short batch is accepted. After each step
+    is at most ``sampling_batch_size`` that round is the last and a short batch is accepted.
+
+    **Round granularity.** By default a round is exactly the next :math:`B` surviving candidates (the last
+    dataloader batch may be split between rounds). The code cannot split: its dataloader yields batches of
+    ``data.train_batch_size`` prompts (32 in the script), each is skip-filtered, and survivors accumulate until
+    there are at least :math:`B`; the round is *all* of them, so it overshoots :math:`B` by up to one loader
+    batch. ``loader_batch_size=32`` reproduces that (candidates are read in consecutive blocks of that many, in
+    the given order). Still left out: the code then trims a round to a multiple of ``n_gpus_per_node``,
+    discarding the rest for the epoch, and carries a part-filled accumulation into the next epoch.
+
+    After each step
     (``update``), from epoch ``adapt_from_epoch`` on, the exploration probabilities track their targets
     (:math:`\text{target}/3` easy, :math:`2\,\text{target}/3` hard):
 
@@ -213,12 +235,22 @@ class GRESO:
     ``fit``), script ``math_qwen_1_5b_dm_greso.sh`` (``docs/methods/greso.md``). Defaults: ``p_easy = p_hard
     = 0.5``, ``min_p = 0.05``, ``max_p = 0.95``, step 0.01, ``target_zero_variance = 0.25``, floor 0.01 and the
     thresholds 0.98 / 0.11 (code); ``n = 8``, ``train_batch_size = 256``, ``sampling_batch_size = 384``
-    (script); 1.25 and 64 (code).
+    (script); 1.25 and 64 (code; the floor is ``min(64, sampling_batch_size)`` here, where the code's
+    hard-coded 64 would exceed a smaller ``sampling_batch_size``).
 
     Code behaviour kept deliberately: **p adapts only after epoch 0**
     (``epoch > 0`` in the code, ``adapt_from_epoch = 1`` here; tell the allocator the epoch with
     :meth:`set_epoch`, as with a ``DistributedSampler``, or pass ``steps_per_epoch``). The step's ratio
-    counters reset every step, epoch 0 included, as in the code.
+    counters reset every step, epoch 0 included, as in the code. If neither is done, p would silently stay at
+    its initial value forever, so ``update`` **warns once** (``UserWarning``) when a prompt is rolled out a
+    second time while the epoch is still below ``adapt_from_epoch``: in a dataloader that is the sign of a new
+    epoch nobody announced. A warning rather than an error, because an RL engineer expects a long run not to
+    die mid-training over a schedule knob (and a sampler with replacement repeats prompts legitimately);
+    calling :meth:`set_epoch` once (``set_epoch(0)`` included) silences it.
+
+    **Units.** ``train_batch_size``, ``sampling_batch_size``, ``min_sampling_batch_size`` and
+    ``loader_batch_size`` count *prompts*; ``plan``'s ``budget`` counts *rollouts* (a full round costs
+    ``sampling_batch_size * n``).
 
     Deliberate differences: the trace is kept as two run lengths (equivalent for the rule, bounded); the easy
     and hard ratios count zero-variance groups with mean ``>= easy_threshold`` / ``<= hard_threshold`` (the code
@@ -235,9 +267,12 @@ class GRESO:
             requested for the next candidate.
         n_max: largest group (default ``n``; must be ``>= n``). GRESO keeps the code's fixed group size, so
             no group exceeds ``n`` (a round's budget is at most ``n`` per prompt).
-        train_batch_size: prompts with variance to collect per step (script 256).
+        train_batch_size: prompts (not rollouts) with variance to collect per step (script 256).
         sampling_batch_size: prompts per rollout round, and the cap of the adaptive size (script 384).
-        min_sampling_batch_size: the adaptive size's floor (code 64).
+        min_sampling_batch_size: the adaptive size's floor, in prompts (None: ``min(64, sampling_batch_size)``;
+            the code's 64).
+        loader_batch_size: None (default): rounds of exactly the adaptive size. An int (the code's
+            dataloader batch, script 32): rounds of whole blocks of that many candidates, as the code.
         oversample: the adaptive size's safety factor (code 1.25).
         filter_zero_variance: DAPO dynamic sampling (default True, the GRESO setting); False runs one round of
             ``sampling_batch_size`` prompts and keeps every rollout.
@@ -274,7 +309,8 @@ class GRESO:
         n_max: int | None = None,
         train_batch_size: int = 256,
         sampling_batch_size: int = 384,
-        min_sampling_batch_size: int = 64,
+        min_sampling_batch_size: int | None = None,
+        loader_batch_size: int | None = None,
         oversample: float = 1.25,
         filter_zero_variance: bool = True,
         p_easy: float = 0.5,
@@ -293,16 +329,26 @@ class GRESO:
         self.n, self.n_min, self.n_max = _group_sizes(n, n_min, n_max)
         self.train_batch_size = _check_int(train_batch_size, "train_batch_size", 1, "pass e.g. 256 (script)")
         self.sampling_batch_size = _check_int(sampling_batch_size, "sampling_batch_size", 1, "pass e.g. 384")
+        if min_sampling_batch_size is None:  # the code's 64, but never above the round size
+            min_sampling_batch_size = min(64, self.sampling_batch_size)
         self.min_sampling_batch_size = _check_int(
-            min_sampling_batch_size, "min_sampling_batch_size", 1, "pass e.g. 64 (code)"
+            min_sampling_batch_size, "min_sampling_batch_size", 1, "pass e.g. 64 (code), in prompts"
         )
         if self.min_sampling_batch_size > self.sampling_batch_size:
             raise InputError(
                 "min_sampling_batch_size",
-                f"<= sampling_batch_size = {self.sampling_batch_size}",
+                f"<= sampling_batch_size = {self.sampling_batch_size} (both count prompts per round, not rollouts; "
+                f"a round requests prompts * n = {self.sampling_batch_size} * {self.n} rollouts, and the plan's "
+                "budget counts rollouts)",
                 repr(min_sampling_batch_size),
-                "lower it",
+                f"pass min_sampling_batch_size <= {self.sampling_batch_size}, or leave it None "
+                f"(min(64, sampling_batch_size)), or raise sampling_batch_size",
             )
+        if loader_batch_size is not None:
+            loader_batch_size = _check_int(
+                loader_batch_size, "loader_batch_size", 1, "pass None or the dataloader's batch size in prompts (32)"
+            )
+        self.loader_batch_size = loader_batch_size
         self.oversample = _check_float(oversample, "oversample", 0.0, 1e6, "pass e.g. 1.25", open_low=True)
         if not isinstance(filter_zero_variance, bool):
             raise InputError("filter_zero_variance", "a bool", describe(filter_zero_variance), "pass True or False")
@@ -323,6 +369,8 @@ class GRESO:
         self.seed = _check_int(seed, "seed", 0, "pass a non-negative int")
         self.epoch = 0
         self.steps = 0
+        self._epoch_told = False  # set_epoch was called (the trainer manages epochs)
+        self._warned_epoch = False
         self._gen = torch.Generator().manual_seed(self.seed)
         self._ids = torch.zeros(0, dtype=torch.long)
         self._k_easy = torch.zeros(0, dtype=torch.long)
@@ -341,6 +389,7 @@ class GRESO:
     def set_epoch(self, epoch: int) -> None:
         """Tell the allocator the current epoch (p adapts only from ``adapt_from_epoch`` on)."""
         self.epoch = _check_int(epoch, "epoch", 0, "pass the epoch number, from 0")
+        self._epoch_told = True
 
     def run_lengths(self, prompt_ids: IntP) -> tuple[IntP, IntP]:
         """Easy and hard run lengths ``k_e``, ``k_h`` of each prompt, int64 ``[P]`` each (0 if never rolled out)."""
@@ -386,6 +435,23 @@ class GRESO:
         lo = torch.full((p,), torch.inf, dtype=torch.float64).scatter_reduce(0, result.group, r, "amin")
         ids = result.plan_prompt_ids[rolled]
         m = mean[rolled]
+        if (
+            not self._warned_epoch
+            and not self._epoch_told
+            and self.steps_per_epoch is None
+            and self.epoch < self.adapt_from_epoch
+            and self._ids.numel()
+            and bool(_lookup(self._ids, ids)[1].any())
+        ):
+            self._warned_epoch = True
+            warnings.warn(
+                f"GRESO: a prompt was rolled out again while the epoch is still {self.epoch}: p_easy/p_hard adapt "
+                f"only from epoch {self.adapt_from_epoch} on, and nothing has told this allocator the epoch, so they "
+                "will never adapt. Call set_epoch(epoch) at each epoch start (set_epoch(0) once to silence this if "
+                "the repeat is intended), or pass steps_per_epoch",
+                UserWarning,
+                stacklevel=2,
+            )
         self._ids, (self._k_easy, self._k_hard), pos, order = _insert(
             self._ids,
             ids,

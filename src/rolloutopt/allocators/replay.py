@@ -1,14 +1,15 @@
-"""DOTS with Rollout Replay (difficulty-targeted selection, a FIFO of reusable groups) and the XRPO allocator.
+"""DOTS with Rollout Replay (difficulty-targeted selection, a buffer of reusable groups) and the XRPO allocator.
 
 - :class:`DOTS` — Difficulty-targeted Online daTa Selection with Rollout Replay, arXiv 2506.05316 (NeurIPS 2025);
-  code ``ASTRAL-Group/data-efficient-llm-rl`` (``ray_trainer_teacher_replay.py``, ``teacher_utils.py``,
-  ``run_bash/final_ds_teacher_replay.sh``); ``docs/methods/replay.md``.
+  code ``ASTRAL-Group/data-efficient-llm-rl`` (read at ``59df9187b7786c0058316f886b77c13c8608c533``:
+  ``rl_training/verl/verl/trainer/ppo/ray_trainer_teacher_replay.py``, ``teacher_utils.py``,
+  ``rl_training/run_bash/final_ds_teacher_replay.sh``); ``docs/methods/replay.md``.
 - :class:`XRPO` — XRPO's hierarchical rollout planner (uncertainty-reduction priority plus an exploration
   bonus), arXiv 2510.06672 (the advantage side is :func:`rolloutopt.advantages.xrpo_sharpen`). Its rule is
   **[reconstructed]** from the paper's abstract and public summaries and needs ``experimental=True``.
 
 Per-prompt state lives in sorted int64 id tensors looked up with ``torch.searchsorted``; the replay buffer and the
-reference set are bounded FIFOs. No Python loop over prompts or rollouts.
+reference set are bounded. No Python loop over prompts or rollouts.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from jaxtyping import Float, Int, Real, Shaped
@@ -140,12 +141,20 @@ class DOTS:
     ``tau = 1e-3`` a prompt 0.05 farther from 1/2 than another has relative weight :math:`e^{-50}`: nearly a hard
     top-k around :math:`\alpha`.
 
-    **Rollout replay.** ``update`` pushes every rolled-out group whose rewards are not all equal (all-0 and all-1
-    groups are removed, as in the code) into a FIFO of at most ``buffer_size`` groups. A step of
-    :math:`B = \lfloor \text{budget} / n \rfloor` groups then generates only
-    :math:`B - k` fresh groups and reuses :math:`k = \min(\lfloor (1 - \sigma) B \rfloor, |\text{buffer}|)`
-    groups drawn uniformly without replacement (strategy ``"random"``), fetched with :meth:`DOTSPlan.replayed`.
-    Reused groups are off-policy: train on them with their stored behaviour log-probs.
+    **Rollout replay** (``buffer_rule="code"``, the default, as ``select_buffer`` in
+    ``ray_trainer_teacher_replay.py``). A step of :math:`B = \lfloor \text{budget} / n \rfloor` groups generates
+    only :math:`B - k` fresh groups and reuses :math:`k = \min(\lfloor (1 - \sigma) B \rfloor, |\text{buffer}|)`
+    groups drawn uniformly without replacement (the code's ``"random"`` strategy), fetched with
+    :meth:`DOTSPlan.replayed`; no group is replayed before ``warmup_steps`` updates (2: the code's first selection
+    round of :math:`\mu = 2` steps has no replay). ``update`` then (1) keeps the newest
+    :math:`\max(\text{buffer\_size} - \lfloor \sigma B \rfloor, 0)` stored groups (:math:`B` of the last plan),
+    (2) appends *every* fresh group of the step, all-0 and all-1 groups included (the code's zero-variance filter
+    is commented out), in prompt-id order, and (3) keeps only the newest group of each prompt. The buffer thus
+    holds at most ``buffer_size - floor(sigma B)`` older groups plus the step's fresh ones.
+    ``buffer_rule="paper"`` is this library's earlier reading of the paper: only groups whose rewards are not all
+    equal enter a plain FIFO of at most ``buffer_size`` groups (a prompt may be stored several times), replay
+    starts as soon as the buffer is not empty (``warmup_steps`` defaults to 0). Reused groups are off-policy:
+    train on them with their stored behaviour log-probs.
 
     **Predictor** (pluggable: embedding regression, a GP or a per-prompt Beta all fit). The code predicts
     :math:`\hat p` with a frozen embedding LLM, an attention adapter (learned projections) over a reference set of
@@ -178,7 +187,10 @@ class DOTS:
         tau: softmax temperature (1e-3), > 0.
         replay: turn Rollout Replay on (True).
         sigma: fraction of fresh groups per step, in (0, 1] (0.5). ``sigma = 1`` never replays.
-        buffer_size: FIFO capacity in groups (512); 0 disables the buffer.
+        buffer_size: buffer capacity in groups (512, see ``buffer_rule``); 0 disables the buffer.
+        buffer_rule: ``"code"`` (default: the authors' code; newest group per prompt, no variance filter, truncated
+            before the append) or ``"paper"`` (a FIFO of the groups with unequal rewards).
+        warmup_steps: updates before the first replay (default 2 with ``"code"``, 0 with ``"paper"``), >= 0.
         ref_size: reference-set size (256), >= 1.
         success_threshold: labels and the buffer's "all equal" test use the raw rewards when None (default, the
             code's mean reward); otherwise the success rate of ``reward >= success_threshold``.
@@ -195,8 +207,10 @@ class DOTS:
     when no group is replayed and ``n`` divides the budget). Every fresh rollout is kept (weight 1).
 
     Edge cases: an empty pool or ``budget < n_min`` requests nothing (and replays nothing). Replayed groups stay
-    in the buffer (FIFO eviction only), so a group may be replayed more than once. A group replayed in this step
-    is not pushed again by ``update`` (only fresh rollouts enter ``result``).
+    in the buffer (evicted only by truncation, or by a newer group of the same prompt with ``"code"``), so a group
+    may be replayed more than once. A group replayed in this step is not pushed again by ``update`` (only fresh
+    rollouts enter ``result``). ``buffer_size = 0`` stores nothing (with ``"code"`` the authors' code would then
+    keep the last step's batch; a deliberate difference: 0 means "off" here).
     """
 
     reference: ClassVar[str] = "arXiv 2506.05316 (DOTS + Rollout Replay); code ASTRAL-Group/data-efficient-llm-rl"
@@ -213,6 +227,8 @@ class DOTS:
         replay: bool = True,
         sigma: float = 0.5,
         buffer_size: int = 512,
+        buffer_rule: Literal["code", "paper"] = "code",
+        warmup_steps: int | None = None,
         ref_size: int = 256,
         success_threshold: float | None = None,
         prior: float = 0.5,
@@ -232,6 +248,15 @@ class DOTS:
         self.replay = replay
         self.sigma = _check_float(sigma, "sigma", 0.0, 1.0, "pass sigma=0.5 (the code)", open_low=True)
         self.buffer_size = _check_int(buffer_size, "buffer_size", 0, "pass buffer_size=512 (the code)")
+        if buffer_rule not in ("code", "paper"):
+            raise InputError("buffer_rule", "'code' or 'paper'", describe(buffer_rule), "pass buffer_rule='code'")
+        self.buffer_rule = buffer_rule
+        default_warmup = 2 if buffer_rule == "code" else 0
+        self.warmup_steps = (
+            default_warmup
+            if warmup_steps is None
+            else _check_int(warmup_steps, "warmup_steps", 0, "pass warmup_steps=2 (the code's first round)")
+        )
         self.ref_size = _check_int(ref_size, "ref_size", 1, "pass ref_size=256 (the code)")
         if success_threshold is not None:
             success_threshold = _check_float(success_threshold, "success_threshold", -1e300, 1e300, "pass 1.0")
@@ -262,6 +287,7 @@ class DOTS:
         self._ref_ids = torch.zeros(0, dtype=torch.long)
         self._ref_labels = torch.zeros(0, dtype=_F64)
         self._buf = _empty_replay(self.n_max)
+        self._planned_groups = 0  # B of the last plan: the "code" rule truncates to buffer_size - floor(sigma B)
 
     def _set_embeddings(self, embeddings: Any, embedding_ids: Any) -> None:
         if not isinstance(embeddings, Tensor) or embeddings.ndim != 2 or not embeddings.is_floating_point():
@@ -331,8 +357,9 @@ class DOTS:
         groups = budget // self.n
         buf_len = int(self._buf["keys"].numel())
         k = min(math.floor((1.0 - self.sigma) * groups + 1e-9), buf_len) if self.replay and p else 0
-        if budget < self.n_min or p == 0:
+        if budget < self.n_min or p == 0 or self._step < self.warmup_steps:
             k = 0
+        self._planned_groups = groups
         # Gumbel top-k over the logits, noise drawn in prompt-id order (a permutation of the pool permutes the plan)
         logits = -(pred - self.alpha).abs() / self.tau
         u = torch.rand(p, generator=self._gen, dtype=_F64).clamp(1e-300, 1.0 - 1e-16)
@@ -370,7 +397,8 @@ class DOTS:
         )
 
     def update(self, result: AllocationResult) -> None:
-        """Record the step's group success rates (labels, reference set) and push informative groups to the FIFO."""
+        """Record the step's group success rates (labels, reference set) and push the fresh groups to the buffer
+        (every group with ``buffer_rule="code"``, those with unequal rewards with ``"paper"``)."""
         result = _check_result(result)
         p = result.plan_prompt_ids.numel()
         counts = result.counts
@@ -396,13 +424,23 @@ class DOTS:
 
     def _push(self, result: AllocationResult, values: Tensor, played: Tensor) -> None:
         p = result.plan_prompt_ids.numel()
-        hi = torch.full((p,), -math.inf, dtype=_F64).scatter_reduce(0, result.group, values, "amax")
-        lo = torch.full((p,), math.inf, dtype=_F64).scatter_reduce(0, result.group, values, "amin")
-        informative = played & (hi > lo)
-        cand = informative.nonzero().squeeze(1)
-        cand = cand[_tail_by_id(result.plan_prompt_ids[cand], self.buffer_size)]  # id order; only the tail survives
+        code = self.buffer_rule == "code"
+        if code:
+            cand = played.nonzero().squeeze(1)  # every group: the code's all-0/all-1 filter is commented out
+            cand = cand[result.plan_prompt_ids[cand].argsort()]
+        else:
+            hi = torch.full((p,), -math.inf, dtype=_F64).scatter_reduce(0, result.group, values, "amax")
+            lo = torch.full((p,), math.inf, dtype=_F64).scatter_reduce(0, result.group, values, "amin")
+            cand = (played & (hi > lo)).nonzero().squeeze(1)
+            cand = cand[_tail_by_id(result.plan_prompt_ids[cand], self.buffer_size)]  # id order; the tail survives
         g = cand.numel()
+        old = self._buf
+        if code:  # truncate before the append, to buffer_size - floor(sigma B) groups
+            keep = max(self.buffer_size - math.floor(self.sigma * self._planned_groups + 1e-9), 0)
+            start = max(int(old["keys"].numel()) - keep, 0)
+            old = {key: v[start:] for key, v in old.items()}
         if g == 0:
+            self._buf = old
             return
         slot = torch.full((p,), -1, dtype=torch.long)
         slot[cand] = torch.arange(g)
@@ -413,8 +451,8 @@ class DOTS:
         starts = torch.cumsum(gcounts, 0) - gcounts
         within = torch.arange(gs.numel()) - starts[gs_sorted]
         rewards = torch.zeros(g, self.n_max, dtype=_F64)
-        keep = within < self.n_max
-        rewards[gs_sorted[keep], within[keep]] = result.rewards[rows[perm]][keep].to(_F64)
+        fits = within < self.n_max
+        rewards[gs_sorted[fits], within[fits]] = result.rewards[rows[perm]][fits].to(_F64)
         new = {
             "keys": self._next_key + torch.arange(g),
             "prompt_ids": result.plan_prompt_ids[cand],
@@ -423,15 +461,25 @@ class DOTS:
             "rewards": rewards,
         }
         self._next_key += g
-        self._buf = {key: torch.cat([self._buf[key], new[key]])[-self.buffer_size :] for key in new}
+        merged = {key: torch.cat([old[key], new[key]]) for key in new}
+        if code:  # the newest group of each prompt survives, in buffer order
+            ids = merged["prompt_ids"]
+            _, inv = torch.unique(ids, return_inverse=True)
+            pos = torch.arange(ids.numel())
+            last = torch.full((int(inv.max()) + 1,), -1, dtype=torch.long).scatter_reduce(0, inv, pos, "amax")
+            survive = last[inv] == pos
+            self._buf = {key: v[survive] for key, v in merged.items()}
+        else:
+            self._buf = {key: v[-self.buffer_size :] for key, v in merged.items()}
 
     def replay_buffer(self) -> dict[str, Shaped[Tensor, "G ..."]]:
-        """A copy of the FIFO: ``keys``, ``prompt_ids``, ``steps``, ``counts`` ``[G]``, ``rewards [G, n_max]``
+        """A copy of the buffer: ``keys``, ``prompt_ids``, ``steps``, ``counts`` ``[G]``, ``rewards [G, n_max]``
         (zero-padded past ``counts``), oldest first."""
         return {k: v.clone() for k, v in self._buf.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        """Labels, reference set, replay buffer, counters and the generator state (copies; embeddings are config)."""
+        """Labels, reference set, replay buffer, counters (``planned_groups``: :math:`B` of the last plan, which the
+        ``"code"`` buffer rule truncates with) and the generator state (copies; embeddings are config)."""
         return {
             "step": self._step,
             "next_key": self._next_key,
@@ -440,13 +488,21 @@ class DOTS:
             "ref_ids": self._ref_ids.clone(),
             "ref_labels": self._ref_labels.clone(),
             "buffer": self.replay_buffer(),
+            "planned_groups": self._planned_groups,
             "generator": self._gen.get_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (validated: keys and aligned shapes)."""
-        keys = {"step", "next_key", "label_ids", "labels", "ref_ids", "ref_labels", "buffer", "generator"}
-        check_state(state, keys, "DOTS")
+        keys = {"step", "next_key", "label_ids", "labels", "ref_ids", "ref_labels", "buffer", "planned_groups"}
+        check_state(state, keys | {"generator"}, "DOTS")
+        planned = state["planned_groups"]
+        if isinstance(planned, Tensor) and planned.ndim == 0 and not planned.is_floating_point():
+            planned = int(planned)
+        if isinstance(planned, bool) or not isinstance(planned, int) or planned < 0:
+            raise InputError(
+                "state['planned_groups']", "an int >= 0 (B of the last plan)", describe(planned), "pass state_dict()"
+            )
         buf = state["buffer"]
         ok = isinstance(buf, dict) and set(buf) == set(_empty_replay(1))
         ok = ok and all(isinstance(v, Tensor) for v in buf.values())
@@ -467,6 +523,7 @@ class DOTS:
         self._ref_ids = state["ref_ids"].clone().long()
         self._ref_labels = state["ref_labels"].clone().to(_F64)
         self._buf = {k: v.clone() for k, v in buf.items()}
+        self._planned_groups = planned
         self._gen.set_state(state["generator"])
 
 

@@ -412,6 +412,9 @@ class _PilotCommitPlan(_Tracked):
         self.state = torch.full((p,), _FRESH, dtype=torch.long)
         self.std = torch.zeros(p, dtype=torch.float64)
         self.added = torch.full((p,), owner._step, dtype=torch.long)
+        # insertion order into the code's buffer dict within a step (its tie-break): the order of piloting
+        self.seq = torch.zeros(p, dtype=torch.long)
+        self._seq_next = 0
         self.state[torch.isin(prompt_ids, owner._evicted)] = _EVICTED
         if owner._buf_ids.numel():
             pos = torch.searchsorted(owner._buf_ids, prompt_ids).clamp(max=owner._buf_ids.numel() - 1)
@@ -419,6 +422,7 @@ class _PilotCommitPlan(_Tracked):
             self.state[hit] = _CARRIED
             self.std[hit] = owner._buf_std[pos[hit]]
             self.added[hit] = owner._buf_step[pos[hit]]
+            self.seq[hit] = owner._buf_order[pos[hit]]
         self.committed = 0
         self.rounds = 0
         self._piloting = torch.zeros(0, dtype=torch.long)  # positions piloted by the last request (state _PILOT)
@@ -454,8 +458,9 @@ class _PilotCommitPlan(_Tracked):
         if needed <= 0 or remaining <= 0 or self.rounds >= o.max_rounds:
             return None
         in_buf = (self.state == _KEPT) | (self.state == _CARRIED)
-        if o.buffer_sampling == "max_variance":  # pilot std, then recency, both descending; then the lower id
-            buf = self._order[in_buf[self._order]]
+        if o.buffer_sampling == "max_variance":  # pilot std, then recency, both descending; then pilot order
+            buf = in_buf.nonzero().squeeze(1)
+            buf = buf[_argsort_stable(self.seq[buf])]
             buf = buf[_argsort_stable(self.added[buf], descending=True)]
             buf = buf[_argsort_stable(self.std[buf], descending=True)]
         else:
@@ -477,6 +482,8 @@ class _PilotCommitPlan(_Tracked):
         self.state[pilot] = _PILOT
         self._piloting = pilot
         self._pilot_round[pilot] = self.rounds - 1  # this request's index
+        self.seq[pilot] = self._seq_next + torch.arange(g)
+        self._seq_next += g
         self.committed += c
         counts = torch.cat([torch.full((g,), o.n_pilot), torch.full((c,), o.n_commit)]).long()
         return self.request(torch.cat([pilot, commit]), counts)
@@ -542,7 +549,8 @@ class PilotCommit:
        Kept prompts enter the buffer with their pilot std :math:`\sqrt{m(1-m)}`; too-incorrect ones are just not
        kept (deferred: a later plan may pilot them again); evicted ids are skipped by every later plan.
     3. **Commit**, in the same request as the next pilot: take ``min(needed, |buffer|)`` buffered prompts
-       (``"max_variance"``: pilot std, then recency, both descending, then the lower id; ``"random"``: seeded)
+       (``"max_variance"``: pilot std, then recency, both descending, then the order of piloting, as the code's
+       stable sort of its insertion-ordered buffer dict; ``"random"``: seeded)
        and roll each out ``n_commit`` more times. The training group is ``n_pilot_eff`` pilot rollouts (chosen
        to be as close to half 1s and half 0s as the counts allow, at random among equals) plus the ``n_commit``
        fresh ones; every other rollout gets weight 0.
@@ -657,6 +665,7 @@ class PilotCommit:
         self._buf_ids = torch.zeros(0, dtype=torch.long)
         self._buf_std = torch.zeros(0, dtype=torch.float64)
         self._buf_step = torch.zeros(0, dtype=torch.long)
+        self._buf_order = torch.zeros(0, dtype=torch.long)  # pilot order within the entry's step (tie-break)
         self._evicted = torch.zeros(0, dtype=torch.long)
 
     def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
@@ -693,42 +702,53 @@ class PilotCommit:
         cnt = torch.zeros(p, dtype=torch.float64).index_add_(0, pos, is_pilot.double())
         m = succ / cnt.clamp(min=1)
         new = (reasons == 2) & (cnt > 0)
+        # pilot order of this step (the code's buffer-dict insertion order): a prompt's first rollout index,
+        # since each request lists its pilots first, in the order piloted
+        first = torch.full((p,), pos.numel(), dtype=torch.long).scatter_reduce(
+            0, pos, torch.arange(pos.numel()), "amin"
+        )
         drop = ids[(reasons == 1) | (reasons == 0)]
         keep_old = ~torch.isin(self._buf_ids, drop)
         bid = torch.cat([self._buf_ids[keep_old], ids[new]])
         bstd = torch.cat([self._buf_std[keep_old], (m * (1 - m)).clamp(min=0).sqrt()[new]])
         bstep = torch.cat([self._buf_step[keep_old], torch.full((int(new.sum()),), self._step, dtype=torch.long)])
+        bord = torch.cat([self._buf_order[keep_old], first[new]])
         fresh = self._step - bstep <= self.max_off_steps
-        bid, bstd, bstep = bid[fresh], bstd[fresh], bstep[fresh]
+        bid, bstd, bstep, bord = bid[fresh], bstd[fresh], bstep[fresh], bord[fresh]
         if bid.numel() > self.buffer_size:  # keep the newest entries (ties: the lower id)
             o = torch.sort(bid).indices
             o = o[torch.sort(bstep[o], descending=True, stable=True).indices][: self.buffer_size]
-            bid, bstd, bstep = bid[o], bstd[o], bstep[o]
+            bid, bstd, bstep, bord = bid[o], bstd[o], bstep[o], bord[o]
         o = torch.sort(bid).indices
-        self._buf_ids, self._buf_std, self._buf_step = bid[o], bstd[o], bstep[o]
+        self._buf_ids, self._buf_std, self._buf_step, self._buf_order = bid[o], bstd[o], bstep[o], bord[o]
         if self.p_solve is not None:
             gone = ids[piloted & (cnt > 0) & (m >= self.p_solve)]
             self._evicted = torch.unique(torch.cat([self._evicted, gone]))
         self._step += 1
 
     def state_dict(self) -> dict[str, Any]:
-        """Buffer (ids, pilot std, step added), evicted ids, step counter and generator state (copies)."""
+        """Buffer (ids, pilot std, step added, pilot order), evicted ids, step counter and generator state (copies)."""
         return {
             "step": self._step,
             "buffer_ids": self._buf_ids.clone(),
             "buffer_std": self._buf_std.clone(),
             "buffer_step": self._buf_step.clone(),
+            "buffer_order": self._buf_order.clone(),
             "evicted": self._evicted.clone(),
             "generator": self._gen.get_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        keys = {"step", "buffer_ids", "buffer_std", "buffer_step", "evicted", "generator"}
+        keys = {"step", "buffer_ids", "buffer_std", "buffer_step", "buffer_order", "evicted", "generator"}
+        if isinstance(state, dict) and "buffer_order" not in state and isinstance(state.get("buffer_ids"), Tensor):
+            # a state saved before buffer_order existed: ties among equal (std, step) fall back to the lower id
+            state = {**state, "buffer_order": torch.zeros_like(state["buffer_ids"], dtype=torch.long)}
         check_state(state, keys, "PilotCommit")
         self._step = int(state["step"])
         self._buf_ids = state["buffer_ids"].clone().long()
         self._buf_std = state["buffer_std"].clone().double()
         self._buf_step = state["buffer_step"].clone().long()
+        self._buf_order = state["buffer_order"].clone().long()
         self._evicted = state["evicted"].clone().long()
         self._gen.set_state(state["generator"])

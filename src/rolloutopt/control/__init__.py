@@ -7,9 +7,13 @@ mask — never a model), vectorised over the live batch, and checkpointable.
   ESPO (:mod:`~rolloutopt.control.espo`), value-based abstention and the ARRoL quality head
   (:mod:`~rolloutopt.control.value`), confidence- and marker-gated truncation (:mod:`~rolloutopt.control.truncation`),
   the on-policy-distillation horizon rules (:mod:`~rolloutopt.control.opd`);
-- post-hoc truncation and length rules (decide after generation; return a :class:`TruncationOutput`):
-  :mod:`~rolloutopt.control.posthoc`;
-- partial-rollout scheduling (APRIL, CoPRIS): :mod:`~rolloutopt.control.partial`.
+- post-hoc truncation and length rules (decide after generation; return a :class:`TruncationOutput`): DOT
+  (:mod:`~rolloutopt.control.dot`), JET (:mod:`~rolloutopt.control.jet`), the soft compression penalty
+  (:mod:`~rolloutopt.control.soft_compression`), and DLER's penalties, which live with the rest of DLER in
+  :mod:`rolloutopt.advantages.dler` and are re-exported here; the SIRI length schedule
+  (:mod:`~rolloutopt.control.siri`) and T-PPO's extended GAE (:mod:`~rolloutopt.control.egae`);
+- partial-rollout scheduling: the shared event API (:mod:`~rolloutopt.control.partial`), APRIL
+  (:mod:`~rolloutopt.control.april`) and CoPRIS (:mod:`~rolloutopt.control.copris`).
 
 Two registries, one shape (``get``/``entry``/``names``/``register``, as every family of the library):
 
@@ -31,12 +35,40 @@ schedulers drive generation rather than decide on rollouts, and are not register
 
 from __future__ import annotations
 
-from rolloutopt.control import _base, espo, opd, partial, posthoc, truncation, value
+from rolloutopt.advantages.dler import (
+    dler_difficulty_budget,
+    dler_difficulty_penalty,
+    dler_truncation_penalty,
+)
+from rolloutopt.control import (
+    _base,
+    _partial_records,
+    april,
+    copris,
+    espo,
+    jet,
+    opd,
+    partial,
+    posthoc,
+    siri,
+    soft_compression,
+    truncation,
+    value,
+)
+from rolloutopt.control import dot as _dot  # the modules dot and egae: the names dot and egae are their functions
+from rolloutopt.control import egae as _egae
 from rolloutopt.control._base import *  # noqa: F403
+from rolloutopt.control._partial_records import *  # noqa: F403
+from rolloutopt.control.april import *  # noqa: F403
+from rolloutopt.control.copris import *  # noqa: F403
+from rolloutopt.control.dot import *  # noqa: F403
+from rolloutopt.control.egae import *  # noqa: F403
 from rolloutopt.control.espo import *  # noqa: F403
+from rolloutopt.control.jet import *  # noqa: F403
 from rolloutopt.control.opd import *  # noqa: F403
 from rolloutopt.control.partial import *  # noqa: F403
-from rolloutopt.control.posthoc import *  # noqa: F403
+from rolloutopt.control.siri import *  # noqa: F403
+from rolloutopt.control.soft_compression import *  # noqa: F403
 from rolloutopt.control.truncation import *  # noqa: F403
 from rolloutopt.control.value import *  # noqa: F403
 
@@ -46,8 +78,16 @@ __all__ += espo.__all__
 __all__ += value.__all__
 __all__ += truncation.__all__
 __all__ += opd.__all__
-__all__ += posthoc.__all__
+__all__ += _dot.__all__
+__all__ += jet.__all__
+__all__ += ["dler_difficulty_budget", "dler_difficulty_penalty", "dler_truncation_penalty"]
+__all__ += soft_compression.__all__
+__all__ += siri.__all__
+__all__ += _egae.__all__
+__all__ += _partial_records.__all__
 __all__ += partial.__all__
+__all__ += april.__all__
+__all__ += copris.__all__
 
 from rolloutopt.registry import Registry  # noqa: E402
 
@@ -89,14 +129,14 @@ for _name, _fn, _requires, _reference, _experimental in (
     ),
     (
         "dler_truncation_penalty",
-        dler_truncation_penalty,  # noqa: F405
+        dler_truncation_penalty,
         ("rewards", "lengths"),
         "arXiv 2510.15110 (DLER: Doing Length pEnalty Right)",
         "the truncation penalty is reconstructed from DLER's abstract",
     ),
     (
         "dler_difficulty_penalty",
-        dler_difficulty_penalty,  # noqa: F405
+        dler_difficulty_penalty,
         _LENGTH_RULE,
         "arXiv 2510.15110 (DLER, difficulty-aware variant)",
         "the difficulty-aware budget is reconstructed from DLER's abstract",

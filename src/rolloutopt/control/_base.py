@@ -25,7 +25,9 @@ kept length is ``position + 1``. ``active=False`` rows (finished by EOS, or padd
 counted, and their rule state does not change.
 
 Post-hoc rules (decide after generation) return a :class:`TruncationOutput` (new mask, rewards, lengths and
-metrics): nothing is dropped silently, every changed row is visible in the output.
+metrics): nothing is dropped silently, every changed row is visible in the output. It is defined with the helpers
+those rules share in ``rolloutopt._length_rules``, below ``advantages``, where DLER's rules live
+(:mod:`rolloutopt.advantages.dler`), and re-exported here.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 from jaxtyping import Float, Shaped
 from torch import Tensor
 
+from rolloutopt._length_rules import TruncationOutput
 from rolloutopt._validation import Dims, as_float, as_index, as_mask, checks_enabled, describe, finite
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
@@ -155,22 +158,6 @@ class StopResult:
         t = torch.arange(length, device=self.position.device)
         limit = torch.where(self.stopped, self.position + 1, torch.full_like(self.position, length))
         return t[None, :] < limit[:, None]
-
-
-@dataclass(frozen=True)
-class TruncationOutput:
-    """What a post-hoc truncation or length rule produced.
-
-    ``mask`` bool ``[B, T]`` (the new loss mask), ``rewards`` float ``[B]`` (the new rewards), ``lengths`` int64
-    ``[B]`` (the new response lengths), ``truncated`` bool ``[B]`` (rows the rule changed), ``metrics``: detached
-    0-d tensors. Nothing is dropped silently: a changed row has ``truncated`` True and shows in the metrics.
-    """
-
-    mask: BoolBT
-    rewards: FloatB
-    lengths: IntB
-    truncated: BoolB
-    metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
 def truncate_mask(mask: BoolBT, result: StopResult) -> BoolBT:

@@ -5,7 +5,7 @@ advantage=rolloutopt.advantages.get("mc_grpo"))`` trains with TRL's generation, 
 optimizer and logging, and with rolloutopt's policy loss and advantage estimator in place of TRL's
 ``loss_type`` and group normalisation; with ``allocator=`` a one-round allocator chooses each generation
 batch's prompts (a selector: DPS, PromptGDRO, GRESO without dynamic sampling) and, for Uniform, Rollout-GDRO,
-CoBA, Knapsack, HIVE, DEPO and DOTS, their rollout counts. It overrides three methods of TRL's trainer
+CoBA, Knapsack, HIVE and DOTS, their rollout counts (DEPO is refused: it needs response entropies). It overrides three methods of TRL's trainer
 (``docs/integrations/trl.md``):
 
 - ``_calculate_rewards``: stores the rewards TRL gathered over every process, ``[N, n_funcs]``;
@@ -196,13 +196,14 @@ _REFUSED_ALLOCATORS: dict[str, str] = {
     "AERO": "samples in rounds",
     "XRPO": "tops up in several generation rounds",
     "V05Budget": "tops up in several generation rounds",
+    "DEPO": "requires each response's mean token entropy with the rewards, which TRL's generation step does not "
+    "compute (it has no forward pass over the completions before the rewards)",
 }
 
 
 def _allocator_mode(allocator: Any) -> str:
     """``"select"`` for a fixed-count prompt selector, ``"counts"`` for a one-request per-prompt-count allocator."""
     from rolloutopt.allocators import (
-        DEPO,
         DOTS,
         DPS,
         GRESO,
@@ -216,7 +217,7 @@ def _allocator_mode(allocator: Any) -> str:
 
     if isinstance(allocator, (DPS, GRESO, PromptGDRO)):
         return "select"
-    if isinstance(allocator, (Uniform, RolloutGDRO, CoBA, Knapsack, HIVE, DEPO, DOTS)):
+    if isinstance(allocator, (Uniform, RolloutGDRO, CoBA, Knapsack, HIVE, DOTS)):
         return "counts"
     name = type(allocator).__name__
     why = _REFUSED_ALLOCATORS.get(name, "is not a known one-request allocator")
@@ -224,7 +225,7 @@ def _allocator_mode(allocator: Any) -> str:
         "allocator",
         "an allocator whose plan is one request (TRL generates once per generation batch): a prompt selector "
         "(DPS, PromptGDRO, GRESO(filter_zero_variance=False)) or a per-prompt-count allocator (Uniform, "
-        "RolloutGDRO, CoBA, Knapsack, HIVE, DEPO, DOTS(replay=False))",
+        "RolloutGDRO, CoBA, Knapsack, HIVE, DOTS(replay=False))",
         f"{name}, which {why}",
         "use one of those, or run this allocator in a loop that can generate several rounds (verl, your own)",
     )
@@ -335,11 +336,13 @@ def _trainer_class() -> type:
                 :class:`~rolloutopt.allocators.GRESO` with ``filter_zero_variance=False``; ``n = num_generations``)
                 chooses the prompts; a *per-prompt-count* allocator (:class:`~rolloutopt.allocators.Uniform`,
                 :class:`~rolloutopt.allocators.RolloutGDRO`, :class:`~rolloutopt.allocators.CoBA`,
-                :class:`~rolloutopt.allocators.Knapsack`, :class:`~rolloutopt.allocators.HIVE`,
-                :class:`~rolloutopt.allocators.DEPO`, :class:`~rolloutopt.allocators.DOTS` with ``replay=False``)
+                :class:`~rolloutopt.allocators.Knapsack`, :class:`~rolloutopt.allocators.HIVE` (its prompt-entropy
+                probe answered without a value: stage 2 skipped), :class:`~rolloutopt.allocators.DOTS` with
+                ``replay=False``)
                 also chooses how many rollouts each prompt gets, within the fixed generation batch (fixed-size
                 presentation: its rows, then weight-0 padding rows; advantages over its groups, so ``advantage``
-                is required). Allocators that sample in several rounds are refused.
+                is required). Allocators that sample in several rounds are refused, and so is DEPO (it requires
+                response entropies, which TRL's generation step does not compute).
             allocator_kwargs: keyword arguments when ``allocator`` is a registered name
                 (:func:`rolloutopt.allocators.names`), e.g. ``allocator="dps", allocator_kwargs={"seed": 0}``; a
                 prompt selector named this way defaults to ``n=num_generations`` (GRESO also to
@@ -701,6 +704,9 @@ def _trainer_class() -> type:
             pool = torch.randperm(len(self.train_dataset), generator=self._ro_gen)[: self._ro_pool_size]  # type: ignore[arg-type]
             plan = self._ro_allocator.plan(pool, total)
             req = plan.next()
+            while req is not None and req.is_probe:  # HIVE's prompt-entropy probe: TRL has no prefill pass here
+                plan.observe(req, None)  # answered without the signal, so the allocator goes on without it
+                req = plan.next()
             empty = torch.zeros(0, dtype=torch.long)
             chosen, counts = (empty, empty) if req is None else (req.prompt_ids, req.counts)
             unselected = pool[~torch.isin(pool, chosen)]

@@ -19,7 +19,15 @@ from torch import Tensor
 
 from rolloutopt._validation import check_real as _real
 from rolloutopt._validation import describe
-from rolloutopt.allocators import AllocationResult, Allocator, as_prompt_ids, check_budget
+from rolloutopt.allocators import (
+    AllocationResult,
+    Allocator,
+    Generated,
+    Request,
+    as_prompt_ids,
+    check_budget,
+    run_step,
+)
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, FloatP, IntP
 
@@ -188,9 +196,11 @@ def run(
     """Train ``population`` with ``allocator`` for up to ``steps`` steps; report the rollouts to reach ``target``.
 
     Each step: the pool is every prompt of the population (or, with ``pool_size``, a random subset of that
-    size drawn from a generator seeded with ``seed``), ``plan = allocator.plan(pool, budget_per_step)``, every
-    request is answered with :meth:`PromptPopulation.sample` (same generator), ``result = plan.finish()``,
-    ``allocator.update(result)`` and ``population.learn(result)``. The population is trained in place (pass a
+    size drawn from a generator seeded with ``seed``), one :func:`~rolloutopt.allocators.run_step` with every
+    request answered by :meth:`PromptPopulation.sample` (same generator), then ``population.learn(result)``.
+    The population has no response or prompt entropies: a probe is answered with nothing, and an allocator
+    that *requires* response entropies (DEPO) gets synthetic ones, uniform in [0.5, 2] and independent of the
+    rewards (from the same generator), so that it runs; its ranking by entropy then carries no information. The population is trained in place (pass a
     fresh one per run). With ``stop_at_target`` (default) the run ends at the first step after which the mean
     pass rate is ``>= target``.
 
@@ -210,6 +220,17 @@ def run(
     if pool_size is not None and (not isinstance(pool_size, int) or not 1 <= pool_size <= population.num_prompts):
         raise InputError("pool_size", f"None or an int in [1, {population.num_prompts}]", describe(pool_size), "fix")
     gen = torch.Generator().manual_seed(seed)
+    needs_entropy = "entropy" in getattr(allocator, "requires", ())
+
+    def generate(request: Request) -> Generated:
+        if request.is_probe:
+            return None  # the population has no prompt entropies: an allocator that only accepts them goes on
+        rewards = population.sample(request.prompt_ids, request.counts, gen)
+        if not needs_entropy:
+            return rewards
+        entropy = 0.5 + 1.5 * torch.rand(rewards.numel(), generator=gen, dtype=torch.float64)
+        return {"rewards": rewards, "entropy": entropy}
+
     initial = population.mean_pass_rate
     total = zero_var = kept = 0
     reached_at: tuple[int, int] | None = None
@@ -221,11 +242,7 @@ def run(
             pool = population.prompt_ids
         else:
             pool = as_prompt_ids(torch.randperm(population.num_prompts, generator=gen)[:pool_size])
-        plan = allocator.plan(pool, budget_per_step)
-        while (request := plan.next()) is not None:
-            plan.observe(request, population.sample(request.prompt_ids, request.counts, gen))
-        result = plan.finish()
-        allocator.update(result)
+        result = run_step(allocator, pool, budget_per_step, generate)
         population.learn(result)
         # Generated rollouts only: an allocator may append reused responses (AR3PO's replay) after them.
         n = int(result.counts.sum())
