@@ -14,15 +14,9 @@ from hypothesis import strategies as st
 
 from rolloutopt.advantages.v05 import v05
 from rolloutopt.allocators import AllocationResult, Request
-from rolloutopt.allocators.adaptive import (
-    AERO,
-    AR3PO,
-    V05Budget,
-    _beyond_limit,
-    _cut_beyond_limit,
-    dead_zone_probability,
-    response_key,
-)
+from rolloutopt.allocators.aero import AERO, _beyond_limit, _cut_beyond_limit, dead_zone_probability
+from rolloutopt.allocators.ar3po import AR3PO, response_key
+from rolloutopt.allocators.v05_budget import V05Budget
 from rolloutopt.errors import InputError
 
 from .helpers import hashed, run, table

@@ -13,14 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.allocators._base import AllocationResult, Conversation, Request
-from rolloutopt.allocators.budget import (
-    CoBA,
-    Knapsack,
-    _top_units,
-    _top_units_lazy,
-    coba_beta_params,
-    knapsack_value,
-)
+from rolloutopt.allocators._budget import _top_units, _top_units_lazy
+from rolloutopt.allocators.coba import CoBA, coba_beta_params
+from rolloutopt.allocators.knapsack import Knapsack, knapsack_value
 from rolloutopt.errors import InputError
 
 Rewards = Callable[[Request], torch.Tensor]

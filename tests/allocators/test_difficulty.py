@@ -15,14 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.allocators import AllocationResult
-from rolloutopt.allocators.difficulty import (
-    DARS,
-    E3Budget,
-    E3Temperature,
-    dars_extra_rollouts,
-    e3_counts,
-    e3_temperature_step,
-)
+from rolloutopt.allocators.dars import DARS, dars_extra_rollouts
+from rolloutopt.allocators.e3 import E3Budget, E3Temperature, e3_counts, e3_temperature_step
 from rolloutopt.errors import InputError
 
 from .helpers import hashed, run, table

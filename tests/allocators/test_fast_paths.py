@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.allocators import AERO, PromptHistory
-from rolloutopt.allocators._base import _argsort_stable, _sort_ids
-from rolloutopt.allocators.adaptive import _beyond_limit, _within_rank
-from rolloutopt.allocators.budget import _top_units, _top_units_by_key, _top_units_grouped, _top_units_lazy
+from rolloutopt.allocators._budget import _top_units, _top_units_by_key, _top_units_grouped, _top_units_lazy
+from rolloutopt.allocators._ids import _argsort_stable, _sort_ids
+from rolloutopt.allocators.aero import _beyond_limit, _within_rank
 
 F64 = torch.float64
 

@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.allocators._base import AllocationResult, Conversation, Request
-from rolloutopt.allocators.filters import DEPO, HIVE, depo_group_scores
+from rolloutopt.allocators.depo import DEPO, depo_group_scores
+from rolloutopt.allocators.hive import HIVE
 from rolloutopt.errors import InputError
 
 Rewards = Callable[[Request], torch.Tensor]

@@ -20,10 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.allocators import AllocationResult, Conversation, Uniform
-from rolloutopt.allocators.gdro import (
+from rolloutopt.allocators.gdro import PromptGDRO, RolloutGDRO
+from rolloutopt.allocators.gdro_bins import (
     DifficultyClassifier,
-    PromptGDRO,
-    RolloutGDRO,
     pass_at_k,
     shadow_price_arms,
     shadow_price_update,

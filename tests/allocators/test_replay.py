@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.allocators._base import AllocationResult, Conversation, Request
-from rolloutopt.allocators.replay import DOTS, XRPO, t_quantile
+from rolloutopt.allocators.dots import DOTS
+from rolloutopt.allocators.xrpo import XRPO, t_quantile
 from rolloutopt.errors import InputError
 
 Rewards = Callable[[Request], torch.Tensor]

@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.allocators import AllocationResult, Uniform
-from rolloutopt.allocators.topup import VIGOR, PilotCommit, vigor_speedup
+from rolloutopt.allocators.pilot_commit import PilotCommit
+from rolloutopt.allocators.vigor import VIGOR, vigor_speedup
 from rolloutopt.errors import InputError
 
 from .helpers import Rewards, hashed, run, table
@@ -185,7 +186,7 @@ def test_marginal_greedy_equals_heap_greedy(data: list[tuple[float, int, int]], 
     # v/((n+j)(n+j+1)), ties to the lower index, at most cap per prompt, flat prompts (v = 0) never.
     import heapq
 
-    from rolloutopt.allocators.topup import _greedy_marginal
+    from rolloutopt.allocators.vigor import _greedy_marginal
 
     v = torch.tensor([d[0] for d in data], dtype=torch.float64)
     n = torch.tensor([d[1] for d in data])

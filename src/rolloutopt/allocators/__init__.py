@@ -10,18 +10,26 @@ Every allocator speaks one protocol — ``plan(prompt_ids, budget)`` → ``next(
 from __future__ import annotations
 
 from rolloutopt.allocators import (
-    adaptive,
+    aero,
+    ar3po,
     baselines,
-    budget,
-    difficulty,
+    coba,
+    dars,
+    depo,
+    dots,
     dps,
     dynamic,
-    filters,
+    e3,
     gdro,
+    gdro_bins,
     greso,
     history,
-    replay,
-    topup,
+    hive,
+    knapsack,
+    pilot_commit,
+    v05_budget,
+    vigor,
+    xrpo,
 )
 from rolloutopt.allocators._base import (
     SIGNALS,
@@ -33,19 +41,27 @@ from rolloutopt.allocators._base import (
     as_prompt_ids,
     check_budget,
 )
-from rolloutopt.allocators.adaptive import *  # noqa: F403
+from rolloutopt.allocators.aero import *  # noqa: F403
+from rolloutopt.allocators.ar3po import *  # noqa: F403
 from rolloutopt.allocators.baselines import *  # noqa: F403
-from rolloutopt.allocators.budget import *  # noqa: F403
-from rolloutopt.allocators.difficulty import *  # noqa: F403
+from rolloutopt.allocators.coba import *  # noqa: F403
+from rolloutopt.allocators.dars import *  # noqa: F403
+from rolloutopt.allocators.depo import *  # noqa: F403
+from rolloutopt.allocators.dots import *  # noqa: F403
 from rolloutopt.allocators.dps import *  # noqa: F403
 from rolloutopt.allocators.driver import Generated, run_step
 from rolloutopt.allocators.dynamic import *  # noqa: F403
-from rolloutopt.allocators.filters import *  # noqa: F403
+from rolloutopt.allocators.e3 import *  # noqa: F403
 from rolloutopt.allocators.gdro import *  # noqa: F403
+from rolloutopt.allocators.gdro_bins import *  # noqa: F403
 from rolloutopt.allocators.greso import *  # noqa: F403
 from rolloutopt.allocators.history import *  # noqa: F403
-from rolloutopt.allocators.replay import *  # noqa: F403
-from rolloutopt.allocators.topup import *  # noqa: F403
+from rolloutopt.allocators.hive import *  # noqa: F403
+from rolloutopt.allocators.knapsack import *  # noqa: F403
+from rolloutopt.allocators.pilot_commit import *  # noqa: F403
+from rolloutopt.allocators.v05_budget import *  # noqa: F403
+from rolloutopt.allocators.vigor import *  # noqa: F403
+from rolloutopt.allocators.xrpo import *  # noqa: F403
 
 __all__ = [
     "SIGNALS",
@@ -62,15 +78,23 @@ __all__ = [
 __all__ += baselines.__all__
 __all__ += history.__all__
 __all__ += dynamic.__all__
-__all__ += topup.__all__
+__all__ += vigor.__all__
+__all__ += pilot_commit.__all__
+__all__ += gdro_bins.__all__
 __all__ += gdro.__all__
 __all__ += dps.__all__
 __all__ += greso.__all__
-__all__ += budget.__all__
-__all__ += difficulty.__all__
-__all__ += adaptive.__all__
-__all__ += replay.__all__
-__all__ += filters.__all__
+__all__ += coba.__all__
+__all__ += knapsack.__all__
+__all__ += dars.__all__
+__all__ += e3.__all__
+__all__ += ar3po.__all__
+__all__ += aero.__all__
+__all__ += v05_budget.__all__
+__all__ += dots.__all__
+__all__ += xrpo.__all__
+__all__ += hive.__all__
+__all__ += depo.__all__
 
 from rolloutopt.registry import Registry  # noqa: E402
 

@@ -16,7 +16,6 @@ accounting, assembling the result); an allocator's plan subclasses it and decide
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -25,6 +24,7 @@ from jaxtyping import Bool, Float, Shaped
 from torch import Tensor
 
 from rolloutopt._validation import check_int, check_real, checks_enabled, describe
+from rolloutopt.allocators._ids import _sort_ids
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, FloatP, IntB, IntP, Scalar
 
@@ -152,40 +152,6 @@ def as_prompt_ids(prompt_ids: IntP, name: str = "prompt_ids") -> IntP:
                 name, "distinct prompt ids", f"{describe(prompt_ids)} with repeats", "deduplicate the prompts"
             )
     return ids
-
-
-def _argsort_stable(x: Tensor, *, descending: bool = False) -> Tensor:
-    """``torch.sort(x, descending=descending, stable=True).indices``, several times faster for float64 without
-    NaN: sorted as int64 keys that order doubles as their values do (the bit pattern, the magnitude bits flipped
-    for negatives; ``+ 0.0`` first makes ``-0.0`` equal to ``0.0``), which torch sorts by radix. Other dtypes,
-    or a NaN, take ``torch.sort`` itself."""
-    if x.dtype == torch.float64 and x.numel() > 1:
-        lo = float(x.min())  # NaN if any value is NaN
-        if lo >= 0:  # non-negative: the bit patterns already order the values
-            key = (x + 0.0).view(torch.int64)
-            return torch.sort(key.neg() if descending else key, stable=True).indices
-        if lo == lo:
-            bits = (x + 0.0).view(torch.int64)
-            key = torch.where(bits < 0, bits ^ ((1 << 63) - 1), bits)
-            return torch.sort(key.neg_() if descending else key, stable=True).indices
-    return torch.sort(x, descending=descending, stable=True).indices
-
-
-_last_sort: tuple[weakref.ref[Tensor], int, Tensor, Tensor] | None = None
-
-
-def _sort_ids(ids: Tensor) -> tuple[Tensor, Tensor]:
-    """``ids.sort()`` (values, indices), remembered for the last tensor sorted: validating a plan's prompt ids,
-    looking them up in a sorted table and the conversation's id order all need the same sort. The memo is keyed
-    by the tensor's identity and its in-place version counter, so a modified or new tensor is sorted afresh.
-    The returned tensors are shared: read them, never modify them in place."""
-    global _last_sort
-    memo = _last_sort
-    if memo is not None and memo[0]() is ids and memo[1] == ids._version:
-        return memo[2], memo[3]
-    values, order = ids.sort()
-    _last_sort = (weakref.ref(ids), ids._version, values, order)
-    return values, order
 
 
 # -- hyper-parameter checks shared by the allocators --------------------------------------------------------------
@@ -555,7 +521,7 @@ class OneShotPlan(Conversation):
         return torch.ones(self.spent_observed, dtype=torch.float64), self._reasons
 
 
-# -- id stores and group sizes shared by the allocators ----------------------------------------------------------
+# -- group sizes shared by the allocators -------------------------------------------------------------------------
 def _group_sizes(n: Any, n_min: Any, n_max: Any) -> tuple[int, int, int]:
     """Validate the group size ``n`` and the per-prompt caps ``n_min <= n <= n_max`` (None means ``n``)."""
     n = _check_int(n, "n", 1, "pass the rollouts per prompt, e.g. n=8")
@@ -589,43 +555,6 @@ def _fill(length: int, budget: int, n: int, n_min: int, n_max: int) -> Tensor:
         extra[: rest % full] += 1
         counts[:full] += extra.clamp(max=n_max - n)
     return counts
-
-
-def _locate(sorted_ids: Tensor, query: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Look ``query`` up in ``sorted_ids`` in sorted-query order: ``(pos, found, order)`` where ``pos[i]`` is the
-    position of ``query[order[i]]`` (junk where ``found[i]`` is False). Sorted queries walk the table in order,
-    about twice as fast as random ones, and the positions come out increasing, so that the gathers and scatters
-    that follow are sequential too."""
-    q, order = _sort_ids(query)
-    k = sorted_ids.numel()
-    if k == 0:
-        return torch.zeros_like(q), torch.zeros(q.shape, dtype=torch.bool), order
-    pos = torch.searchsorted(sorted_ids, q).clamp(max=k - 1)
-    return pos, sorted_ids[pos] == q, order
-
-
-def _lookup(sorted_ids: Tensor, query: Tensor) -> tuple[Tensor, Tensor]:
-    """Positions of ``query`` in ``sorted_ids`` and whether each is there (positions of absent ids are junk)."""
-    pos_s, found_s, order = _locate(sorted_ids, query)
-    return torch.empty_like(pos_s).scatter_(0, order, pos_s), torch.empty_like(found_s).scatter_(0, order, found_s)
-
-
-def _insert(
-    sorted_ids: Tensor, new_ids: Tensor, fields: list[tuple[Tensor, Tensor]]
-) -> tuple[Tensor, list[Tensor], Tensor, Tensor]:
-    """Add the distinct ``new_ids`` absent from ``sorted_ids``; each field grows by its fill row. Stays sorted.
-
-    Returns the merged ids, the merged fields, and the increasing positions ``pos`` of ``new_ids[order]`` in the
-    merged ids together with ``order`` (see :func:`_locate`).
-    """
-    pos, found, order = _locate(sorted_ids, new_ids)
-    add = new_ids[order[~found]]
-    if add.numel() == 0:
-        return sorted_ids, [f for f, _ in fields], pos, order
-    ids, perm = torch.cat([sorted_ids, add]).sort()
-    out = [torch.cat([f, fill.expand(add.numel(), *fill.shape).to(f.dtype)])[perm] for f, fill in fields]
-    pos, _, order = _locate(ids, new_ids)
-    return ids, out, pos, order
 
 
 def _check_result(

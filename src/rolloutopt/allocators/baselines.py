@@ -26,7 +26,9 @@ class _UniformPlan(OneShotPlan):
 
 
 def _uniform_counts(p: int, budget: int, n: int | None) -> tuple[Tensor, Tensor]:
-    per, extra = (budget // p, budget % p) if n is None else (min(n, budget // max(p, 1)), 0)
+    if p == 0:  # no prompt: nothing to request, whatever the budget
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    per, extra = (budget // p, budget % p) if n is None else (min(n, budget // p), 0)
     counts = torch.full((p,), per, dtype=torch.long)
     counts[:extra] += 1
     reasons = torch.where(counts == 0, 2, torch.where(torch.arange(p) < extra, 1, 0))

@@ -31,11 +31,10 @@ from rolloutopt.allocators._base import (
     _check_result,
     _fill,
     _group_sizes,
-    _insert,
-    _lookup,
     as_prompt_ids,
     check_budget,
 )
+from rolloutopt.allocators._ids import _insert, _lookup
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatAny, FloatB, FloatP, IntB, IntP
 

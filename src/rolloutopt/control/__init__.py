@@ -5,8 +5,12 @@ mask — never a model), vectorised over the live batch, and checkpointable.
 
 - streaming stop rules (decide during generation; :class:`StopRule`: ``init`` → ``step``… → ``finalize``):
   ESPO (:mod:`~rolloutopt.control.espo`), value-based abstention and the ARRoL quality head
-  (:mod:`~rolloutopt.control.value`), confidence- and marker-gated truncation (:mod:`~rolloutopt.control.truncation`),
-  the on-policy-distillation horizon rules (:mod:`~rolloutopt.control.opd`);
+  (:mod:`~rolloutopt.control.value`), confidence- and marker-gated truncation (Step-GRPO
+  :mod:`~rolloutopt.control.step_grpo`, :mod:`~rolloutopt.control.deer`, DUET :mod:`~rolloutopt.control.duet`,
+  ECHO :mod:`~rolloutopt.control.echo_pruning`), the on-policy-distillation horizon rules (Prune-OPD
+  :mod:`~rolloutopt.control.prune_opd`, Stable-OPD :mod:`~rolloutopt.control.stable_opd`, ADWIN
+  :mod:`~rolloutopt.control.adwin`, ESR :mod:`~rolloutopt.control.esr`, POPD/TOPD
+  :mod:`~rolloutopt.control.opd_schedules`);
 - post-hoc truncation and length rules (decide after generation; return a :class:`TruncationOutput`): DOT
   (:mod:`~rolloutopt.control.dot`), JET (:mod:`~rolloutopt.control.jet`), the soft compression penalty
   (:mod:`~rolloutopt.control.soft_compression`), and DLER's penalties, which live with the rest of DLER in
@@ -43,41 +47,62 @@ from rolloutopt.advantages.dler import (
 from rolloutopt.control import (
     _base,
     _partial_records,
+    adwin,
     april,
     copris,
+    deer,
+    duet,
+    echo_pruning,
     espo,
+    esr,
     jet,
-    opd,
+    opd_schedules,
     partial,
     posthoc,
+    prune_opd,
     siri,
     soft_compression,
-    truncation,
+    stable_opd,
+    step_grpo,
     value,
 )
 from rolloutopt.control import dot as _dot  # the modules dot and egae: the names dot and egae are their functions
 from rolloutopt.control import egae as _egae
 from rolloutopt.control._base import *  # noqa: F403
 from rolloutopt.control._partial_records import *  # noqa: F403
+from rolloutopt.control.adwin import *  # noqa: F403
 from rolloutopt.control.april import *  # noqa: F403
 from rolloutopt.control.copris import *  # noqa: F403
+from rolloutopt.control.deer import *  # noqa: F403
 from rolloutopt.control.dot import *  # noqa: F403
+from rolloutopt.control.duet import *  # noqa: F403
+from rolloutopt.control.echo_pruning import *  # noqa: F403
 from rolloutopt.control.egae import *  # noqa: F403
 from rolloutopt.control.espo import *  # noqa: F403
+from rolloutopt.control.esr import *  # noqa: F403
 from rolloutopt.control.jet import *  # noqa: F403
-from rolloutopt.control.opd import *  # noqa: F403
+from rolloutopt.control.opd_schedules import *  # noqa: F403
 from rolloutopt.control.partial import *  # noqa: F403
+from rolloutopt.control.prune_opd import *  # noqa: F403
 from rolloutopt.control.siri import *  # noqa: F403
 from rolloutopt.control.soft_compression import *  # noqa: F403
-from rolloutopt.control.truncation import *  # noqa: F403
+from rolloutopt.control.stable_opd import *  # noqa: F403
+from rolloutopt.control.step_grpo import *  # noqa: F403
 from rolloutopt.control.value import *  # noqa: F403
 
 __all__: list[str] = []
 __all__ += _base.__all__
 __all__ += espo.__all__
 __all__ += value.__all__
-__all__ += truncation.__all__
-__all__ += opd.__all__
+__all__ += step_grpo.__all__
+__all__ += deer.__all__
+__all__ += duet.__all__
+__all__ += echo_pruning.__all__
+__all__ += prune_opd.__all__
+__all__ += stable_opd.__all__
+__all__ += adwin.__all__
+__all__ += esr.__all__
+__all__ += opd_schedules.__all__
 __all__ += _dot.__all__
 __all__ += jet.__all__
 __all__ += ["dler_difficulty_budget", "dler_difficulty_penalty", "dler_truncation_penalty"]
