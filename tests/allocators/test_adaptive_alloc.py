@@ -484,3 +484,55 @@ def test_aero_plan_sizes_equal_the_lgamma_rule() -> None:
     want = torch.where(below.any(1), ns[below.to(torch.int8).argmax(1)], 12)
     want = torch.where(p0[:, -1] > 0.7, 0, want)
     assert torch.equal(res.counts, want) and bool((want == 0).any()) and bool((want > 3).any())
+
+
+def test_ar3po_state_refuses_nan_and_negative_counters_naming_the_field() -> None:
+    """A NaN buffered reward, a negative step counter, buffer steps not before it and keys of another step: an
+    ``InputError`` naming the field, and the allocator keeps its own state."""
+    a = FACTORIES["ar3po_latest"](0)
+    _steps(a, torch.arange(30) * 7 + 1, 150, 0, 3)
+    good = a.state_dict()
+    m = good["buffer_ids"].numel()
+    assert m >= 1
+    nan_r = good["buffer_rewards"].clone()
+    nan_r[-1] = math.nan
+    cases = [
+        ({**good, "buffer_rewards": nan_r}, "state['buffer_rewards']"),
+        ({**good, "step": -1}, "state['step']"),
+        ({**good, "buffer_steps": good["buffer_steps"] - 10}, "state['buffer_steps']"),
+        ({**good, "buffer_steps": torch.full((m,), good["step"])}, "state['buffer_steps']"),
+        ({**good, "buffer_keys": good["buffer_keys"] + (1 << 32)}, "state['buffer_keys']"),
+    ]
+    for bad, arg in cases:
+        with pytest.raises(InputError) as err:
+            a.load_state_dict(bad)
+        assert err.value.argument == arg
+    after = a.state_dict()
+    assert after["step"] == good["step"] and torch.equal(after["buffer_rewards"], good["buffer_rewards"])
+
+
+def test_v05budget_state_refuses_nan_and_negative_counts_naming_the_field() -> None:
+    """A NaN reward sum, a negative count, a prior outside [0, 1]: an ``InputError`` naming the field; a NaN prior
+    (none) is valid."""
+    vb = FACTORIES["v05"](0)
+    ids = torch.arange(30) * 7 + 1
+    _steps(vb, ids, 150, 0, 2)
+    vb.set_prior(ids[:5], torch.full((5,), 0.2))
+    good = vb.state_dict()
+    assert bool(torch.isnan(good["value"]).any())  # prompts without a value-model prior
+    nan_sum = good["sum"].clone()
+    nan_sum[0] = math.nan
+    cases = [
+        ({**good, "sum": nan_sum}, "state['sum']"),
+        ({**good, "count": good["count"] - 1e6}, "state['count']"),
+        ({**good, "value": torch.where(torch.isnan(good["value"]), 1.5, good["value"])}, "state['value']"),
+        ({**good, "value": torch.full_like(good["value"], math.inf)}, "state['value']"),
+    ]
+    for bad, arg in cases:
+        with pytest.raises(InputError) as err:
+            vb.load_state_dict(bad)
+        assert err.value.argument == arg
+    assert torch.equal(vb.state_dict()["sum"], good["sum"])
+    fresh = FACTORIES["v05"](0)
+    fresh.load_state_dict(good)
+    assert torch.equal(fresh.prior(ids), vb.prior(ids))

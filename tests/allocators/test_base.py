@@ -218,3 +218,16 @@ def test_uniform_state_dict_round_trip() -> None:
     b.load_state_dict(a.state_dict())
     ra, rb = run(a.plan(torch.tensor([4, 5]), 10)), run(b.plan(torch.tensor([4, 5]), 10))
     assert torch.equal(ra.counts, rb.counts)
+
+
+def test_uniform_state_is_only_a_format_version() -> None:
+    """Stateless: the state is the format version; any key, a non-dict or another version is refused."""
+    alloc = Uniform(n=3)
+    assert alloc.state_dict() == {"format": 1}
+    alloc.load_state_dict({})  # saved before format versions were written: version 1
+    for bad, arg in (({"x": torch.zeros(1)}, "state"), ("state", "state"), ({"format": 2}, "state['format']")):
+        with pytest.raises(InputError) as err:
+            alloc.load_state_dict(bad)  # type: ignore[arg-type]
+        assert err.value.argument == arg
+    res = run(alloc.plan(torch.tensor([4, 5]), 10))
+    assert res.counts.tolist() == [3, 3]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -531,6 +532,69 @@ def test_state_round_trip_mid_run(kind: str) -> None:
         a.update(ra)
         b.update(rb)
     assert a.state_dict()["history"]["window"].equal(b.state_dict()["history"]["window"])
+
+
+def _with(state: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    """A copy of ``state`` with ``value`` at ``path`` (nested keys)."""
+    if len(path) == 1:
+        return {**state, path[0]: value}
+    return {**state, path[0]: _with(state[path[0]], path[1:], value)}
+
+
+def _saved(kind: str) -> tuple[CoBA | Knapsack, dict[str, Any]]:
+    rate = torch.rand(40, generator=torch.Generator().manual_seed(4), dtype=F64)
+    a = make(kind)
+    for s in range(3):
+        a.update(run(a.plan(torch.arange(s, s + 30), 200), bernoulli(rate, s)))
+    return a, a.state_dict()
+
+
+def _refused(kind: str, state: dict[str, Any], argument: str) -> None:
+    a, before = _saved(kind)
+    with pytest.raises(InputError) as err:
+        a.load_state_dict(state)
+    assert err.value.argument == argument
+    after = a.state_dict()
+    assert torch.equal(after["history"]["window"], before["history"]["window"])
+    assert after["step"] == before["step"]
+
+
+def test_coba_load_refuses_nan_and_negative_counters_naming_the_field() -> None:
+    """NaN in a finite field, a negative counter (the allocator's and its history's), a truncated or foreign rate
+    window, a Beta shape that does not match the rates: an ``InputError`` naming the field; nothing changes."""
+    _, good = _saved("coba")
+    m, r = good["history"]["prompt_ids"].numel(), good["rates"].numel()
+    cases = [
+        (("history", "reward_sum"), torch.full((m,), math.nan, dtype=F64), "state['history']['reward_sum']"),
+        (("history", "rollouts"), torch.full((m,), -1), "state['history']['rollouts']"),
+        (("history", "clock"), -1, "state['history']['clock']"),
+        (("rates",), torch.full((r,), math.nan, dtype=F64), "state['rates']"),
+        (("rates",), good["rates"][:-1], "state['rates']"),
+        (("step",), -1, "state['step']"),
+        (("alpha",), good["alpha"] + 0.25, "state['alpha']"),
+        (("beta",), good["beta"] - 0.25, "state['beta']"),
+        (("history", "config"), {**good["history"]["config"], "window": 5}, "state['history']['config']"),
+    ]
+    for path, value, argument in cases:
+        _refused("coba", _with(good, path, value), argument)
+
+
+def test_knapsack_load_refuses_nan_and_negative_counters_naming_the_field() -> None:
+    """NaN in a finite field, negative counters (the reward store's and the history's): an ``InputError`` naming
+    the field (nested path); nothing changes."""
+    _, good = _saved("knapsack")
+    m = good["rewards"]["prompt_ids"].numel()
+    cases = [
+        (("rewards", "rate"), torch.full((m,), math.nan, dtype=F64), "state['rewards']['rate']"),
+        (("rewards", "total"), torch.full((m,), -1), "state['rewards']['total']"),
+        (("rewards", "filled"), torch.full((m,), -1), "state['rewards']['filled']"),
+        (("history", "ema"), torch.full((m,), math.nan, dtype=F64), "state['history']['ema']"),
+        (("history", "successes"), torch.full((m,), -3), "state['history']['successes']"),
+        (("step",), -2, "state['step']"),
+        (("rewards", "prompt_ids"), good["rewards"]["prompt_ids"][:-1], "state['rewards']['prompt_ids']"),
+    ]
+    for path, value, argument in cases:
+        _refused("knapsack", _with(good, path, value), argument)
 
 
 @pytest.mark.parametrize("kind", ["coba", "knapsack"])

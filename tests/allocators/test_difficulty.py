@@ -116,7 +116,7 @@ def test_dars_properties(p: int, budget: int, seed: int, schedule: str, n: int) 
 
 def test_dars_state_and_update() -> None:
     alloc = DARS(schedule="hw")
-    assert alloc.n_max == 64 and alloc.state_dict() == {}
+    assert alloc.n_max == 64 and alloc.state_dict() == {"format": 1}  # stateless: only the format version
     res, _ = run(alloc.plan(torch.tensor([1, 2]), 64), hashed(0))
     alloc.update(res)
     fresh = DARS(schedule="hw")
@@ -366,3 +366,71 @@ def test_bad_protocol_input(alloc: DARS | E3Budget) -> None:
 def test_bad_arguments(make: Callable[[], object], arg: str) -> None:
     with pytest.raises(InputError, match=arg):
         make()
+
+
+def test_dars_state_is_only_a_format_version() -> None:
+    """Stateless: any key, a non-dict or another format version is refused."""
+    alloc = DARS()
+    alloc.load_state_dict({})
+    for bad, arg in (({"x": 1}, "state"), (None, "state"), ({"format": "1"}, "state['format']")):
+        with pytest.raises(InputError) as err:
+            alloc.load_state_dict(bad)  # type: ignore[arg-type]
+        assert err.value.argument == arg
+
+
+def test_e3_budget_state_refuses_nan_and_negative_counters_naming_the_field() -> None:
+    """NaN in a reward sum or a rank, a negative count or epoch, a rank outside [0, 1) (other than -100) and caps
+    outside ``[n_low, n_high]``: an ``InputError`` naming the field, and the allocator keeps its own state."""
+    alloc = E3Budget(n=4, n_low=2, n_high=8, steps_per_epoch=2)
+    for s in range(3):
+        res, _ = run(alloc.plan(torch.arange(6) + 3 * s, 30), hashed(s))
+        alloc.update(res)
+    good = alloc.state_dict()
+    assert bool((good["rank"] == -100).any()) and bool((good["rank"] >= 0).any())
+    nan = good["sum"].clone()
+    nan[0] = math.nan
+    cases = [
+        ({**good, "sum": nan}, "state['sum']"),
+        ({**good, "rank": torch.full_like(good["rank"], math.nan)}, "state['rank']"),
+        ({**good, "rank": good["rank"] + 1.0}, "state['rank']"),
+        ({**good, "count": -good["count"] - 1}, "state['count']"),
+        ({**good, "epoch": -1}, "state['epoch']"),
+        ({**good, "steps": -3}, "state['steps']"),
+        ({**good, "n_min": 1}, "state['n_min']"),
+        ({**good, "n_max": 9}, "state['n_max']"),
+        ({**good, "n_min": good["n_max"] + 1}, "state['n_max']"),
+    ]
+    for bad, arg in cases:
+        with pytest.raises(InputError) as err:
+            alloc.load_state_dict(bad)
+        assert err.value.argument == arg
+    after = alloc.state_dict()
+    assert torch.equal(after["sum"], good["sum"]) and after["epoch"] == good["epoch"] == 1
+
+
+def test_e3_temperature_state_refuses_nan_and_negative_counters_naming_the_field() -> None:
+    """A NaN temperature or target, a non-positive step counter, a bad recorded entropy: an ``InputError`` naming
+    the field, the schedule unchanged; a state round-trips."""
+    sched = E3Temperature(vocab_size=100, init_steps=2)
+    for h in (1.0, 1.2, 0.9):
+        sched.step(h)
+    good = sched.state_dict()
+    assert good["format"] == 1 and good["init_entropy"] == [1.0, 1.2]
+    cases = [
+        ({**good, "temperature": math.nan}, "state['temperature']"),
+        ({**good, "target_entropy": math.nan}, "state['target_entropy']"),
+        ({**good, "initial_target": -1.0}, "state['initial_target']"),
+        ({**good, "steps": -1}, "state['steps']"),
+        ({**good, "steps": 0}, "state['steps']"),
+        ({**good, "init_entropy": [1.0, math.nan]}, "state['init_entropy']"),
+        ({**good, "init_entropy": "1.0"}, "state['init_entropy']"),
+        ({**good, "surprise": 1}, "state"),
+    ]
+    for bad, arg in cases:
+        with pytest.raises(InputError) as err:
+            sched.load_state_dict(bad)
+        assert err.value.argument == arg
+    assert sched.state_dict() == good
+    fresh = E3Temperature(vocab_size=100, init_steps=2)
+    fresh.load_state_dict(good)
+    assert fresh.step(1.1) == sched.step(1.1)

@@ -314,3 +314,22 @@ def test_bad_plan_and_observe_input() -> None:
 def test_bad_config(kwargs: dict[str, Any], name: str) -> None:
     with pytest.raises(InputError, match=name):
         DAPODynamicSampling(**kwargs)
+
+
+def test_state_refuses_a_bad_generator_naming_it_and_keeps_its_own() -> None:
+    """The only field is the generator: a string, a float tensor or an invalid generator state is an
+    ``InputError`` naming ``state['generator']``, and the allocator draws as if nothing had been tried."""
+    a = DAPODynamicSampling(batch_size=2, n=2, gen_batch_size=3, seed=4)
+    twin = DAPODynamicSampling(batch_size=2, n=2, gen_batch_size=3, seed=4)
+    good = a.state_dict()
+    assert good["format"] == 1
+    bad_gens = ("not a tensor", torch.zeros(5, dtype=torch.float64), torch.zeros(3, dtype=torch.uint8))
+    for gen in bad_gens:
+        with pytest.raises(InputError) as err:
+            a.load_state_dict({**good, "generator": gen})
+        assert err.value.argument == "state['generator']"
+    with pytest.raises(InputError) as err:
+        a.load_state_dict({**good, "format": 0})
+    assert err.value.argument == "state['format']"
+    pa, pb = a.plan(torch.arange(10), 40).next(), twin.plan(torch.arange(10), 40).next()
+    assert pa is not None and pb is not None and torch.equal(pa.prompt_ids, pb.prompt_ids)

@@ -519,3 +519,61 @@ def test_bad_plan_observe_update_load(kind: str) -> None:
             depo_group_scores(torch.tensor([3]), torch.tensor([True]), torch.ones(1), num_groups=1)
         with pytest.raises(InputError, match="entropy"):
             depo_group_scores(torch.tensor([0]), torch.tensor([True]), torch.ones(2), num_groups=1)
+
+
+def _refused(alloc: HIVE | DEPO, state: dict[str, object], argument: str) -> None:
+    """Loading ``state`` is an InputError naming ``argument``, and ``alloc`` keeps its own state."""
+    before = alloc.state_dict()
+    with pytest.raises(InputError) as err:
+        alloc.load_state_dict(state)
+    assert err.value.argument == argument
+    after = alloc.state_dict()
+    for k, v in before.items():  # NaN marks a missing value: equal where both are NaN
+        w = after[k]
+        assert (
+            v == w
+            if not isinstance(v, torch.Tensor)
+            else v.shape == w.shape and bool(((v == w) | (v != v) & (w != w)).all())
+        )
+
+
+def test_hive_refuses_inf_values_and_a_foreign_window_naming_the_field() -> None:
+    """HIVE's windows and prompt entropies mark a missing value with NaN (it has no counter): an inf is refused,
+    and so is a window of another width than the constructor's."""
+    h = HIVE(window=2, experimental=True)
+    good = {
+        **h.state_dict(),
+        "ids": torch.tensor([3, 7]),
+        "reward": torch.tensor([[math.nan, 0.5], [1.0, 0.0]]),
+        "entropy": torch.full((2, 2), math.nan),
+        "prompt_entropy": torch.tensor([math.nan, 0.3]),
+    }
+    h.load_state_dict(good)  # NaN (missing) loads
+    assert h.history(torch.tensor([3, 7]))[0].tolist() == [0.5, 0.5]
+    for key in ("reward", "entropy"):
+        t = torch.zeros(2, 2)
+        t[1, 0] = math.inf
+        _refused(h, {**good, key: t}, f"state[{key!r}]")
+    _refused(h, {**good, "prompt_entropy": torch.tensor([0.1, -math.inf])}, "state['prompt_entropy']")
+    _refused(h, {**good, "reward": torch.zeros(2, 3), "entropy": torch.zeros(2, 3)}, "state['reward']")
+    _refused(h, {**good, "ids": torch.tensor([7, 3])}, "state['ids']")
+
+
+def test_depo_refuses_inf_scores_and_negative_counters_naming_the_field() -> None:
+    d = DEPO(history_k=2)
+    good = {
+        **d.state_dict(),
+        "ids": torch.tensor([3, 7]),
+        "scores": torch.tensor([[math.nan, 0.5], [1.0, 0.0]]),
+        "count": torch.tensor([1, 4]),
+        "epoch": 2,
+        "steps": 5,
+    }
+    d.load_state_dict(good)
+    assert d.epoch == 2 and d.steps == 5 and d.scores(torch.tensor([7]))[1].tolist() == [4]
+    _refused(d, {**good, "scores": torch.tensor([[math.nan, math.inf], [1.0, 0.0]])}, "state['scores']")
+    _refused(d, {**good, "count": torch.tensor([1, -1])}, "state['count']")
+    _refused(d, {**good, "epoch": -1}, "state['epoch']")
+    _refused(d, {**good, "steps": -3}, "state['steps']")
+    _refused(d, {**good, "epoch": math.nan}, "state['epoch']")
+    _refused(d, {**good, "scores": torch.zeros(2, 3)}, "state['scores']")  # history_k=3's windows

@@ -664,3 +664,59 @@ def test_bad_function_inputs() -> None:
         sd = clf.state_dict()
         sd["bin"] = L(7)
         clf.load_state_dict(sd)
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else bool(a == b)
+
+
+def _replaced(state: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in state.items()}
+    d = out
+    for k in path[:-1]:
+        d = d[k]
+    d[path[-1]] = value
+    return out
+
+
+@pytest.mark.parametrize("kind", ["classifier", "prompt", "rollout"])
+def test_load_refuses_nan_and_negative_counters_naming_the_field(kind: str) -> None:
+    """A NaN bin score, a negative update count, a pass@k EMA outside [0, 1], a negative streak or step, a bin
+    out of range, bin EMAs over another number of bins than the classifier's: an InputError naming the (nested)
+    field; the object keeps its own state."""
+    reward = lambda i, c: (torch.arange(int(c.sum())) % 2).double()  # noqa: E731
+    if kind == "classifier":
+        obj: Any = binary_classifier()
+        obj.update(L(1, 2), L(2, 2), L(0, 2))
+    elif kind == "prompt":
+        obj = PromptGDRO(n=2, classifier=binary_classifier(), experimental=True)
+        obj.update(run(obj.plan(L(1, 2), 4), reward))
+    else:
+        obj = RolloutGDRO(n_min=2, n_max=4, classifier=binary_classifier(), experimental=True)
+        obj.update(run(obj.plan(L(1, 2), 8), reward))
+    good = obj.state_dict()
+    at: tuple[str, ...] = () if kind == "classifier" else ("classifier",)
+    bad: list[tuple[tuple[str, ...], Any]] = [
+        ((*at, "ema"), D(0.5, math.nan)),
+        ((*at, "ema"), D(0.5, 1.5)),
+        ((*at, "streak"), L(0, -1)),
+        ((*at, "last"), L(-1, 1)),
+        ((*at, "step"), -1),
+        ((*at, "bin"), L(0, 3)),  # 3 bins: 0, 1 and the unseen 2
+    ]
+    if kind != "classifier":
+        bad += [(("scores", "s"), D(0.1, math.nan, 0.0)), (("scores", "t"), L(1, -1, 0))]
+        bad += [(("scores",), {"s": D(0.1, 0.2), "t": L(1, 1)})]  # two bins, the classifier has three
+    if kind == "rollout":
+        bad += [(("rate", "s"), D(0.1, 1.5, 0.0)), (("rate", "t"), L(0, 0, -2)), (("mu",), -0.5), (("mu",), math.nan)]
+    for path, value in bad:
+        state = _replaced(good, path, value)
+        if path == ("scores",) and "rate" in state:
+            state["rate"] = dict(value)
+        with pytest.raises(InputError) as err:
+            obj.load_state_dict(state)
+        named = (*path, "s") if path == ("scores",) else path
+        assert err.value.argument == "state" + "".join(f"[{k!r}]" for k in named), (path, value)
+        assert _same_state(obj.state_dict(), good)

@@ -494,3 +494,36 @@ def test_run_lengths_match_the_code_trace_walk() -> None:
     k_e, k_h = g.run_lengths(ids)
     assert k_e.tolist() == [walk(trace[int(i)], lambda r: r >= 0.98) for i in ids]
     assert k_h.tolist() == [walk(trace[int(i)], lambda r: r <= 0.11) for i in ids]
+
+
+def test_load_refuses_nan_and_negative_counters_naming_the_field() -> None:
+    """A NaN probability or a negative run length, epoch or step count is an InputError naming the field, and
+    the allocator keeps its own state."""
+    g = GRESO(n=2)
+    good = {
+        **g.state_dict(),
+        "ids": torch.tensor([1, 4]),
+        "k_easy": torch.tensor([2, 0]),
+        "k_hard": torch.tensor([0, 3]),
+        "p_easy": 0.4,
+        "epoch": 1,
+        "steps": 7,
+    }
+    g.load_state_dict(good)
+    before = g.state_dict()
+    bad = [
+        ("p_easy", float("nan")),
+        ("p_hard", 1.5),
+        ("k_easy", torch.tensor([2, -1])),
+        ("k_hard", torch.tensor([-3, 0])),
+        ("epoch", -1),
+        ("steps", -2),
+    ]
+    for key, value in bad:
+        with pytest.raises(InputError) as err:
+            g.load_state_dict({**good, key: value})
+        assert err.value.argument == f"state[{key!r}]"
+        after = g.state_dict()
+        assert all(
+            torch.equal(v, after[k]) if isinstance(v, torch.Tensor) else v == after[k] for k, v in before.items()
+        )

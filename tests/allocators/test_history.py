@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 import subprocess
 import sys
@@ -338,6 +339,58 @@ def test_state_dict_round_trip_continues_identically() -> None:
         PromptHistory(capacity=25, window=4).load_state_dict(sa)
     with pytest.raises(InputError, match="state"):
         PromptHistory().load_state_dict({"version": 0})
+
+
+def _saved_history() -> dict[str, Any]:
+    a = PromptHistory(capacity=25, window=3)
+    for step, (pid, r) in enumerate(_stream(1, 3)):
+        a.update(pid, r, step=step)
+    return a.state_dict()
+
+
+def test_load_refuses_nan_negative_counters_and_another_config_naming_the_field() -> None:
+    """A NaN in a finite field, a negative counter, a foreign configuration, more prompts than ``capacity``: an
+    ``InputError`` naming the field, and the history is unchanged."""
+    good = _saved_history()
+    n = good["prompt_ids"].numel()
+    cases = [
+        ("reward_sum", torch.full((n,), math.nan, dtype=torch.float64)),
+        ("ema", torch.full((n,), -0.5, dtype=torch.float64)),
+        ("rollouts", torch.full((n,), -1)),
+        ("window_successes", torch.full((n, 3), -2)),
+        ("clock", -1),
+        ("config", {**good["config"], "ema_decay": 0.5}),
+        ("config", "not a config"),
+    ]
+    for key, value in cases:
+        h = PromptHistory(capacity=25, window=3)
+        with pytest.raises(InputError) as err:
+            h.load_state_dict({**good, key: value})
+        assert err.value.argument == f"state[{key!r}]"
+        assert len(h) == 0 and h.state_dict()["clock"] == 0
+    with pytest.raises(InputError) as err:
+        PromptHistory(capacity=n - 1, window=3).load_state_dict(
+            {**good, "config": {**good["config"], "capacity": n - 1}}
+        )
+    assert err.value.argument == "state['prompt_ids']"
+    with pytest.raises(InputError) as err:
+        PromptHistory(capacity=25, window=3).load_state_dict({**good, "format": 2})
+    assert err.value.argument == "state['format']"
+
+
+def test_state_loads_with_weights_only() -> None:
+    """The state (configuration strings and None included) survives ``torch.load(weights_only=True)``."""
+    a = PromptHistory.from_preset("greso", capacity=25, window=3)
+    for step, (pid, r) in enumerate(_stream(2, 3)):
+        a.update(pid, r, step=step)
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b = PromptHistory.from_preset("greso", capacity=25, window=3)
+    b.load_state_dict(torch.load(buf, weights_only=True))
+    ids = torch.arange(40)
+    assert torch.equal(a.lookup(ids).window, b.lookup(ids).window)
+    assert torch.equal(a.lookup(ids).last_step, b.lookup(ids).last_step)
 
 
 # -- stable ids ------------------------------------------------------------------------------------------------

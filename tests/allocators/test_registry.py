@@ -283,3 +283,67 @@ def test_every_allocator_copes_with_no_prompt_and_no_budget(name: str) -> None:
         result = run_step(alloc, prompts, b, answer(give))
         assert int(result.counts.sum()) == 0 and result.rewards.numel() == 0
         assert result.plan_prompt_ids.tolist() == prompts.tolist()
+
+
+def _tensor_keys(state: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Paths to the tensors of a (nested) state dict with at least two rows."""
+    out = []
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out += _tensor_keys(v, (*prefix, k))
+        elif isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] >= 2 and v.dtype != torch.uint8:
+            out.append((*prefix, k))
+    return out
+
+
+def _with(state: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    out = copy.deepcopy(state)
+    d = out
+    for k in path[:-1]:
+        d = d[k]
+    d[path[-1]] = value
+    return out
+
+
+def _get(state: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for k in path:
+        state = state[k]
+    return state
+
+
+@pytest.mark.filterwarnings("ignore:GRESO.*epoch:UserWarning")
+@pytest.mark.parametrize("name", NAMES)
+def test_every_allocator_refuses_a_corrupted_state_and_keeps_its_own(name: str) -> None:
+    """Unknown or missing keys, a truncated tensor, a string for a tensor, another allocator's state: an
+    ``InputError`` at load time, and the allocator goes on as if the load had not been tried."""
+    entry = allocators.entry(name)
+    give = set(entry.requires) | set(entry.accepts)
+    alloc, twin = make(name), make(name)
+    _steps(alloc, name, range(3), give)
+    _steps(twin, name, range(3), give)
+    good = alloc.state_dict()
+    other = make("uniform" if name != "uniform" else "dps")
+    _steps(other, "uniform" if name != "uniform" else "dps", range(1), set())
+    bad: list[tuple[str, Any]] = [
+        ("unknown key", {**good, "surprise": torch.zeros(1)}),
+        ("foreign state", other.state_dict()),
+        ("not a dict", "state"),
+    ]
+    for k in good:
+        if k != "format":  # a state without its format version loads as version 1 (saved before versions)
+            bad.append((f"missing {k}", {kk: v for kk, v in good.items() if kk != k}))
+    if "format" in good:
+        bad.append(("another format version", {**good, "format": 2}))
+    for path in _tensor_keys(good):
+        bad.append((f"truncated {'.'.join(path)}", _with(good, path, _get(good, path)[:-1])))
+        bad.append((f"string for {'.'.join(path)}", _with(good, path, "not a tensor")))
+    for what, state in bad:
+        if what == "foreign state" and _same(state, good):
+            continue  # an allocator with no state (Uniform, DARS, VIGOR): every empty state is its own
+        with pytest.raises(InputError):
+            alloc.load_state_dict(state)
+            pytest.fail(f"{name}: accepted a state with {what}")
+    a, b = _steps(alloc, name, range(3, 5), give), _steps(twin, name, range(3, 5), give)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x.counts, y.counts) and torch.equal(x.rewards, y.rewards)
+    assert _same(alloc.state_dict(), twin.state_dict())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -219,6 +220,38 @@ def test_dots_code_buffer_rule_state_round_trip() -> None:
         broken = dict(state, planned_groups=bad)
         with pytest.raises(InputError, match="planned_groups"):
             DOTS(n=2).load_state_dict(broken)
+
+
+def test_dots_load_refuses_nan_and_negative_counters_naming_the_field() -> None:
+    """NaN in a finite field, negative counters, a buffer key not below ``next_key``, a count above ``n_max``: an
+    ``InputError`` naming the field (nested path for the buffer), and the allocator goes on unchanged."""
+    rate = torch.rand(20, generator=torch.Generator().manual_seed(1), dtype=F64)
+    a = DOTS(n=2, buffer_size=8, seed=2)
+    for s in range(3):
+        a.update(run(a.plan(torch.arange(20), 16), bernoulli(rate, s))[0])
+    good = a.state_dict()
+    nl, g = good["labels"].numel(), good["buffer"]["keys"].numel()
+    assert nl >= 2 and g >= 2
+    buf = good["buffer"]
+    cases: list[tuple[str, Any, str]] = [
+        ("labels", torch.full((nl,), math.nan, dtype=F64), "state['labels']"),
+        ("ref_labels", torch.full_like(good["ref_labels"], math.nan), "state['ref_labels']"),
+        ("step", -1, "state['step']"),
+        ("next_key", -1, "state['next_key']"),
+        ("buffer", {**buf, "rewards": torch.full_like(buf["rewards"], math.nan)}, "state['buffer']['rewards']"),
+        ("buffer", {**buf, "steps": torch.full((g,), -1)}, "state['buffer']['steps']"),
+        ("buffer", {**buf, "counts": torch.full((g,), -1)}, "state['buffer']['counts']"),
+        ("buffer", {**buf, "counts": torch.full((g,), a.n_max + 1)}, "state['buffer']['counts']"),
+        ("buffer", {**buf, "keys": buf["keys"] + good["next_key"]}, "state['buffer']['keys']"),
+        ("label_ids", good["label_ids"].flip(0), "state['label_ids']"),
+    ]
+    for key, value, argument in cases:
+        with pytest.raises(InputError) as err:
+            a.load_state_dict({**good, key: value})
+        assert err.value.argument == argument
+        after = a.state_dict()
+        assert after["step"] == good["step"] and torch.equal(after["labels"], good["labels"])
+        assert torch.equal(after["buffer"]["keys"], buf["keys"]) and torch.equal(after["generator"], good["generator"])
 
 
 def test_sigma_one_or_replay_off_never_replays() -> None:
@@ -541,3 +574,18 @@ def test_xrpo_state_and_bad_input() -> None:
         xr.update(None)  # type: ignore[arg-type]
     with pytest.raises(InputError, match="state"):
         xr.load_state_dict({})
+
+
+def test_xrpo_load_refuses_a_bad_generator_or_version_naming_the_field() -> None:
+    """XRPO's only state is its generator: a non-generator tensor, a NaN float tensor in its place or another format
+    version is an ``InputError`` naming the field, and the generator is unchanged."""
+    xr = XRPO(experimental=True)
+    good = xr.state_dict()
+    for value in (torch.full((4,), math.nan), torch.full((3,), -1), "state"):
+        with pytest.raises(InputError) as err:
+            xr.load_state_dict({**good, "generator": value})
+        assert err.value.argument == "state['generator']"
+    with pytest.raises(InputError) as err:
+        xr.load_state_dict({**good, "format": 2})
+    assert err.value.argument == "state['format']"
+    assert torch.equal(xr.state_dict()["generator"], good["generator"])

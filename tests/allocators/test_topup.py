@@ -108,7 +108,7 @@ def test_vigor_default_warns_and_experimental_silences() -> None:
         VIGOR(experimental=True)
     a = VIGOR(experimental=True)
     a.update(run(a.plan(torch.tensor([1]), 2), table({1: [0, 1]}))[0])
-    assert a.state_dict() == {}
+    assert a.state_dict() == {"format": 1}  # stateless: only the format version
 
 
 # -------------------------------------------------------------------------------------------------- speed-up formula
@@ -475,3 +475,46 @@ def test_pilot_commit_bad_update_and_state() -> None:
         vigor_speedup(1.0)
     with pytest.raises(InputError, match=r"^alpha"):
         vigor_speedup(torch.tensor([0.5]))
+
+
+def test_vigor_state_is_only_a_format_version() -> None:
+    """Stateless: any key, a non-dict or another format version is refused."""
+    a = vigor()
+    a.load_state_dict({})
+    a.load_state_dict(a.state_dict())
+    for bad, arg in (({"step": 0}, "state"), ([], "state"), ({"format": 2}, "state['format']")):
+        with pytest.raises(InputError) as err:
+            a.load_state_dict(bad)  # type: ignore[arg-type]
+        assert err.value.argument == arg
+
+
+def test_pilot_commit_refuses_nan_and_negative_counters_naming_the_field() -> None:
+    """A NaN pilot std, a negative step counter or buffer step, a buffer step not before the step counter and a
+    versioned state without ``buffer_order``: an ``InputError`` naming the field, the allocator unchanged. A state
+    saved before format versions and ``buffer_order`` loads with zero pilot order (the documented fallback)."""
+    pc = PilotCommit(n_pilot=4, n_commit=4, batch_size=1, p_lower=0.25, p_upper=0.25)
+    for s in range(3):
+        res, _ = run(pc.plan(torch.cat([torch.arange(8) + 8 * s, pc.buffered_ids()]), 120), hashed(s))
+        pc.update(res)
+    good = pc.state_dict()
+    m = good["buffer_ids"].numel()
+    assert m >= 1
+    nan_std = good["buffer_std"].clone()
+    nan_std[0] = math.nan
+    cases = [
+        ({**good, "buffer_std": nan_std}, "state['buffer_std']"),
+        ({**good, "step": -1}, "state['step']"),
+        ({**good, "buffer_step": torch.full((m,), -1)}, "state['buffer_step']"),
+        ({**good, "buffer_step": torch.full((m,), good["step"])}, "state['buffer_step']"),
+        ({k: v for k, v in good.items() if k != "buffer_order"}, "state['buffer_order']"),
+    ]
+    for bad, arg in cases:
+        with pytest.raises(InputError) as err:
+            pc.load_state_dict(bad)
+        assert err.value.argument == arg
+    assert torch.equal(pc.state_dict()["buffer_std"], good["buffer_std"]) and pc.state_dict()["step"] == 3
+    legacy = {k: v for k, v in good.items() if k not in ("buffer_order", "format")}
+    fresh = PilotCommit(n_pilot=4, n_commit=4, batch_size=1, p_lower=0.25, p_upper=0.25)
+    fresh.load_state_dict(legacy)
+    assert torch.equal(fresh.state_dict()["buffer_order"], torch.zeros(m, dtype=torch.long))
+    assert torch.equal(fresh.buffered_ids(), pc.buffered_ids())

@@ -107,7 +107,7 @@ def test_duet_seed_and_generation_change_draws() -> None:
     ua, ub = a.init(64).extra["u"], b.init(64).extra["u"]
     assert not torch.equal(ua, ub)
     assert not torch.equal(ua, a.init(64).extra["u"])  # a new generation, new draws
-    assert a.state_dict() == {"seed": 1, "epoch": 2}
+    assert a.state_dict() == {"seed": 1, "epoch": 2, "format": 1}  # with the format version
     # huge and negative row ids hash fine
     u = a.init(3, row_id=torch.tensor([-1, 2**40 + 5, 2**62])).extra["u"]
     assert bool(((u >= 0) & (u < 1)).all())

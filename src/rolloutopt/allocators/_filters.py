@@ -1,5 +1,6 @@
 """Pieces HIVE and DEPO share (``docs/methods/filters.md``): seeded tie-break keys and orders over sorted prompt
-ids, the per-rollout ``entropy`` signal check, and the bounded per-prompt history rows both keep.
+ids, the per-rollout ``entropy`` signal check, and the bounded per-prompt history rows both keep
+(and the check of a loaded window's width against the constructor's).
 """
 
 from __future__ import annotations
@@ -60,12 +61,13 @@ def _shift_in(buf: Tensor, pos: Tensor, new: Tensor) -> Tensor:
     return buf.index_copy_(0, pos, rows)
 
 
-def _check_rows(state: dict[str, Any], shapes: dict[str, tuple[int, ...]], owner: str) -> None:
-    ids = state["ids"]
-    for key, shape in shapes.items():
-        if not isinstance(state[key], Tensor) or tuple(state[key].shape) != shape:
-            raise InputError(
-                f"state[{key!r}]", f"a tensor of shape {shape}", describe(state[key]), f"{owner}.state_dict()"
-            )
-    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
-        raise InputError("state['ids']", "sorted distinct ids", "unsorted ids", f"pass {owner}.state_dict()")
+def _check_window(t: Tensor, key: str, window: int, owner: str, knob: str) -> None:
+    """Raise unless the loaded window ``t`` ``[M, W]`` has the constructor's ``W = window`` columns (a semantic
+    check after :func:`~rolloutopt._state.load_state`, which binds ``W`` only across the state's own fields)."""
+    if int(t.shape[1]) != window:
+        raise InputError(
+            f"state[{key!r}]",
+            f"{window} columns ({knob}={window})",
+            describe(t),
+            f"pass the state_dict() of a {owner} with {knob}={window}",
+        )

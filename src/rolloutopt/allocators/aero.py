@@ -20,8 +20,9 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import check_bool as _bool
-from rolloutopt._validation import check_state, describe, require_experimental
+from rolloutopt._validation import describe, require_experimental
 from rolloutopt.allocators._base import (
     AllocationResult,
     Request,
@@ -415,17 +416,22 @@ class AERO:
         b[pos] = self.forget * b[pos] + ns - cs
         self._a, self._b = a, b
 
+    STATE: ClassVar[dict[str, Field]] = {
+        "ids": Field("int", ("M",), ("ids",)),
+        "a": Field("float", ("M",), ("nonneg",)),
+        "b": Field("float", ("M",), ("nonneg",)),
+        "generator": Field("generator"),
+    }
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
+
     def state_dict(self) -> dict[str, Any]:
         """Per-prompt posteriors (sorted ids, a, b) and the generator state (copies)."""
-        return {
-            "ids": self._ids.clone(),
-            "a": self._a.clone(),
-            "b": self._b.clone(),
-            "generator": self._gen.get_state(),
-        }
+        return dump_state(
+            {"ids": self._ids.clone(), "a": self._a.clone(), "b": self._b.clone(), "generator": self._gen.get_state()}
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
-        s = check_state(state, {"ids", "a", "b", "generator"}, "AERO")
-        self._ids, self._a, self._b = s["ids"].clone().long(), s["a"].clone().double(), s["b"].clone().double()
+        """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one)."""
+        s = load_state(state, self.STATE, "AERO")
+        self._ids, self._a, self._b = s["ids"], s["a"], s["b"]
         self._gen.set_state(s["generator"])

@@ -21,8 +21,9 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import check_bool as _bool
-from rolloutopt._validation import check_state, require_experimental
+from rolloutopt._validation import require_experimental
 from rolloutopt.allocators._base import (
     AllocationResult,
     Request,
@@ -309,24 +310,52 @@ class AR3PO:
         self._buf_ids, self._buf_key, self._buf_reward, self._buf_step = ids[o], key[o], rew[o], stp[o]
         self._step = max(self._step, step + 1)
 
+    STATE: ClassVar[dict[str, Field]] = {
+        "step": Field("integer", low=0),
+        "buffer_ids": Field("int", ("M",), ("ids",)),
+        "buffer_keys": Field("int", ("M",), ("nonneg",)),
+        "buffer_rewards": Field("float", ("M",), ("finite",)),
+        "buffer_steps": Field("int", ("M",), ("nonneg",)),
+        "generator": Field("generator"),
+    }
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
+
     def state_dict(self) -> dict[str, Any]:
         """Step counter, buffer (ids, keys, rewards, steps stored) and generator state (copies)."""
-        return {
-            "step": self._step,
-            "buffer_ids": self._buf_ids.clone(),
-            "buffer_keys": self._buf_key.clone(),
-            "buffer_rewards": self._buf_reward.clone(),
-            "buffer_steps": self._buf_step.clone(),
-            "generator": self._gen.get_state(),
-        }
+        return dump_state(
+            {
+                "step": self._step,
+                "buffer_ids": self._buf_ids.clone(),
+                "buffer_keys": self._buf_key.clone(),
+                "buffer_rewards": self._buf_reward.clone(),
+                "buffer_steps": self._buf_step.clone(),
+                "generator": self._gen.get_state(),
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
-        keys = {"step", "buffer_ids", "buffer_keys", "buffer_rewards", "buffer_steps", "generator"}
-        s = check_state(state, keys, "AR3PO")
-        self._step = int(s["step"])
-        self._buf_ids = s["buffer_ids"].clone().long()
-        self._buf_key = s["buffer_keys"].clone().long()
-        self._buf_reward = s["buffer_rewards"].clone().double()
-        self._buf_step = s["buffer_steps"].clone().long()
+        """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one)."""
+        s = load_state(state, self.STATE, "AR3PO")
+        keys, steps = s["buffer_keys"], s["buffer_steps"]
+        if steps.numel() and int(steps.max()) >= s["step"]:
+            raise InputError(
+                "state['buffer_steps']",
+                f"steps before the state's step counter {s['step']} (entries are stored by a finished step)",
+                f"a step up to {int(steps.max())}",
+                "pass AR3PO.state_dict()",
+            )
+        if not torch.equal(keys >> _SHIFT, steps):
+            raise InputError(
+                "state['buffer_keys']",
+                "response_key(step, row) of each entry's stored step (keys >> 32 == buffer_steps)",
+                "keys of other steps",
+                "pass AR3PO.state_dict()",
+            )
+        self._step = s["step"]
+        self._buf_ids, self._buf_key, self._buf_reward, self._buf_step = (
+            s["buffer_ids"],
+            keys,
+            s["buffer_rewards"],
+            steps,
+        )
         self._gen.set_state(s["generator"])

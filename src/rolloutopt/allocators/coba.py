@@ -16,9 +16,9 @@ import torch
 from jaxtyping import Real
 from torch import Tensor
 
+from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import check_int as _int
 from rolloutopt._validation import check_real as _float
-from rolloutopt._validation import check_state
 from rolloutopt.allocators._base import AllocationResult, Conversation, _check_result, as_prompt_ids, check_budget
 from rolloutopt.allocators._budget import _F64, _OneShot, _short, _spread, _top_units_by_key, _unsort
 from rolloutopt.allocators._ids import _sort_ids
@@ -172,6 +172,20 @@ class CoBA:
         self.beta = 2.0
         self._rates = torch.zeros(0, dtype=_F64)  # per-step average success rates, oldest first (<= window)
         self._step = 0
+        s = self.beta_params_sum
+        self.STATE = {
+            "history": Field("nested", fields=self.history.STATE),
+            # R = min(window, history clock), alpha/beta the Beta shape of these rates: checked after load_state
+            "rates": Field("float", ("R",), ("prob",)),
+            # alpha: S - 2 before the first update, then clipped to [1, S - 1]; beta: S - alpha (>= 1 up to rounding)
+            "alpha": Field("real", low=min(s - 2.0, 1.0), high=s - 1.0),
+            "beta": Field("real", low=0.5, high=s),
+            "step": Field("integer", low=0),
+        }
+
+    STATE: dict[str, Field]
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`; built per instance: the
+    history's window and the Beta bounds of ``beta_params_sum``)."""
 
     # -- the value --------------------------------------------------------------------------------------------
     def _log_pdf(self, p: Tensor) -> Tensor:
@@ -277,19 +291,45 @@ class CoBA:
 
     def state_dict(self) -> dict[str, Any]:
         """The history, the global window, the Beta shape and the step counter (copies)."""
-        return {
-            "history": self.history.state_dict(),
-            "rates": self._rates.clone(),
-            "alpha": self.alpha,
-            "beta": self.beta,
-            "step": self._step,
-        }
+        return dump_state(
+            {
+                "history": self.history.state_dict(),
+                "rates": self._rates.clone(),
+                "alpha": self.alpha,
+                "beta": self.beta,
+                "step": self._step,
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`."""
-        keys = {"history", "rates", "alpha", "beta", "step"}
-        check_state(state, keys, "CoBA")
-        self.history.load_state_dict(state["history"])
-        self._rates = state["rates"].clone().to(_F64)
-        self.alpha, self.beta = float(state["alpha"]), float(state["beta"])
-        self._step = int(state["step"])
+        """Restore a :meth:`state_dict`, validated field by field (an ``InputError`` names a bad one)."""
+        s = load_state(state, self.STATE, "CoBA")
+        self.history._check_loaded(s["history"], "state['history']")
+        # one rate per update with rollouts, the last window of them; the history's clock counts those updates
+        # (CoBA.update is what updates its history)
+        rates, want_n = s["rates"], min(s["history"]["clock"], self.window)
+        if rates.numel() != want_n:
+            raise InputError(
+                "state['rates']",
+                f"{want_n} rates (one per update with rollouts, at most window={self.window})",
+                f"{rates.numel()} rates",
+                "pass the state_dict() of a CoBA with this window",
+            )
+        # the Beta shape is a function of the rates (update): a truncated or foreign window, or a shape saved with
+        # another beta_params_sum, does not give the saved one
+        if rates.numel():
+            want = coba_beta_params(min(max(1.0 - float(rates.mean()), 0.0), 1.0), self.beta_params_sum)
+        else:
+            want = (self.beta_params_sum - 2.0, 2.0)
+        for key, value in (("alpha", want[0]), ("beta", want[1])):
+            if float(s[key]) != value:
+                raise InputError(
+                    f"state[{key!r}]",
+                    f"{value!r}, the Beta shape of the saved rates (beta_params_sum={self.beta_params_sum})",
+                    repr(s[key]),
+                    "pass the state_dict() of a CoBA with this beta_params_sum",
+                )
+        self.history._assign(s["history"])
+        self._rates = s["rates"]
+        self.alpha, self.beta = float(s["alpha"]), float(s["beta"])
+        self._step = s["step"]

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import check_bool as _bool
 from rolloutopt._validation import describe
 from rolloutopt.allocators._base import (
@@ -248,11 +249,13 @@ class DARS:
         """Nothing to learn: DARS keeps nothing across steps."""
         _check_result(result)
 
+    STATE: ClassVar[dict[str, Field]] = {}
+    """The declared fields of :meth:`state_dict`: none (stateless; only the format version is saved)."""
+
     def state_dict(self) -> dict[str, Any]:
-        """No state."""
-        return {}
+        """No state: only the format version."""
+        return dump_state({})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """No state (an empty dict)."""
-        if not isinstance(state, dict) or state:
-            raise InputError("state", "an empty dict", describe(state), "pass DARS().state_dict()")
+        """No state; a state with any key (or another format version) is an ``InputError``."""
+        load_state(state, self.STATE, "DARS")

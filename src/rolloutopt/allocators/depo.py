@@ -25,7 +25,8 @@ import torch
 from jaxtyping import Bool
 from torch import Tensor
 
-from rolloutopt._validation import check_state, describe
+from rolloutopt._state import Field, dump_state, load_state
+from rolloutopt._validation import describe
 from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
@@ -38,7 +39,7 @@ from rolloutopt.allocators._base import (
     as_prompt_ids,
     check_budget,
 )
-from rolloutopt.allocators._filters import _check_entropy, _check_rows, _keyed, _order, _shift_in
+from rolloutopt.allocators._filters import _check_entropy, _check_window, _keyed, _order, _shift_in
 from rolloutopt.allocators._ids import _insert, _lookup
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, FloatG, FloatP, IntB, IntP
@@ -307,25 +308,35 @@ class DEPO:
         if self.steps_per_epoch is not None:
             self.epoch = self.steps // self.steps_per_epoch
 
+    STATE: ClassVar[dict[str, Field]] = {
+        "ids": Field("int", ("M",), ("ids",)),
+        "scores": Field("float", ("M", "W"), ("finite_or_nan",)),
+        "count": Field("int", ("M",), ("nonneg",)),
+        "epoch": Field("integer", low=0),
+        "steps": Field("integer", low=0),
+        "generator": Field("generator"),
+    }
+    """The declared fields of :meth:`state_dict` (NaN marks an empty window slot; ``W`` must equal ``history_k``,
+    checked by :meth:`load_state_dict`)."""
+
     def state_dict(self) -> dict[str, Any]:
         """Sorted ids, score windows ``[M, history_k]``, counts, epoch, steps and the generator; copies."""
-        return {
-            "ids": self._ids.clone(),
-            "scores": self._scores.clone(),
-            "count": self._count.clone(),
-            "epoch": self.epoch,
-            "steps": self.steps,
-            "generator": self._gen.get_state(),
-        }
+        return dump_state(
+            {
+                "ids": self._ids.clone(),
+                "scores": self._scores.clone(),
+                "count": self._count.clone(),
+                "epoch": self.epoch,
+                "steps": self.steps,
+                "generator": self._gen.get_state(),
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (validated: keys, shapes, sorted distinct ids)."""
-        check_state(state, {"ids", "scores", "count", "epoch", "steps", "generator"}, "DEPO")
-        m = state["ids"].numel() if isinstance(state["ids"], Tensor) else -1
-        _check_rows(state, {"ids": (m,), "scores": (m, self.history_k), "count": (m,)}, "DEPO")
-        self._ids = state["ids"].clone().long()
-        self._scores = state["scores"].clone().double()
-        self._count = state["count"].clone().long()
-        self.epoch = _check_int(state["epoch"], "state['epoch']", 0, "pass DEPO.state_dict()")
-        self.steps = _check_int(state["steps"], "state['steps']", 0, "pass DEPO.state_dict()")
-        self._gen.set_state(state["generator"])
+        """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one),
+        with windows of this allocator's ``history_k``."""
+        s = load_state(state, self.STATE, "DEPO")
+        _check_window(s["scores"], "scores", self.history_k, "DEPO", "history_k")
+        self._ids, self._scores, self._count = s["ids"], s["scores"], s["count"]
+        self.epoch, self.steps = s["epoch"], s["steps"]
+        self._gen.set_state(s["generator"])

@@ -21,7 +21,8 @@ import torch
 from jaxtyping import Float, Int, Shaped
 from torch import Tensor
 
-from rolloutopt._validation import check_state, describe, require_experimental
+from rolloutopt._state import Field, dump_state, load_state
+from rolloutopt._validation import describe, require_experimental
 from rolloutopt.allocators._base import (
     AllocationResult,
     OneShotPlan,
@@ -282,6 +283,31 @@ class DOTS:
         self._ref_labels = torch.zeros(0, dtype=_F64)
         self._buf = _empty_replay(self.n_max)
         self._planned_groups = 0  # B of the last plan: the "code" rule truncates to buffer_size - floor(sigma B)
+        self.STATE = {
+            "step": Field("integer", low=0),
+            "next_key": Field("integer", low=0),
+            "label_ids": Field("int", ("L",), ("ids",)),
+            "labels": Field("float", ("L",), ("finite",)),  # group mean rewards (success rates with a threshold)
+            "ref_ids": Field("int", ("R",)),  # a FIFO: unsorted, a prompt may repeat
+            "ref_labels": Field("float", ("R",), ("finite",)),
+            # G stored groups, oldest first; keys < next_key and counts <= n_max, checked after load_state
+            "buffer": Field(
+                "nested",
+                fields={
+                    "keys": Field("int", ("G",), ("ids", "nonneg")),
+                    "prompt_ids": Field("int", ("G",)),
+                    "steps": Field("int", ("G",), ("nonneg",)),
+                    "counts": Field("int", ("G",), ("nonneg",)),
+                    "rewards": Field("float", ("G", self.n_max), ("finite",)),
+                },
+            ),
+            "planned_groups": Field("integer", low=0),
+            "generator": Field("generator"),
+        }
+
+    STATE: dict[str, Field]
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`; built per instance: the
+    buffer's width is ``n_max``)."""
 
     def _set_embeddings(self, embeddings: Any, embedding_ids: Any) -> None:
         if not isinstance(embeddings, Tensor) or embeddings.ndim != 2 or not embeddings.is_floating_point():
@@ -474,48 +500,38 @@ class DOTS:
     def state_dict(self) -> dict[str, Any]:
         """Labels, reference set, replay buffer, counters (``planned_groups``: :math:`B` of the last plan, which the
         ``"code"`` buffer rule truncates with) and the generator state (copies; embeddings are config)."""
-        return {
-            "step": self._step,
-            "next_key": self._next_key,
-            "label_ids": self._label_ids.clone(),
-            "labels": self._labels.clone(),
-            "ref_ids": self._ref_ids.clone(),
-            "ref_labels": self._ref_labels.clone(),
-            "buffer": self.replay_buffer(),
-            "planned_groups": self._planned_groups,
-            "generator": self._gen.get_state(),
-        }
+        return dump_state(
+            {
+                "step": self._step,
+                "next_key": self._next_key,
+                "label_ids": self._label_ids.clone(),
+                "labels": self._labels.clone(),
+                "ref_ids": self._ref_ids.clone(),
+                "ref_labels": self._ref_labels.clone(),
+                "buffer": self.replay_buffer(),
+                "planned_groups": self._planned_groups,
+                "generator": self._gen.get_state(),
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (validated: keys and aligned shapes)."""
-        keys = {"step", "next_key", "label_ids", "labels", "ref_ids", "ref_labels", "buffer", "planned_groups"}
-        check_state(state, keys | {"generator"}, "DOTS")
-        planned = state["planned_groups"]
-        if isinstance(planned, Tensor) and planned.ndim == 0 and not planned.is_floating_point():
-            planned = int(planned)
-        if isinstance(planned, bool) or not isinstance(planned, int) or planned < 0:
+        """Restore a :meth:`state_dict`, validated field by field (an ``InputError`` names a bad one)."""
+        s = load_state(state, self.STATE, "DOTS")
+        buf = s["buffer"]
+        if buf["keys"].numel() and int(buf["keys"][-1]) >= s["next_key"]:
             raise InputError(
-                "state['planned_groups']", "an int >= 0 (B of the last plan)", describe(planned), "pass state_dict()"
+                "state['buffer']['keys']", f"keys below next_key={s['next_key']}", "a key not below it", "pass state"
             )
-        buf = state["buffer"]
-        ok = isinstance(buf, dict) and set(buf) == set(_empty_replay(1))
-        ok = ok and all(isinstance(v, Tensor) for v in buf.values())
-        if ok:
-            g = buf["keys"].numel()
-            ok = all(buf[k].shape == (g,) for k in ("prompt_ids", "steps", "counts"))
-            ok = ok and buf["rewards"].shape == (g, self.n_max)
-        pairs = (("label_ids", "labels"), ("ref_ids", "ref_labels"))
-        for a, b in pairs:
-            ok = ok and isinstance(state[a], Tensor) and isinstance(state[b], Tensor)
-            ok = ok and state[a].shape == state[b].shape and state[a].ndim == 1
-        if not ok:
-            raise InputError("state", "a DOTS.state_dict() of an allocator with this n_max", "other contents", "fix")
-        self._step = int(state["step"])
-        self._next_key = int(state["next_key"])
-        self._label_ids = state["label_ids"].clone().long()
-        self._labels = state["labels"].clone().to(_F64)
-        self._ref_ids = state["ref_ids"].clone().long()
-        self._ref_labels = state["ref_labels"].clone().to(_F64)
-        self._buf = {k: v.clone() for k, v in buf.items()}
-        self._planned_groups = planned
-        self._gen.set_state(state["generator"])
+        if bool((buf["counts"] > self.n_max).any()):
+            raise InputError(
+                "state['buffer']['counts']", f"counts <= n_max={self.n_max}", "a larger count", "pass state_dict()"
+            )
+        self._step = s["step"]
+        self._next_key = s["next_key"]
+        self._label_ids = s["label_ids"]
+        self._labels = s["labels"]
+        self._ref_ids = s["ref_ids"]
+        self._ref_labels = s["ref_labels"]
+        self._buf = buf
+        self._planned_groups = s["planned_groups"]
+        self._gen.set_state(s["generator"])

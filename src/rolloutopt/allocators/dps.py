@@ -21,7 +21,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from rolloutopt._validation import check_state, describe
+from rolloutopt._state import Field, dump_state, load_state
+from rolloutopt._validation import describe
 from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
@@ -360,44 +361,42 @@ class DPS:
         times[pos] += 1
         self._times = times
 
+    STATE: ClassVar[dict[str, Field]] = {
+        "ids": Field("int", ("M",), ("ids",)),
+        "alpha": Field("float", ("M", 3, 3), ("nonneg",)),
+        "pi": Field("float", ("M", 3), ("prob",)),
+        "pi_before": Field("float", ("M", 3), ("prob",)),
+        "sampled_times": Field("int", ("M",), ("nonneg",)),
+        "generator": Field("generator"),
+    }
+    """The declared fields of :meth:`state_dict` (every column of ``alpha`` must also have a positive sum, checked
+    by :meth:`load_state_dict`)."""
+
     def state_dict(self) -> dict[str, Any]:
         """The per-prompt HMM state (sorted ids and aligned tensors) and the generator state; copies."""
-        return {
-            "ids": self._ids.clone(),
-            "alpha": self._alpha.clone(),
-            "pi": self._pi.clone(),
-            "pi_before": self._pi_before.clone(),
-            "sampled_times": self._times.clone(),
-            "generator": self._gen.get_state(),
-        }
+        return dump_state(
+            {
+                "ids": self._ids.clone(),
+                "alpha": self._alpha.clone(),
+                "pi": self._pi.clone(),
+                "pi_before": self._pi_before.clone(),
+                "sampled_times": self._times.clone(),
+                "generator": self._gen.get_state(),
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (validated: keys, shapes, sorted distinct ids)."""
-        keys = {"ids", "alpha", "pi", "pi_before", "sampled_times", "generator"}
-        check_state(state, keys, "DPS")
-        ids = state["ids"]
-        k = ids.numel() if isinstance(ids, Tensor) else -1
-        shapes = {"ids": (k,), "alpha": (k, 3, 3), "pi": (k, 3), "pi_before": (k, 3), "sampled_times": (k,)}
-        for key, shape in shapes.items():
-            if not isinstance(state[key], Tensor) or tuple(state[key].shape) != shape:
-                raise InputError(
-                    f"state[{key!r}]", f"a tensor of shape {shape}", describe(state[key]), "pass DPS.state_dict()"
-                )
-        if k > 1 and not bool((ids[1:] > ids[:-1]).all()):
-            raise InputError("state['ids']", "sorted distinct ids", "unsorted ids", "pass DPS.state_dict()")
-        alpha = state["alpha"].to(torch.float64)
-        if k > 0 and (
-            not bool(torch.isfinite(alpha).all()) or bool((alpha < 0).any()) or bool((alpha.sum(1) <= 0).any())
-        ):
+        """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one),
+        with every column of ``alpha`` summing to a positive count (the transition matrix divides by it)."""
+        s = load_state(state, self.STATE, "DPS")
+        alpha = s["alpha"]
+        if bool((alpha.sum(1) <= 0).any()):
             raise InputError(
                 "state['alpha']",
                 "finite non-negative counts, every column sum positive",
-                "other values",
+                "a column summing to 0",
                 "pass DPS.state_dict()",
             )
-        self._ids = ids.clone().long()
-        self._alpha = alpha.clone()
-        self._pi = state["pi"].clone().to(torch.float64)
-        self._pi_before = state["pi_before"].clone().to(torch.float64)
-        self._times = state["sampled_times"].clone().long()
-        self._gen.set_state(state["generator"])
+        self._ids, self._alpha, self._pi, self._pi_before = s["ids"], alpha, s["pi"], s["pi_before"]
+        self._times = s["sampled_times"]
+        self._gen.set_state(s["generator"])

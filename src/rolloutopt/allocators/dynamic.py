@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
+from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import check_int as _check_int
 from rolloutopt._validation import choice, describe
 from rolloutopt.allocators._base import (
@@ -254,12 +255,14 @@ class DAPODynamicSampling:
         """Nothing to learn: dynamic sampling keeps no state across steps."""
         _check_result(result)
 
+    STATE: ClassVar[dict[str, Field]] = {"generator": Field("generator")}
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
+
     def state_dict(self) -> dict[str, Any]:
         """The generator state (the only state)."""
-        return {"generator": self._gen.get_state().clone()}
+        return dump_state({"generator": self._gen.get_state().clone()})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        if not isinstance(state, dict) or not isinstance(state.get("generator"), Tensor):
-            raise InputError("state", "a DAPODynamicSampling.state_dict()", describe(state), "pass state_dict()")
-        self._gen.set_state(state["generator"].clone())
+        """Restore :meth:`state_dict`, validated field by field (an ``InputError`` names a bad one)."""
+        s = load_state(state, self.STATE, "DAPODynamicSampling")
+        self._gen.set_state(s["generator"])

@@ -14,8 +14,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import check_bool as _bool
-from rolloutopt._validation import check_state, describe
+from rolloutopt._validation import describe
 from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
@@ -324,36 +325,62 @@ class E3Budget:
         self.n_max = min(self.n_max + self.n_update, self.n_high)
         self._epoch += 1
 
+    STATE: ClassVar[dict[str, Field]] = {
+        "ids": Field("int", ("K",), ("ids",)),
+        "sum": Field("float", ("K",), ("finite",)),
+        "count": Field("int", ("K",), ("nonneg",)),
+        "rank": Field("float", ("K",), ("finite",)),  # position / K in [0, 1), or -100 (no rank yet)
+        "n_min": Field("integer", low=1),  # and n_low <= n_min <= n_max <= n_high (checked after load_state)
+        "n_max": Field("integer", low=1),
+        "epoch": Field("integer", low=0),
+        "steps": Field("integer", low=0),
+    }
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
+
     def state_dict(self) -> dict[str, Any]:
         """Per-prompt ids, reward sums, counts, ranks; the caps, epoch and step counters (copies)."""
-        return {
-            "ids": self._ids.clone(),
-            "sum": self._sum.clone(),
-            "count": self._cnt.clone(),
-            "rank": self._rank.clone(),
-            "n_min": self.n_min,
-            "n_max": self.n_max,
-            "epoch": self._epoch,
-            "steps": self._steps,
-        }
+        return dump_state(
+            {
+                "ids": self._ids.clone(),
+                "sum": self._sum.clone(),
+                "count": self._cnt.clone(),
+                "rank": self._rank.clone(),
+                "n_min": self.n_min,
+                "n_max": self.n_max,
+                "epoch": self._epoch,
+                "steps": self._steps,
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved (validated: keys, shapes, sorted distinct ids)."""
-        keys = {"ids", "sum", "count", "rank", "n_min", "n_max", "epoch", "steps"}
-        check_state(state, keys, "E3Budget")
-        ids = state["ids"]
-        k = ids.numel() if isinstance(ids, Tensor) else -1
-        ok = k >= 0 and all(isinstance(state[x], Tensor) and state[x].shape == (k,) for x in ("sum", "count", "rank"))
-        if not ok or (k > 1 and not bool((ids[1:] > ids[:-1]).all())):
+        """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one);
+        the caps must lie in this allocator's ``[n_low, n_high]``."""
+        s = load_state(state, self.STATE, "E3Budget")
+        rank = s["rank"]
+        if bool(((rank != _UNSEEN_RANK) & ((rank < 0) | (rank >= 1))).any()):
             raise InputError(
-                "state", "sorted distinct ids with [K] sum/count/rank", describe(state), "pass state_dict()"
+                "state['rank']",
+                f"ranks in [0, 1) or {_UNSEEN_RANK} (none)",
+                describe(state["rank"]),
+                "pass state_dict()",
             )
-        self._ids = ids.clone().long()
-        self._sum = state["sum"].clone().double()
-        self._cnt = state["count"].clone().long()
-        self._rank = state["rank"].clone().double()
-        self.n_min, self.n_max = int(state["n_min"]), int(state["n_max"])
-        self._epoch, self._steps = int(state["epoch"]), int(state["steps"])
+        if not self.n_low <= s["n_min"] <= self.n_high:
+            raise InputError(
+                "state['n_min']",
+                f"n_low = {self.n_low} <= n_min <= n_high = {self.n_high}",
+                repr(s["n_min"]),
+                "pass the state_dict() of an E3Budget with the same n_low and n_high",
+            )
+        if not s["n_min"] <= s["n_max"] <= self.n_high:
+            raise InputError(
+                "state['n_max']",
+                f"n_min = {s['n_min']} <= n_max <= n_high = {self.n_high}",
+                repr(s["n_max"]),
+                "pass the state_dict() of an E3Budget with the same n_low and n_high",
+            )
+        self._ids, self._sum, self._cnt, self._rank = s["ids"], s["sum"], s["count"], rank
+        self.n_min, self.n_max = s["n_min"], s["n_max"]
+        self._epoch, self._steps = s["epoch"], s["steps"]
 
 
 # -- E3 temperature -----------------------------------------------------------------------------------------------
@@ -480,22 +507,49 @@ class E3Temperature:
         self._steps += 1
         return self.temperature
 
+    STATE: ClassVar[dict[str, Field]] = {
+        "temperature": Field("real"),  # unbounded: without t_min the rule may drive it to <= 0 (the code's quirk)
+        "target_entropy": Field("any"),  # None (not yet known) or a finite number >= 0: checked by load_state_dict
+        "initial_target": Field("any"),  # None or a finite number > 0: checked by load_state_dict
+        "steps": Field("integer", low=1),
+        "init_entropy": Field("any"),  # a list of finite numbers > 0 (recorded entropies): checked by load_state_dict
+    }
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
+
     def state_dict(self) -> dict[str, Any]:
         """Temperature, targets, step counter and the recorded initial entropies."""
-        return {
-            "temperature": self.temperature,
-            "target_entropy": self.target_entropy,
-            "initial_target": self._initial_target,
-            "steps": self._steps,
-            "init_entropy": list(self._init_entropy),
-        }
+        return dump_state(
+            {
+                "temperature": self.temperature,
+                "target_entropy": self.target_entropy,
+                "initial_target": self._initial_target,
+                "steps": self._steps,
+                "init_entropy": list(self._init_entropy),
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
-        keys = {"temperature", "target_entropy", "initial_target", "steps", "init_entropy"}
-        check_state(state, keys, "E3Temperature")
-        self.temperature = float(state["temperature"])
-        self.target_entropy = state["target_entropy"]
-        self._initial_target = state["initial_target"]
-        self._steps = int(state["steps"])
-        self._init_entropy = [float(x) for x in state["init_entropy"]]
+        """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one)."""
+        s = load_state(state, self.STATE, "E3Temperature")
+
+        def number(x: Any, positive: bool) -> bool:
+            ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            return ok and (x > 0 if positive else x >= 0)
+
+        for key, positive in (("target_entropy", False), ("initial_target", True)):
+            if s[key] is not None and not number(s[key], positive):
+                want = f"None or a finite number {'> 0' if positive else '>= 0'}"
+                raise InputError(f"state[{key!r}]", want, describe(s[key]), "pass E3Temperature.state_dict()")
+        ent = s["init_entropy"]
+        if not isinstance(ent, list) or not all(number(x, True) for x in ent):
+            raise InputError(
+                "state['init_entropy']",
+                "a list of finite entropies > 0",
+                describe(ent),
+                "pass E3Temperature.state_dict()",
+            )
+        self.temperature = float(s["temperature"])
+        self.target_entropy = None if s["target_entropy"] is None else float(s["target_entropy"])
+        self._initial_target = None if s["initial_target"] is None else float(s["initial_target"])
+        self._steps = s["steps"]
+        self._init_entropy = [float(x) for x in ent]

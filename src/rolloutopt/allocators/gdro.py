@@ -24,8 +24,9 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from rolloutopt._state import Check, Field, dump_state, load_state
 from rolloutopt._validation import check_int as _int
-from rolloutopt._validation import check_state, choice, describe, positive, require_experimental
+from rolloutopt._validation import choice, describe, positive, require_experimental
 from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
@@ -87,14 +88,31 @@ class _BinEMA:
     def state(self) -> dict[str, Tensor]:
         return {"s": self.s.clone(), "t": self.t.clone()}
 
-    def load(self, state: Any, name: str) -> None:
-        k = self.s.numel()
-        check_state(state, {"s", "t"}, "the allocator", name)
-        for key in ("s", "t"):
-            if not isinstance(state[key], Tensor) or state[key].shape != (k,):
-                raise InputError(f"{name}['{key}']", f"a tensor of shape ({k},)", describe(state[key]), "same bins")
-        self.s = state["s"].to(_F64).clone()
-        self.t = state["t"].long().clone()
+    def load(self, s: dict[str, Tensor]) -> None:
+        """Take a state validated against :func:`_bin_ema_fields` (fresh copies from ``load_state``)."""
+        self.s, self.t = s["s"], s["t"]
+
+
+def _bin_ema_fields(check: Check) -> dict[str, Field]:
+    """The nested fields of a :class:`_BinEMA` state: ``s`` (with ``check``) and the update counts ``t``, one per
+    bin (``K``, shared by every bin EMA of the allocator; it must equal the classifier's ``num_bins``)."""
+    return {"s": Field("float", ("K",), (check,)), "t": Field("int", ("K",), ("nonneg",))}
+
+
+def _check_bins(s: dict[str, Any], keys: tuple[str, ...], classifier: DifficultyClassifier) -> None:
+    """The semantic checks of a GDRO state that passed its ``STATE``: bin EMAs over the classifier's bins, and
+    the classifier's own check."""
+    k = classifier.num_bins
+    for key in keys:
+        t = s[key]["s"]
+        if t.numel() != k:
+            raise InputError(
+                f"state[{key!r}]['s']",
+                f"{k} bins (the classifier's num_bins)",
+                describe(t),
+                "pass the state_dict() of an allocator whose classifier has the same edges",
+            )
+    classifier._check_loaded(s["classifier"], "state['classifier']")
 
 
 def _mw_probs(scores: _BinEMA, present: Tensor, eta: float, gamma: float) -> Tensor:
@@ -148,12 +166,6 @@ def _classifier(classifier: Any) -> DifficultyClassifier:
     if not isinstance(classifier, DifficultyClassifier):
         raise InputError("classifier", "a DifficultyClassifier or None", describe(classifier), "leave it None")
     return classifier
-
-
-def _load_generator(g: torch.Generator, state: Any) -> None:
-    if not isinstance(state, Tensor) or state.dtype != torch.uint8:
-        raise InputError("state['generator']", "a uint8 generator state", describe(state), "pass a state_dict()")
-    g.set_state(state.clone())
 
 
 # ------------------------------------------------------------------------------------------------ Prompt-GDRO
@@ -308,20 +320,32 @@ class PromptGDRO:
         self._scores.update(self.classifier._bins_at(pos, found), h)
         self.classifier._visit(ids, n[visited], c[visited], pos, found)
 
+    STATE: ClassVar[dict[str, Field]] = {
+        "scores": Field("nested", fields=_bin_ema_fields("finite")),
+        "classifier": Field("nested", fields=DifficultyClassifier.STATE),
+        "generator": Field("generator"),
+    }
+    """The declared fields of :meth:`state_dict` (the bin count must also equal the classifier's ``num_bins``,
+    checked by :meth:`load_state_dict`)."""
+
     def state_dict(self) -> dict[str, Any]:
         """Bin scores, classifier state and the generator state (copies)."""
-        return {
-            "scores": self._scores.state(),
-            "classifier": self.classifier.state_dict(),
-            "generator": self._gen.get_state(),
-        }
+        return dump_state(
+            {
+                "scores": self._scores.state(),
+                "classifier": self.classifier._state(),
+                "generator": self._gen.get_state(),
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the allocator then continues exactly as the saved one would."""
-        check_state(state, {"scores", "classifier", "generator"}, "PromptGDRO")
-        self._scores.load(state["scores"], "state['scores']")
-        self.classifier.load_state_dict(state["classifier"])
-        _load_generator(self._gen, state["generator"])
+        """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one); the
+        allocator then continues exactly as the saved one would."""
+        s = load_state(state, self.STATE, "PromptGDRO")
+        _check_bins(s, ("scores",), self.classifier)
+        self._scores.load(s["scores"])
+        self.classifier._assign(s["classifier"])
+        self._gen.set_state(s["generator"])
 
 
 # ----------------------------------------------------------------------------------------------- Rollout-GDRO
@@ -576,23 +600,35 @@ class RolloutGDRO:
             )
         self.classifier._visit(ids, n[visited], c[visited], pos, found)
 
+    STATE: ClassVar[dict[str, Field]] = {
+        "mu": Field("real", low=0.0),
+        "scores": Field("nested", fields=_bin_ema_fields("finite")),
+        "rate": Field("nested", fields=_bin_ema_fields("prob")),
+        "classifier": Field("nested", fields=DifficultyClassifier.STATE),
+        "generator": Field("generator"),
+    }
+    """The declared fields of :meth:`state_dict` (the bin count must also equal the classifier's ``num_bins``,
+    checked by :meth:`load_state_dict`)."""
+
     def state_dict(self) -> dict[str, Any]:
         """The price, bin EMAs, classifier state and generator state (copies)."""
-        return {
-            "mu": self.mu,
-            "scores": self._scores.state(),
-            "rate": self._rate.state(),
-            "classifier": self.classifier.state_dict(),
-            "generator": self._gen.get_state(),
-        }
+        return dump_state(
+            {
+                "mu": self.mu,
+                "scores": self._scores.state(),
+                "rate": self._rate.state(),
+                "classifier": self.classifier._state(),
+                "generator": self._gen.get_state(),
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the allocator then continues exactly as the saved one would."""
-        keys = {"mu", "scores", "rate", "classifier", "generator"}
-        check_state(state, keys, "RolloutGDRO")
-        positive(state["mu"], "state['mu']", strict=False)
-        self._scores.load(state["scores"], "state['scores']")
-        self._rate.load(state["rate"], "state['rate']")
-        self.classifier.load_state_dict(state["classifier"])
-        _load_generator(self._gen, state["generator"])
-        self.mu = float(state["mu"])
+        """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one); the
+        allocator then continues exactly as the saved one would."""
+        s = load_state(state, self.STATE, "RolloutGDRO")
+        _check_bins(s, ("scores", "rate"), self.classifier)
+        self._scores.load(s["scores"])
+        self._rate.load(s["rate"])
+        self.classifier._assign(s["classifier"])
+        self._gen.set_state(s["generator"])
+        self.mu = float(s["mu"])

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import check_int as _int
-from rolloutopt._validation import check_state, choice, describe, positive, require_experimental
+from rolloutopt._validation import choice, describe, positive, require_experimental
 from rolloutopt.allocators._base import as_prompt_ids
 from rolloutopt.allocators._ids import _sort_ids
 from rolloutopt.errors import InputError
@@ -376,8 +377,23 @@ class DifficultyClassifier:
             self._ids, self._ema, self._bin = self._ids[keep], self._ema[keep], self._bin[keep]
             self._streak, self._last = self._streak[keep], self._last[keep]
 
+    STATE: ClassVar[dict[str, Field]] = {
+        "ids": Field("int", ("M",), ("ids",)),
+        "ema": Field("float", ("M",), ("prob",)),
+        "bin": Field("int", ("M",), ("nonneg",)),
+        "streak": Field("int", ("M",), ("nonneg",)),
+        "last": Field("int", ("M",), ("nonneg",)),
+        "step": Field("integer", low=0),
+    }
+    """The declared fields of :meth:`state_dict` (bins must also be below ``num_bins``, checked by
+    :meth:`load_state_dict`); the GDRO allocators nest it under ``"classifier"``."""
+
     def state_dict(self) -> dict[str, Any]:
         """Copies of the per-prompt state (sorted ids, EMA, bin, streak, last visit) and the step counter."""
+        return dump_state(self._state())
+
+    def _state(self) -> dict[str, Any]:
+        """The fields of :meth:`state_dict` without the format version (what the GDRO allocators nest)."""
         return {
             "ids": self._ids.clone(),
             "ema": self._ema.clone(),
@@ -388,23 +404,19 @@ class DifficultyClassifier:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (validated: keys, shapes, sorted distinct ids, bins in range)."""
-        keys = {"ids", "ema", "bin", "streak", "last", "step"}
-        check_state(state, keys, "DifficultyClassifier")
-        ids = as_prompt_ids(state["ids"], "state['ids']")
-        s = ids.numel()
-        tensors = {name: state[name] for name in ("ema", "bin", "streak", "last")}
-        for name, t in tensors.items():
-            if not isinstance(t, Tensor) or t.shape != (s,):
-                raise InputError(f"state['{name}']", f"a tensor of shape ({s},)", describe(t), "pass a state_dict()")
-        if s and not bool((ids[1:] > ids[:-1]).all()):
-            raise InputError("state['ids']", "sorted ids", describe(state["ids"]), "pass a state_dict()")
-        b = state["bin"].long()
-        if s and not bool(((b >= 0) & (b < self.num_bins)).all()):
-            raise InputError("state['bin']", f"bins in [0, {self.num_bins})", describe(state["bin"]), "same edges")
-        self._ids = ids.clone()
-        self._ema = state["ema"].to(_F64).clone()
-        self._bin = b.clone()
-        self._streak = state["streak"].long().clone()
-        self._last = state["last"].long().clone()
-        self._step = _int(state["step"], "state['step']", 0)
+        """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one),
+        with bins of this classifier's edges."""
+        s = load_state(state, self.STATE, "DifficultyClassifier")
+        self._check_loaded(s, "state")
+        self._assign(s)
+
+    def _check_loaded(self, s: dict[str, Any], name: str) -> None:
+        """The semantic check of a state that passed :data:`STATE` (``name``: its path, for the error)."""
+        b = s["bin"]
+        if b.numel() and not bool((b < self.num_bins).all()):
+            raise InputError(f"{name}['bin']", f"bins in [0, {self.num_bins})", describe(b), "same edges")
+
+    def _assign(self, s: dict[str, Any]) -> None:
+        """Take the fields of a validated state (fresh copies from ``load_state``)."""
+        self._ids, self._ema, self._bin, self._streak, self._last = s["ids"], s["ema"], s["bin"], s["streak"], s["last"]
+        self._step = s["step"]

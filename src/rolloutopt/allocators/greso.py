@@ -21,7 +21,8 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from rolloutopt._validation import check_state, describe
+from rolloutopt._state import Field, dump_state, load_state
+from rolloutopt._validation import describe
 from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
@@ -473,37 +474,37 @@ class GRESO:
     def _step(self, p: float, above: bool) -> float:
         return max(p - self.p_step, self.min_p) if above else min(p + self.p_step, self.max_p)
 
+    STATE: ClassVar[dict[str, Field]] = {
+        "ids": Field("int", ("M",), ("ids",)),
+        "k_easy": Field("int", ("M",), ("nonneg",)),
+        "k_hard": Field("int", ("M",), ("nonneg",)),
+        "p_easy": Field("real", low=0.0, high=1.0),
+        "p_hard": Field("real", low=0.0, high=1.0),
+        "epoch": Field("integer", low=0),
+        "steps": Field("integer", low=0),
+        "generator": Field("generator"),
+    }
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
+
     def state_dict(self) -> dict[str, Any]:
         """Run lengths (sorted ids, aligned int64 tensors), p_easy, p_hard, epoch, steps and the generator; copies."""
-        return {
-            "ids": self._ids.clone(),
-            "k_easy": self._k_easy.clone(),
-            "k_hard": self._k_hard.clone(),
-            "p_easy": self.p_easy,
-            "p_hard": self.p_hard,
-            "epoch": self.epoch,
-            "steps": self.steps,
-            "generator": self._gen.get_state(),
-        }
+        return dump_state(
+            {
+                "ids": self._ids.clone(),
+                "k_easy": self._k_easy.clone(),
+                "k_hard": self._k_hard.clone(),
+                "p_easy": self.p_easy,
+                "p_hard": self.p_hard,
+                "epoch": self.epoch,
+                "steps": self.steps,
+                "generator": self._gen.get_state(),
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (validated: keys, shapes, sorted distinct ids)."""
-        keys = {"ids", "k_easy", "k_hard", "p_easy", "p_hard", "epoch", "steps", "generator"}
-        check_state(state, keys, "GRESO")
-        ids = state["ids"]
-        k = ids.numel() if isinstance(ids, Tensor) else -1
-        for key in ("ids", "k_easy", "k_hard"):
-            if not isinstance(state[key], Tensor) or tuple(state[key].shape) != (k,):
-                raise InputError(
-                    f"state[{key!r}]", f"a tensor of shape {(k,)}", describe(state[key]), "pass GRESO.state_dict()"
-                )
-        if k > 1 and not bool((ids[1:] > ids[:-1]).all()):
-            raise InputError("state['ids']", "sorted distinct ids", "unsorted ids", "pass GRESO.state_dict()")
-        self._ids = ids.clone().long()
-        self._k_easy = state["k_easy"].clone().long()
-        self._k_hard = state["k_hard"].clone().long()
-        self.p_easy = _check_float(state["p_easy"], "state['p_easy']", 0.0, 1.0, "pass GRESO.state_dict()")
-        self.p_hard = _check_float(state["p_hard"], "state['p_hard']", 0.0, 1.0, "pass GRESO.state_dict()")
-        self.epoch = _check_int(state["epoch"], "state['epoch']", 0, "pass GRESO.state_dict()")
-        self.steps = _check_int(state["steps"], "state['steps']", 0, "pass GRESO.state_dict()")
-        self._gen.set_state(state["generator"])
+        """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one)."""
+        s = load_state(state, self.STATE, "GRESO")
+        self._ids, self._k_easy, self._k_hard = s["ids"], s["k_easy"], s["k_hard"]
+        self.p_easy, self.p_hard = float(s["p_easy"]), float(s["p_hard"])
+        self.epoch, self.steps = s["epoch"], s["steps"]
+        self._gen.set_state(s["generator"])

@@ -23,6 +23,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import check_int as _check_int
 from rolloutopt._validation import checks_enabled, choice, describe
 from rolloutopt.allocators._base import AllocationResult, _check_result
@@ -281,6 +282,12 @@ class PromptHistory:
         self._ids = torch.zeros(0, dtype=torch.long)
         self._f: dict[str, Tensor] = {}
         self._reset_fields(0)
+        self.STATE = _history_state(self.window)
+
+    STATE: dict[str, Field]
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`; the window width ``W`` is
+    this history's ``window``, so the spec is built per instance). An allocator that holds a history nests it:
+    ``Field("nested", fields=history.STATE)``."""
 
     @classmethod
     def from_preset(cls, preset: str, **kwargs: Any) -> PromptHistory:
@@ -549,27 +556,63 @@ class PromptHistory:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue identically: the configuration, the update counter and every field."""
-        return {
-            "version": 1,
-            "config": self._config(),
-            "clock": self._clock,
-            "prompt_ids": self._ids.clone(),
-            **{name: t.clone() for name, t in self._f.items()},
-        }
+        return dump_state(
+            {
+                "version": 1,
+                "config": self._config(),
+                "clock": self._clock,
+                "prompt_ids": self._ids.clone(),
+                **{name: t.clone() for name, t in self._f.items()},
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the configuration must equal this history's (else InputError)."""
-        if not isinstance(state, dict) or state.get("version") != 1:
-            raise InputError("state", "a PromptHistory.state_dict() (version 1)", describe(state), "pass state_dict()")
-        if state.get("config") != self._config():
+        """Restore a :meth:`state_dict`, validated field by field (an ``InputError`` names a bad one); the
+        configuration must equal this history's."""
+        s = load_state(state, self.STATE, "PromptHistory")
+        self._check_loaded(s, "state")
+        self._assign(s)
+
+    def _check_loaded(self, s: dict[str, Any], name: str) -> None:
+        """The checks :func:`~rolloutopt._state.load_state` cannot know, on its output ``s`` (``name``: the path
+        of the history's state, e.g. ``"state['history']"`` for an allocator that nests one)."""
+        config, want = s["config"], self._config()
+        same = isinstance(config, dict) and set(config) == set(want)
+        same = same and all(type(config[k]) is type(v) and config[k] == v for k, v in want.items())
+        if not same:
             raise InputError(
-                "state",
-                f"a state saved with the same configuration {self._config()}",
-                f"configuration {state.get('config')}",
+                f"{name}['config']",
+                f"a state saved with the same configuration {want}",
+                f"configuration {config if isinstance(config, dict) else describe(config)}",
                 "construct the PromptHistory with the saved configuration (state['config'])",
             )
-        ids = state["prompt_ids"].long().cpu().clone()
-        fields = {name: state[name].cpu().clone() for name in (*_INT_FIELDS, *_FLOAT_FIELDS, *_WINDOW_FIELDS)}
-        if any(t.shape[0] != ids.numel() for t in fields.values()) or ids.numel() > self.capacity:
-            raise InputError("state", "fields of one length <= capacity", "inconsistent lengths", "pass state_dict()")
-        self._ids, self._f, self._clock = ids, fields, int(state["clock"])
+        if s["prompt_ids"].numel() > self.capacity:
+            raise InputError(
+                f"{name}['prompt_ids']",
+                f"at most capacity={self.capacity} stored prompts",
+                describe(s["prompt_ids"]),
+                "pass the state_dict() of a history with this capacity",
+            )
+
+    def _assign(self, s: dict[str, Any]) -> None:
+        """Take the fields of a validated state (the fresh copies :func:`~rolloutopt._state.load_state` returns)."""
+        self._ids = s["prompt_ids"]
+        self._f = {name: s[name] for name in (*_INT_FIELDS, *_FLOAT_FIELDS, *_WINDOW_FIELDS)}
+        self._clock = s["clock"]
+
+
+def _history_state(window: int) -> dict[str, Field]:
+    """The fields of :meth:`PromptHistory.state_dict` for a history of ``window`` slots: ``M`` stored prompts."""
+    return {
+        "version": Field("integer", low=1, high=1),  # the history's own version key (kept for its readers)
+        "config": Field("any"),  # str, float and None values: compared with the history's own configuration
+        "clock": Field("integer", low=0),
+        "prompt_ids": Field("int", ("M",), ("ids",)),
+        # counters, and last_step / last_touch (the step and the clock of an update, both >= 0)
+        **{name: Field("int", ("M",), ("nonneg",)) for name in _INT_FIELDS},
+        "reward_sum": Field("float", ("M",), ("finite",)),
+        "ema": Field("float", ("M",), ("nonneg",)),  # an average of pass rates in [0, 1]
+        "window": Field("float", ("M", window), ("finite",)),  # mean rewards (any finite reward)
+        "window_rollouts": Field("int", ("M", window), ("nonneg",)),
+        "window_successes": Field("int", ("M", window), ("nonneg",)),
+    }

@@ -22,7 +22,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import check_state, choice, require_experimental
+from rolloutopt._state import Field, dump_state, load_state
+from rolloutopt._validation import choice, require_experimental
 from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
@@ -35,7 +36,7 @@ from rolloutopt.allocators._base import (
     as_prompt_ids,
     check_budget,
 )
-from rolloutopt.allocators._filters import _check_entropy, _check_rows, _keyed, _order, _shift_in
+from rolloutopt.allocators._filters import _check_entropy, _check_window, _keyed, _order, _shift_in
 from rolloutopt.allocators._ids import _insert, _lookup
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatP, IntP
@@ -251,24 +252,33 @@ class HIVE:
         self._reward = _shift_in(self._reward, pos, mean_r[rolled][order])
         self._entropy = _shift_in(self._entropy, pos, mean_h[rolled][order])
 
+    STATE: ClassVar[dict[str, Field]] = {
+        "ids": Field("int", ("M",), ("ids",)),
+        "reward": Field("float", ("M", "W"), ("finite_or_nan",)),
+        "entropy": Field("float", ("M", "W"), ("finite_or_nan",)),
+        "prompt_entropy": Field("float", ("M",), ("finite_or_nan",)),
+        "generator": Field("generator"),
+    }
+    """The declared fields of :meth:`state_dict` (NaN marks an empty window slot or a missing entropy; ``W`` must
+    equal ``window``, checked by :meth:`load_state_dict`)."""
+
     def state_dict(self) -> dict[str, Any]:
         """Sorted ids, reward and entropy windows ``[M, window]``, stored prompt entropies, the generator; copies."""
-        return {
-            "ids": self._ids.clone(),
-            "reward": self._reward.clone(),
-            "entropy": self._entropy.clone(),
-            "prompt_entropy": self._prompt_entropy.clone(),
-            "generator": self._gen.get_state(),
-        }
+        return dump_state(
+            {
+                "ids": self._ids.clone(),
+                "reward": self._reward.clone(),
+                "entropy": self._entropy.clone(),
+                "prompt_entropy": self._prompt_entropy.clone(),
+                "generator": self._gen.get_state(),
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (validated: keys, shapes, sorted distinct ids)."""
-        check_state(state, {"ids", "reward", "entropy", "prompt_entropy", "generator"}, "HIVE")
-        m = state["ids"].numel() if isinstance(state["ids"], Tensor) else -1
-        w = self.window
-        _check_rows(state, {"ids": (m,), "reward": (m, w), "entropy": (m, w), "prompt_entropy": (m,)}, "HIVE")
-        self._ids = state["ids"].clone().long()
-        self._reward = state["reward"].clone().double()
-        self._entropy = state["entropy"].clone().double()
-        self._prompt_entropy = state["prompt_entropy"].clone().double()
-        self._gen.set_state(state["generator"])
+        """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one),
+        with windows of this allocator's ``window``."""
+        s = load_state(state, self.STATE, "HIVE")
+        _check_window(s["reward"], "reward", self.window, "HIVE", "window")
+        self._ids, self._reward, self._entropy = s["ids"], s["reward"], s["entropy"]
+        self._prompt_entropy = s["prompt_entropy"]
+        self._gen.set_state(s["generator"])

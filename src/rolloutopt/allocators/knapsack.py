@@ -17,9 +17,10 @@ import torch
 from jaxtyping import Bool, Float, Real
 from torch import Tensor
 
+from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import check_int as _int
 from rolloutopt._validation import check_real as _float
-from rolloutopt._validation import check_state, describe
+from rolloutopt._validation import describe
 from rolloutopt.allocators._base import AllocationResult, Conversation, _check_result, as_prompt_ids, check_budget
 from rolloutopt.allocators._budget import _F64, _OneShot, _short, _spread, _top_units_by_key, _top_units_lazy, _unsort
 from rolloutopt.allocators._ids import _lookup, _sort_ids
@@ -167,6 +168,25 @@ class Knapsack:
         # the reward store, aligned with the history's sorted ids: the last reward_window successes (newest first),
         # how many of them are filled, the total rewards seen and the estimate p of the last update
         self._rewards = _empty_rewards(self.reward_window)
+        self.STATE = {
+            "history": Field("nested", fields=self.history.STATE),
+            # aligned with the history's prompts (M); filled <= reward_window and <= total, checked after load_state
+            "rewards": Field(
+                "nested",
+                fields={
+                    "prompt_ids": Field("int", ("M",), ("ids",)),
+                    "tail": Field("bool", ("M", self.reward_window)),
+                    "filled": Field("int", ("M",), ("nonneg",)),
+                    "total": Field("int", ("M",), ("nonneg",)),
+                    "rate": Field("float", ("M",), ("prob",)),
+                },
+            ),
+            "step": Field("integer", low=0),
+        }
+
+    STATE: dict[str, Field]
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`; built per instance: the
+    reward store's width is ``reward_window``)."""
 
     def gains(self, p: FloatP, cols: int | None = None) -> Float[Tensor, "P cols"]:
         """Marginal gains ``[E, cols]`` of the effective items (column ``k``: the ``(k+1)``-th extra unit; ``cols``
@@ -300,57 +320,31 @@ class Knapsack:
     def state_dict(self) -> dict[str, Any]:
         """The history, the reward store (``rewards``: ``prompt_ids [N]``, ``tail [N, reward_window]`` bool,
         ``filled``, ``total`` ``[N]`` int64, ``rate [N]`` float64) and the step counter (copies)."""
-        return {
-            "history": self.history.state_dict(),
-            "rewards": {key: v.clone() for key, v in self._rewards.items()},
-            "step": self._step,
-        }
+        return dump_state(
+            {
+                "history": self.history.state_dict(),
+                "rewards": {key: v.clone() for key, v in self._rewards.items()},
+                "step": self._step,
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (validated; a bad ``rewards`` field raises an InputError naming it)."""
-        check_state(state, {"history", "rewards", "step"}, "Knapsack")
-        rewards = state["rewards"]
-        fields = set(_empty_rewards(1))
-        if not isinstance(rewards, dict) or set(rewards) != fields:
-            raise InputError(
-                "state['rewards']", f"a dict with keys {sorted(fields)}", describe(rewards), "pass state_dict()"
-            )
-        for key in sorted(fields):
-            if not isinstance(rewards[key], Tensor):
-                raise InputError(f"state['rewards']['{key}']", "a tensor", describe(rewards[key]), "pass state_dict()")
-        size = rewards["prompt_ids"].numel()
-        shapes = {"prompt_ids": (size,), "tail": (size, self.reward_window), "filled": (size,), "total": (size,)}
-        shapes["rate"] = (size,)
-        for key, shape in shapes.items():
-            if tuple(rewards[key].shape) != shape:
-                raise InputError(
-                    f"state['rewards']['{key}']",
-                    f"shape {shape} (reward_window={self.reward_window})",
-                    describe(rewards[key]),
-                    "pass the state_dict() of a Knapsack with this reward_window",
-                )
+        """Restore a :meth:`state_dict`, validated field by field (an ``InputError`` names a bad one)."""
+        s = load_state(state, self.STATE, "Knapsack")
+        rewards = s["rewards"]
         filled = rewards["filled"]
-        if bool(((filled < 0) | (filled > self.reward_window) | (rewards["total"] < filled)).any()):
+        if bool(((filled > self.reward_window) | (rewards["total"] < filled)).any()):
             raise InputError(
                 "state['rewards']['filled']", f"counts in 0..{self.reward_window}, <= total", "other", "pass state"
             )
-        history = PromptHistory(
-            window=1, success_threshold=self.history.success_threshold, capacity=self.history.capacity
-        )
-        history.load_state_dict(state["history"])
-        if not torch.equal(history.prompt_ids, rewards["prompt_ids"].long().cpu()):
+        self.history._check_loaded(s["history"], "state['history']")
+        if not torch.equal(s["history"]["prompt_ids"], rewards["prompt_ids"]):
             raise InputError(
                 "state['rewards']['prompt_ids']", "the history's prompt ids", "other ids", "pass state_dict()"
             )
-        self.history = history
-        self._rewards = {
-            "prompt_ids": rewards["prompt_ids"].long().cpu().clone(),
-            "tail": rewards["tail"].cpu().bool().clone(),
-            "filled": rewards["filled"].cpu().long().clone(),
-            "total": rewards["total"].cpu().long().clone(),
-            "rate": rewards["rate"].cpu().to(_F64).clone(),
-        }
-        self._step = int(state["step"])
+        self.history._assign(s["history"])
+        self._rewards = rewards
+        self._step = s["step"]
 
 
 def _empty_rewards(width: int, size: int = 0) -> dict[str, Tensor]:

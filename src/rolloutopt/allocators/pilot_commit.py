@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import check_state, describe
+from rolloutopt._state import FORMAT_KEY, Field, dump_state, load_state
+from rolloutopt._validation import describe
 from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
@@ -365,29 +366,57 @@ class PilotCommit:
             self._evicted = torch.unique(torch.cat([self._evicted, gone]))
         self._step += 1
 
+    STATE: ClassVar[dict[str, Field]] = {
+        "step": Field("integer", low=0),
+        "buffer_ids": Field("int", ("M",), ("ids",)),
+        "buffer_std": Field("float", ("M",), ("prob",)),  # sqrt(m (1 - m)) of a pilot success rate m: in [0, 1/2]
+        "buffer_step": Field("int", ("M",), ("nonneg",)),
+        # optional: states saved before buffer_order existed (and before format versions were written) lack it;
+        # load_state_dict fills zeros (ties among equal (std, step) fall back to the lower id) and refuses a
+        # versioned state without it
+        "buffer_order": Field("int", ("M",), ("nonneg",), optional=True),
+        "evicted": Field("int", ("E",), ("ids",)),
+        "generator": Field("generator"),
+    }
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
+
     def state_dict(self) -> dict[str, Any]:
         """Buffer (ids, pilot std, step added, pilot order), evicted ids, step counter and generator state (copies)."""
-        return {
-            "step": self._step,
-            "buffer_ids": self._buf_ids.clone(),
-            "buffer_std": self._buf_std.clone(),
-            "buffer_step": self._buf_step.clone(),
-            "buffer_order": self._buf_order.clone(),
-            "evicted": self._evicted.clone(),
-            "generator": self._gen.get_state(),
-        }
+        return dump_state(
+            {
+                "step": self._step,
+                "buffer_ids": self._buf_ids.clone(),
+                "buffer_std": self._buf_std.clone(),
+                "buffer_step": self._buf_step.clone(),
+                "buffer_order": self._buf_order.clone(),
+                "evicted": self._evicted.clone(),
+                "generator": self._gen.get_state(),
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
-        keys = {"step", "buffer_ids", "buffer_std", "buffer_step", "buffer_order", "evicted", "generator"}
-        if isinstance(state, dict) and "buffer_order" not in state and isinstance(state.get("buffer_ids"), Tensor):
-            # a state saved before buffer_order existed: ties among equal (std, step) fall back to the lower id
-            state = {**state, "buffer_order": torch.zeros_like(state["buffer_ids"], dtype=torch.long)}
-        check_state(state, keys, "PilotCommit")
-        self._step = int(state["step"])
-        self._buf_ids = state["buffer_ids"].clone().long()
-        self._buf_std = state["buffer_std"].clone().double()
-        self._buf_step = state["buffer_step"].clone().long()
-        self._buf_order = state["buffer_order"].clone().long()
-        self._evicted = state["evicted"].clone().long()
-        self._gen.set_state(state["generator"])
+        """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one).
+
+        A state without ``buffer_order`` (saved before it existed, so without a format version either) loads with
+        zeros there: ties among equal (std, step) fall back to the lower id."""
+        s = load_state(state, self.STATE, "PilotCommit")
+        if "buffer_order" not in s and FORMAT_KEY in state:
+            raise InputError(
+                "state['buffer_order']",
+                "the pilot order of the buffer (every versioned PilotCommit.state_dict() has it)",
+                "a missing key",
+                "pass PilotCommit.state_dict()",
+            )
+        if s["buffer_step"].numel() and int(s["buffer_step"].max()) >= s["step"]:
+            raise InputError(
+                "state['buffer_step']",
+                f"steps before the state's step counter {s['step']} (entries are added by a finished step)",
+                f"a step up to {int(s['buffer_step'].max())}",
+                "pass PilotCommit.state_dict()",
+            )
+        order = s.get("buffer_order")
+        self._step = s["step"]
+        self._buf_ids, self._buf_std, self._buf_step = s["buffer_ids"], s["buffer_std"], s["buffer_step"]
+        self._buf_order = torch.zeros_like(self._buf_ids) if order is None else order
+        self._evicted = s["evicted"]
+        self._gen.set_state(s["generator"])

@@ -18,7 +18,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from rolloutopt._validation import check_state, describe, require_experimental
+from rolloutopt._state import Field, dump_state, load_state
+from rolloutopt._validation import describe, require_experimental
 from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
@@ -225,17 +226,29 @@ class V05Budget:
         cnt[pos] += result.counts[seen][order].double()
         self._sum, self._cnt = total, cnt
 
+    STATE: ClassVar[dict[str, Field]] = {
+        "ids": Field("int", ("M",), ("ids",)),
+        "value": Field("float", ("M",), ("finite_or_nan",)),  # NaN: no value-model prior; else in [0, 1]
+        "sum": Field("float", ("M",), ("finite",)),
+        "count": Field("float", ("M",), ("nonneg",)),
+    }
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
+
     def state_dict(self) -> dict[str, Any]:
         """Sorted ids with their value-model prior (NaN: none), reward sum and count (copies)."""
-        return {
-            "ids": self._ids.clone(),
-            "value": self._vm.clone(),
-            "sum": self._sum.clone(),
-            "count": self._cnt.clone(),
-        }
+        return dump_state(
+            {"ids": self._ids.clone(), "value": self._vm.clone(), "sum": self._sum.clone(), "count": self._cnt.clone()}
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
-        s = check_state(state, {"ids", "value", "sum", "count"}, "V05Budget")
-        self._ids, self._vm = s["ids"].clone().long(), s["value"].clone().double()
-        self._sum, self._cnt = s["sum"].clone().double(), s["count"].clone().double()
+        """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one)."""
+        s = load_state(state, self.STATE, "V05Budget")
+        vm = s["value"]
+        if bool(((vm < 0) | (vm > 1)).any()):  # NaN compares false: a missing prior passes
+            raise InputError(
+                "state['value']",
+                "priors in [0, 1] or NaN (none)",
+                describe(state["value"]),
+                "pass V05Budget.state_dict()",
+            )
+        self._ids, self._vm, self._sum, self._cnt = s["ids"], vm, s["sum"], s["count"]

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import describe, require_experimental
 from rolloutopt.allocators._base import (
     AllocationResult,
@@ -323,9 +324,13 @@ class VIGOR:
         """Nothing to learn: VIGOR decides within the step."""
         _check_result(result)
 
+    STATE: ClassVar[dict[str, Field]] = {}
+    """The declared fields of :meth:`state_dict`: none (stateless; only the format version is saved)."""
+
     def state_dict(self) -> dict[str, Any]:
-        """No state."""
-        return {}
+        """No state: only the format version."""
+        return dump_state({})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """No state."""
+        """No state; a state with any key (or another format version) is an ``InputError``."""
+        load_state(state, self.STATE, "VIGOR")

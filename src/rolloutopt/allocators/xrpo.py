@@ -17,7 +17,8 @@ import torch
 from jaxtyping import Real
 from torch import Tensor
 
-from rolloutopt._validation import check_state, require_experimental
+from rolloutopt._state import Field, dump_state, load_state
+from rolloutopt._validation import require_experimental
 from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
@@ -210,11 +211,14 @@ class XRPO:
         """Nothing to learn across steps (the priority is computed within the step)."""
         _check_result(result)
 
+    STATE: ClassVar[dict[str, Field]] = {"generator": Field("generator")}
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
+
     def state_dict(self) -> dict[str, Any]:
         """The generator state."""
-        return {"generator": self._gen.get_state()}
+        return dump_state({"generator": self._gen.get_state()})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`."""
-        check_state(state, {"generator"}, "XRPO")
-        self._gen.set_state(state["generator"])
+        """Restore a :meth:`state_dict`, validated (an ``InputError`` names a bad field)."""
+        s = load_state(state, self.STATE, "XRPO")
+        self._gen.set_state(s["generator"])

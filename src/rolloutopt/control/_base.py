@@ -40,6 +40,7 @@ from jaxtyping import Float, Shaped
 from torch import Tensor
 
 from rolloutopt._length_rules import TruncationOutput
+from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import Dims, as_float, as_index, as_mask, checks_enabled, describe, finite
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
@@ -85,27 +86,49 @@ class StopState:
         """N, the number of rows."""
         return int(self.stopped.shape[0])
 
+    STATE: ClassVar[dict[str, Field]] = {
+        "stopped": Field("bool", ("N",)),
+        "position": Field("int", ("N",)),
+        "reason": Field("int", ("N",), ("nonneg",)),
+        "steps": Field("int", ("N",), ("nonneg",)),
+        "extra": Field("any"),  # the rule's own per-row tensors: checked in from_state_dict (first dim N)
+    }
+    """The declared fields of :meth:`state_dict` (validated by :meth:`from_state_dict`)."""
+
     def state_dict(self) -> dict[str, Any]:
         """A plain dict of tensors (cloned) that :meth:`from_state_dict` restores exactly."""
         out: dict[str, Any] = {f.name: getattr(self, f.name).clone() for f in fields(self) if f.name != "extra"}
         out["extra"] = {k: v.clone() for k, v in self.extra.items()}
-        return out
+        return dump_state(out)
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> StopState:
-        """Rebuild a state saved with :meth:`state_dict`."""
-        try:
-            return cls(
-                stopped=state["stopped"].clone(),
-                position=state["position"].clone(),
-                reason=state["reason"].clone(),
-                steps=state["steps"].clone(),
-                extra={k: v.clone() for k, v in state.get("extra", {}).items()},
-            )
-        except (KeyError, AttributeError, TypeError) as exc:
+        """Rebuild a state saved with :meth:`state_dict`, validated field by field (an ``InputError`` names a bad
+        one): bool ``stopped``, int ``position``/``reason``/``steps`` of one length N, ``position`` -1 exactly on
+        the running rows and in ``[0, steps)`` on the stopped ones, ``extra`` a dict of tensors ``[N, ...]``."""
+        s = load_state(state, cls.STATE, "StopState")
+        fix = "pass state.state_dict()"
+        stopped, position, reason, steps = s["stopped"], s["position"], s["reason"], s["steps"]
+        if bool((stopped & ((position < 0) | (position >= steps))).any()) or bool((~stopped & (position != -1)).any()):
             raise InputError(
-                "state", "a dict saved by StopState.state_dict()", describe(state), "pass state.state_dict()"
-            ) from exc
+                "state['position']", "-1 on running rows, in [0, steps) on stopped rows", describe(position), fix
+            )
+        if bool((~stopped & (reason != 0)).any()) or bool((stopped & (reason == 0)).any()):
+            raise InputError("state['reason']", "0 exactly on the running rows", describe(reason), fix)
+        extra = s["extra"]
+        if not isinstance(extra, dict):
+            raise InputError("state['extra']", "a dict of per-row tensors", describe(extra), fix)
+        n = int(stopped.shape[0])
+        for key, value in extra.items():
+            if not isinstance(key, str) or not isinstance(value, Tensor) or value.ndim < 1 or value.shape[0] != n:
+                raise InputError(f"state['extra'][{key!r}]", f"a tensor [N={n}, ...]", describe(value), fix)
+        return cls(
+            stopped=stopped,
+            position=position,
+            reason=reason,
+            steps=steps,
+            extra={k: v.clone() for k, v in extra.items()},
+        )
 
 
 @dataclass(frozen=True)
@@ -303,14 +326,16 @@ class StopRule:
             metrics={k: v.detach() for k, v in metrics.items()},
         )
 
+    STATE: ClassVar[dict[str, Field]] = {}
+    """The declared fields of :meth:`state_dict` (none for a memoryless rule; a learning rule declares its own)."""
+
     def state_dict(self) -> dict[str, Any]:
         """The rule's cross-batch state (running statistics, controllers); empty for memoryless rules."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` exactly."""
-        if not isinstance(state, dict):
-            raise InputError("state", "a dict from state_dict()", describe(state), "pass rule.state_dict()")
+        """Restore :meth:`state_dict` exactly (validated against :attr:`STATE`: a memoryless rule takes ``{}``)."""
+        load_state(state, self.STATE, type(self).__name__)
 
     # -- for subclasses ----------------------------------------------------------------------------------------
     def _init(self, n: int, device: torch.device, **inputs: Any) -> dict[str, Tensor]:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import (
     Dims,
     as_float,
@@ -101,6 +102,18 @@ def gradient_cosine(g_prefix: FloatAny | Sequence[FloatAny], g_full: FloatAny | 
     return cos.clamp(-1.0, 1.0).float()
 
 
+def _probe(p: Any, h_min: int, h_max: int) -> tuple[int, float, bool, int] | None:
+    """A logged probe ``[version, alignment, applied, horizon]`` of a state dict, or None if it is not one."""
+    if not isinstance(p, (list, tuple)) or len(p) != 4:
+        return None
+    v, a, applied, h = p
+    ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (v, h))
+    real = isinstance(a, (int, float)) and not isinstance(a, bool) and -1.0 <= a <= 1.0
+    if not ints or not real or not isinstance(applied, bool) or v < 0 or not h_min <= h <= h_max:
+        return None
+    return (v, float(a), applied, h)
+
+
 class ADWINHorizon:
     r"""ADWIN horizon controller for OPD [reconstructed]: adapt the training prefix length H from delayed probes.
 
@@ -173,6 +186,13 @@ class ADWINHorizon:
         self.probes: list[tuple[int, float, bool, int]] = []
         self.n_probes = 0
         self.n_stale = 0
+        self.STATE: dict[str, Field] = {
+            "horizon": Field("integer", low=self.h_min, high=self.h_max),
+            "probes": Field("any"),  # a list of [version, alignment, applied, horizon] lists: checked on load
+            "n_probes": Field("integer", low=0),
+            "n_stale": Field("integer", low=0),
+        }
+        """The declared fields of :meth:`state_dict` (the horizon's bounds from the constructor)."""
 
     def probe_due(self, step: int) -> bool:
         """Whether training step ``step`` (>= 0) should launch a full-rollout probe (every ``probe_every``)."""
@@ -205,21 +225,30 @@ class ADWINHorizon:
 
     def state_dict(self) -> dict[str, Any]:
         """``{"horizon", "probes", "n_probes", "n_stale"}`` (plain Python values)."""
-        return {
-            "horizon": self.horizon,
-            "probes": [list(p) for p in self.probes],
-            "n_probes": self.n_probes,
-            "n_stale": self.n_stale,
-        }
+        return dump_state(
+            {
+                "horizon": self.horizon,
+                "probes": [list(p) for p in self.probes],
+                "n_probes": self.n_probes,
+                "n_stale": self.n_stale,
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` exactly."""
-        try:
-            horizon = int(state["horizon"])
-            probes = [(int(p[0]), float(p[1]), bool(p[2]), int(p[3])) for p in state["probes"]]
-            n_probes, n_stale = int(state["n_probes"]), int(state["n_stale"])
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise InputError("state", "a dict from ADWINHorizon.state_dict()", describe(state), "pass it") from exc
-        if not self.h_min <= horizon <= self.h_max:
-            raise InputError("state", f"a horizon in [{self.h_min}, {self.h_max}]", repr(horizon), "match h_min/h_max")
-        self.horizon, self.probes, self.n_probes, self.n_stale = horizon, probes, n_probes, n_stale
+        """Restore :meth:`state_dict` exactly, validated field by field (an ``InputError`` names a bad one)."""
+        s = load_state(state, self.STATE, "ADWINHorizon")
+        probes = [_probe(p, self.h_min, self.h_max) for p in s["probes"]] if isinstance(s["probes"], list) else None
+        if probes is None or None in probes or len(probes) > self.max_history:
+            raise InputError(
+                "state['probes']",
+                f"at most {self.max_history} probes [version >= 0, alignment in [-1, 1], applied, horizon in "
+                f"[{self.h_min}, {self.h_max}]]",
+                describe(s["probes"]),
+                "pass ADWINHorizon.state_dict()",
+            )
+        if s["n_stale"] > s["n_probes"]:
+            raise InputError(
+                "state['n_stale']", f"at most n_probes = {s['n_probes']}", repr(s["n_stale"]), "pass state_dict()"
+            )
+        self.horizon, self.n_probes, self.n_stale = s["horizon"], s["n_probes"], s["n_stale"]
+        self.probes = [p for p in probes if p is not None]

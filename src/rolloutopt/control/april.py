@@ -200,6 +200,14 @@ class APRILBuffer(PartialScheduler):
             "to_start": list(self._to_start),
         }
 
+    def _check_extra(self, extra: dict[str, Any], rollouts: dict[int, Any], groups: dict[int, list[int]]) -> None:
+        # the accepted groups are trained at end_round: each must be held (the queues may name stale ids)
+        for key in ("accepted", "extra"):
+            if any(g not in groups for g in extra[key]):
+                raise InputError(
+                    f"state['extra'][{key!r}]", "ids of held groups", repr(extra[key]), "pass state_dict()"
+                )
+
     def _load_extra(self, state: dict[str, Any]) -> None:
         self._buffer = deque(int(g) for g in state["buffer"])
         self._fresh = deque(int(p) for p in state["fresh"])

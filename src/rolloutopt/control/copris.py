@@ -166,6 +166,11 @@ class CoPRISScheduler(PartialScheduler):
     def _extra_state(self) -> dict[str, Any]:
         return {"queue": list(self._queue), "kept": list(self._kept)}
 
+    def _check_extra(self, extra: dict[str, Any], rollouts: dict[int, Any], groups: dict[int, list[int]]) -> None:
+        # the kept groups are trained at end_round: each must be held (the queue may name stale ids)
+        if any(g not in groups for g in extra["kept"]):
+            raise InputError("state['extra']['kept']", "ids of held groups", repr(extra["kept"]), "pass state_dict()")
+
     def _load_extra(self, state: dict[str, Any]) -> None:
         self._queue = deque(int(r) for r in state["queue"])
         self._kept = [int(g) for g in state["kept"]]

@@ -17,6 +17,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import (
     Dims,
     describe,
@@ -220,14 +221,14 @@ class DUETAbort(_MarkerMixin, StopRule):
         metrics["survived_frac"] = (state.extra["survived"].float().sum() / max(state.batch_size, 1)).detach()
         return replace(res, metrics=metrics)
 
+    STATE: ClassVar[dict[str, Field]] = {"seed": Field("integer"), "epoch": Field("integer", low=0)}
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
+
     def state_dict(self) -> dict[str, Any]:
         """``{"seed", "epoch"}``: the seed and how many generations :meth:`~rolloutopt.control.StopRule.init` has started."""
-        return {"seed": self.seed, "epoch": self.epoch}
+        return dump_state({"seed": self.seed, "epoch": self.epoch})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` exactly."""
-        super().load_state_dict(state)
-        seed, epoch = state.get("seed"), state.get("epoch")
-        if not isinstance(seed, int) or not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-            raise InputError("state", "a dict from DUETAbort.state_dict()", describe(state), "pass that dict")
-        self.seed, self.epoch = seed, epoch
+        """Restore :meth:`state_dict` exactly, validated field by field (an ``InputError`` names a bad one)."""
+        s = load_state(state, self.STATE, "DUETAbort")
+        self.seed, self.epoch = s["seed"], s["epoch"]

@@ -34,11 +34,11 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import (
     Dims,
     as_float,
     as_mask,
-    check_state,
     checks_enabled,
     describe,
     finite,
@@ -69,8 +69,8 @@ _DOCS = "docs/methods/early_stop.md"
 # -- hyper-parameter checks (shared with control.value) -------------------------------------------------------------
 def _float_state(state: Any, key: str, owner: str) -> float:
     value = state.get(key) if isinstance(state, dict) else None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InputError(f"state[{key!r}]", "a number", describe(value), f"pass {owner}.state_dict()")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InputError(f"state[{key!r}]", "a finite number", describe(value), f"pass {owner}.state_dict()")
     return float(value)
 
 
@@ -358,33 +358,41 @@ class ESPO(StopRule):
         metrics |= {"mu": self.mu, "var": self.var}
         return {k: torch.tensor(v) for k, v in metrics.items()}
 
-    _KEYS: ClassVar[set[str]] = {"mu", "var", "beta", "batches", "warm", "streak", "last_loss", "progress"}
+    STATE: ClassVar[dict[str, Field]] = {
+        "mu": Field("real"),
+        "var": Field("real", low=0.0),
+        "beta": Field("real"),
+        "batches": Field("integer", low=0),
+        "warm": Field("any"),  # a Python bool: checked on load
+        "streak": Field("integer", low=0),
+        "last_loss": Field("any"),  # None before the first critic loss, else a finite float: checked on load
+        "progress": Field("real", low=0.0, high=1.0),
+    }
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
 
     def state_dict(self) -> dict[str, Any]:
         """Running statistics, :math:`\\beta`, the update count and the warm-up gate (plain Python values)."""
-        return {
-            "mu": self.mu,
-            "var": self.var,
-            "beta": self.beta,
-            "batches": self.batches,
-            "warm": self._warm,
-            "streak": self._streak,
-            "last_loss": self._last_loss,
-            "progress": self._progress,
-        }
+        return dump_state(
+            {
+                "mu": self.mu,
+                "var": self.var,
+                "beta": self.beta,
+                "batches": self.batches,
+                "warm": self._warm,
+                "streak": self._streak,
+                "last_loss": self._last_loss,
+                "progress": self._progress,
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` exactly (validated)."""
-        s = check_state(state, self._KEYS, "ESPO")
-        mu, var, beta = (_float_state(s, k, "ESPO") for k in ("mu", "var", "beta"))
-        progress = _float_state(s, "progress", "ESPO")
+        """Restore :meth:`state_dict` exactly, validated field by field (an ``InputError`` names a bad one)."""
+        s = load_state(state, self.STATE, "ESPO")
         last = None if s["last_loss"] is None else _float_state(s, "last_loss", "ESPO")
-        for key in ("batches", "streak"):
-            if isinstance(s[key], bool) or not isinstance(s[key], int) or s[key] < 0:
-                raise InputError(f"state[{key!r}]", "a non-negative int", describe(s[key]), "pass ESPO.state_dict()")
         if not isinstance(s["warm"], bool):
             raise InputError("state['warm']", "a bool", describe(s["warm"]), "pass ESPO.state_dict()")
-        self.mu, self.var, self.beta, self._progress, self._last_loss = mu, var, beta, progress, last
+        self.mu, self.var, self.beta = float(s["mu"]), float(s["var"]), float(s["beta"])
+        self._progress, self._last_loss = float(s["progress"]), last
         self.batches, self._streak, self._warm = s["batches"], s["streak"], s["warm"]
 
 
@@ -503,18 +511,26 @@ class ESPOCriticFree(StopRule):
         out = {"ref_tokens": n, "rho_bar": self.rho_bar or 0.0, "s_rho": self.s_rho or 0.0}
         return {k: torch.tensor(v) for k, v in out.items()}
 
+    STATE: ClassVar[dict[str, Field]] = {
+        "rho_bar": Field("any"),  # None before the first reference, else a finite float >= 0: checked on load
+        "s_rho": Field("any"),  # likewise (None exactly when rho_bar is None)
+        "batches": Field("integer", low=0),
+    }
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
+
     def state_dict(self) -> dict[str, Any]:
         """The reference (``rho_bar``, ``s_rho``; None before any) and the update count."""
-        return {"rho_bar": self.rho_bar, "s_rho": self.s_rho, "batches": self.batches}
+        return dump_state({"rho_bar": self.rho_bar, "s_rho": self.s_rho, "batches": self.batches})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` exactly (validated)."""
-        s = check_state(state, {"rho_bar", "s_rho", "batches"}, "ESPOCriticFree")
+        """Restore :meth:`state_dict` exactly, validated field by field (an ``InputError`` names a bad one)."""
+        s = load_state(state, self.STATE, "ESPOCriticFree")
         if (s["rho_bar"] is None) != (s["s_rho"] is None):
             raise InputError("state", "rho_bar and s_rho both None or both numbers", describe(s), "pass state_dict()")
         ref = [None if s[k] is None else _float_state(s, k, "ESPOCriticFree") for k in ("rho_bar", "s_rho")]
-        if isinstance(s["batches"], bool) or not isinstance(s["batches"], int) or s["batches"] < 0:
-            raise InputError("state['batches']", "a non-negative int", describe(s["batches"]), "pass state_dict()")
+        for key, value in zip(("rho_bar", "s_rho"), ref, strict=True):
+            if value is not None and value < 0.0:
+                raise InputError(f"state[{key!r}]", "a number >= 0", repr(value), "pass ESPOCriticFree.state_dict()")
         self.rho_bar, self.s_rho = ref
         self.batches = s["batches"]
 

@@ -15,6 +15,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import (
     Dims,
     as_index,
@@ -243,6 +244,12 @@ class PruneOPDWindow:
         self.length = self.l0
         self.streak = 0
         self.steps = 0
+        self.STATE: dict[str, Field] = {
+            "length": Field("integer", low=self.l0, high=self.l_max),
+            "streak": Field("integer", low=0, high=self.patience - 1),
+            "steps": Field("integer", low=0),
+        }
+        """The declared fields of :meth:`state_dict` (the bounds of L and of the streak from the constructor)."""
 
     def observe(self, lengths: IntB | StopResult) -> int:
         """Record one training step's kept lengths (int ``[B]``, or a :class:`StopResult`); return the new L."""
@@ -264,12 +271,9 @@ class PruneOPDWindow:
 
     def state_dict(self) -> dict[str, Any]:
         """``{"length", "streak", "steps"}`` (plain ints)."""
-        return {"length": self.length, "streak": self.streak, "steps": self.steps}
+        return dump_state({"length": self.length, "streak": self.streak, "steps": self.steps})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` exactly."""
-        try:
-            length, streak, steps = int(state["length"]), int(state["streak"]), int(state["steps"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InputError("state", "a dict from PruneOPDWindow.state_dict()", describe(state), "pass it") from exc
-        self.length, self.streak, self.steps = length, streak, steps
+        """Restore :meth:`state_dict` exactly, validated field by field (an ``InputError`` names a bad one)."""
+        s = load_state(state, self.STATE, "PruneOPDWindow")
+        self.length, self.streak, self.steps = s["length"], s["streak"], s["steps"]

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import (
     Dims,
     as_index,
@@ -169,6 +170,13 @@ class StableOPD:
         self.kl_multiplier = 1.0
         self.steps = 0
         self.trips = 0
+        self.STATE: dict[str, Field] = {
+            "history": Field("any"),  # a list of Python floats (the last ``window`` fractions): checked on load
+            "kl_multiplier": Field("real", low=1.0, high=self.kl_max),
+            "steps": Field("integer", low=0),
+            "trips": Field("integer", low=0),
+        }
+        """The declared fields of :meth:`state_dict` (the multiplier's cap from the constructor)."""
 
     def observe(
         self, lengths: IntB, truncated: BoolB, *, tokens: IntBT | None = None, mask: BoolBT | None = None
@@ -231,18 +239,26 @@ class StableOPD:
 
     def state_dict(self) -> dict[str, Any]:
         """``{"history", "kl_multiplier", "steps", "trips"}`` (plain Python values)."""
-        return {
-            "history": list(self.history),
-            "kl_multiplier": self.kl_multiplier,
-            "steps": self.steps,
-            "trips": self.trips,
-        }
+        return dump_state(
+            {
+                "history": list(self.history),
+                "kl_multiplier": self.kl_multiplier,
+                "steps": self.steps,
+                "trips": self.trips,
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` exactly."""
-        try:
-            history = [float(v) for v in state["history"]][-self.window :]
-            kl, steps, trips = float(state["kl_multiplier"]), int(state["steps"]), int(state["trips"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InputError("state", "a dict from StableOPD.state_dict()", describe(state), "pass it") from exc
-        self.history, self.kl_multiplier, self.steps, self.trips = history, kl, steps, trips
+        """Restore :meth:`state_dict` exactly, validated field by field (an ``InputError`` names a bad one)."""
+        s = load_state(state, self.STATE, "StableOPD")
+        hist = s["history"]
+        if not isinstance(hist, list) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0 for v in hist
+        ):
+            raise InputError(
+                "state['history']", "a list of truncated fractions in [0, 1]", describe(hist), "pass state_dict()"
+            )
+        if s["trips"] > s["steps"]:
+            raise InputError("state['trips']", f"at most steps = {s['steps']}", repr(s["trips"]), "pass state_dict()")
+        self.history = [float(v) for v in hist][-self.window :]
+        self.kl_multiplier, self.steps, self.trips = float(s["kl_multiplier"]), s["steps"], s["trips"]

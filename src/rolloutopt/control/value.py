@@ -28,12 +28,12 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import (
     Dims,
     as_float,
     as_index,
     as_mask,
-    check_state,
     checks_enabled,
     describe,
     finite,
@@ -549,43 +549,51 @@ class ARRoL(_CheckpointRule):
         return cand & (rank < limit)
 
     # -- checkpoint ----------------------------------------------------------------------------------------------
-    _KEYS: ClassVar[set[str]] = {"weight", "bias", "buffer_x", "buffer_y", "count", "next", "trained", "generator"}
+    STATE: ClassVar[dict[str, Field]] = {
+        "buffer_x": Field("float", ("S", "D"), ("finite",)),  # first: its (S, D) is checked, the rest must agree
+        "buffer_y": Field("float", ("S",), ("prob",)),
+        "weight": Field("float", ("D",), ("finite",)),
+        "bias": Field("float", (), ("finite",)),
+        "count": Field("integer", low=0),
+        "next": Field("integer", low=0),
+        "trained": Field("integer", low=0),
+        "generator": Field("generator"),
+    }
+    """The declared fields of :meth:`state_dict` (D and S must be the constructor's ``dim`` and ``buffer_size``)."""
 
     def state_dict(self) -> dict[str, Any]:
         """Head weights, the label buffer (with its fill and ring position), the training count and the
         generator state (copies)."""
-        return {
-            "weight": self.weight.clone(),
-            "bias": self.bias.clone(),
-            "buffer_x": self._buf_x.clone(),
-            "buffer_y": self._buf_y.clone(),
-            "count": self._count,
-            "next": self._next,
-            "trained": self.trained,
-            "generator": self._gen.get_state(),
-        }
+        return dump_state(
+            {
+                "weight": self.weight.clone(),
+                "bias": self.bias.clone(),
+                "buffer_x": self._buf_x.clone(),
+                "buffer_y": self._buf_y.clone(),
+                "count": self._count,
+                "next": self._next,
+                "trained": self.trained,
+                "generator": self._gen.get_state(),
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` exactly (validated: keys, shapes, counts)."""
-        s = check_state(state, self._KEYS, "ARRoL")
-        shapes = {
-            "weight": (self.dim,),
-            "bias": (),
-            "buffer_x": (self.buffer_size, self.dim),
-            "buffer_y": (self.buffer_size,),
-        }
-        for key, shape in shapes.items():
-            if not isinstance(s[key], Tensor) or tuple(s[key].shape) != shape:
-                raise InputError(f"state[{key!r}]", f"a tensor of shape {shape}", describe(s[key]), "same dim/buffer")
-        for key, high in (("count", self.buffer_size), ("next", self.buffer_size - 1), ("trained", None)):
-            v = s[key]
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (high is not None and v > high):
-                raise InputError(f"state[{key!r}]", "a valid count", describe(v), "pass ARRoL.state_dict()")
-        if not isinstance(s["generator"], Tensor):
-            raise InputError("state['generator']", "a generator state", describe(s["generator"]), "pass state_dict()")
-        self.weight = s["weight"].clone().float().to(self.device)
-        self.bias = s["bias"].clone().float().to(self.device)
-        self._buf_x = s["buffer_x"].clone().float().to(self.device)
-        self._buf_y = s["buffer_y"].clone().float().to(self.device)
+        """Restore :meth:`state_dict` exactly, validated field by field (an ``InputError`` names a bad one)."""
+        s = load_state(state, self.STATE, "ARRoL")
+        fix = "construct ARRoL with the same dim and buffer_size, and pass its state_dict()"
+        if tuple(s["buffer_x"].shape) != (self.buffer_size, self.dim):
+            raise InputError(
+                "state['buffer_x']",
+                f"shape ({self.buffer_size}, {self.dim}) (buffer_size, dim)",
+                describe(state["buffer_x"]),
+                fix,
+            )
+        for key, high in (("count", self.buffer_size), ("next", self.buffer_size - 1)):
+            if s[key] > high:
+                raise InputError(f"state[{key!r}]", f"an int in [0, {high}]", repr(s[key]), fix)
+        self.weight = s["weight"].float().to(self.device)
+        self.bias = s["bias"].float().to(self.device)
+        self._buf_x = s["buffer_x"].float().to(self.device)
+        self._buf_y = s["buffer_y"].float().to(self.device)
         self._count, self._next, self.trained = s["count"], s["next"], s["trained"]
         self._gen.set_state(s["generator"])
