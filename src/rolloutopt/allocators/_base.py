@@ -587,15 +587,22 @@ def _check_result(
                 raise bad(name, f"a 1-D tensor as long as result.{names[0]} ({first.numel()})", describe(x))
     p = result.plan_prompt_ids.numel()
     group = result.group
+    # one reduction per check where it proves the property (a finite sum: every value finite; a non-negative
+    # minimum with a finite sum: every weight finite and >= 0), the exact test only on an alarm
     if group.numel():
-        if group.is_floating_point() or int(group.min()) < 0 or int(group.max()) >= p:
-            raise bad("group", f"integer positions into the plan's {p} prompts (0..{p - 1})", describe(group))
-        if not bool((result.plan_prompt_ids.index_select(0, group.long()) == result.prompt_ids).all()):
+        span = f"integer positions into the plan's {p} prompts (0..{p - 1})"
+        if group.is_floating_point() or group.dtype == torch.bool:
+            raise bad("group", span, describe(group))
+        lo, hi = torch.aminmax(group)
+        if int(lo) < 0 or int(hi) >= p:
+            raise bad("group", span, describe(group))
+        if not torch.equal(result.plan_prompt_ids.index_select(0, group.long()), result.prompt_ids):
             raise bad("prompt_ids", "the planned prompt of each rollout's group", "ids that disagree with group")
-    if not bool(torch.isfinite(result.rewards).all()):
-        raise bad("rewards", "finite rewards", f"{describe(result.rewards)} with non-finite values")
-    if not bool((torch.isfinite(result.weight) & (result.weight >= 0)).all()):
-        raise bad("weight", "finite, non-negative weights", describe(result.weight))
+    r, w = result.rewards, result.weight
+    if r.numel() and not math.isfinite(float(r.sum())) and not bool(torch.isfinite(r).all()):
+        raise bad("rewards", "finite rewards", f"{describe(r)} with non-finite values")
+    if w.numel() and not (float(w.min()) >= 0 and math.isfinite(float(w.sum()))):
+        raise bad("weight", "finite, non-negative weights", describe(w))
     if p and int(result.counts.min()) < 0:
         raise bad("counts", "non-negative rollout counts", describe(result.counts))
     if p and (int(result.reasons.min()) < 0 or int(result.reasons.max()) >= len(result.reason_names)):

@@ -279,7 +279,9 @@ class Knapsack:
         ids = self.history.prompt_ids  # sorted; the prompts of this result are never evicted
         old = self._rewards
         width = self.reward_window
-        if old["prompt_ids"].numel():
+        if torch.equal(old["prompt_ids"], ids):  # no prompt entered or left the history: update in place
+            store = old
+        elif old["prompt_ids"].numel():
             pos, found = _lookup(old["prompt_ids"], ids)
             keep = found.view(-1, 1)
             store = {
@@ -297,13 +299,24 @@ class Knapsack:
             slot[played] = torch.arange(played.numel())
             success = self.history._success(result.rewards.detach().cpu().to(_F64))
             gs = slot[result.group]
-            gs_sorted, perm = torch.sort(gs, stable=True)  # rollouts by group, in observation order within one
+            # rollouts by group, in observation order within one: a one-request plan observes them grouped
+            # already (one pass to see it), otherwise one stable sort
+            if gs.numel() < 2 or bool((gs[1:] >= gs[:-1]).all()):
+                gs_sorted, ordered = gs, success
+            else:
+                gs_sorted, perm = torch.sort(gs, stable=True)
+                ordered = success[perm]
             ng = n[played]
             starts = torch.cumsum(ng, 0) - ng
             newest_first = ng[gs_sorted] - 1 - (torch.arange(gs.numel()) - starts[gs_sorted])
-            fresh = torch.zeros(played.numel(), width, dtype=torch.bool)
+            fresh = torch.zeros(played.numel() * width, dtype=torch.bool)
             fits = newest_first < width
-            fresh[gs_sorted[fits], newest_first[fits]] = success[perm][fits]
+            flat = gs_sorted * width + newest_first
+            if bool(fits.all()):  # every group no larger than the window (the usual case): no compaction
+                fresh[flat] = ordered
+            else:
+                fresh[flat[fits]] = ordered[fits]
+            fresh = fresh.view(played.numel(), width)
             rows = _lookup(ids, result.plan_prompt_ids[played])[0]
             col = torch.arange(width)[None, :]
             shift = col - ng[:, None]
