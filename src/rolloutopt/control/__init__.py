@@ -4,8 +4,8 @@ Everything is engine-agnostic (it sees per-step log-probs, entropies, top-k log-
 mask — never a model), vectorised over the live batch, and checkpointable.
 
 - streaming stop rules (decide during generation; :class:`StopRule`: ``init`` → ``step``… → ``finalize``):
-  ESPO (:mod:`~rolloutopt.control.espo`), value-based abstention and the ARRoL quality head
-  (:mod:`~rolloutopt.control.value`), confidence- and marker-gated truncation (Step-GRPO
+  ESPO (:mod:`~rolloutopt.control.espo`), value-based abstention (:mod:`~rolloutopt.control.abstention`) and
+  the ARRoL quality head (:mod:`~rolloutopt.control.arrol`), confidence- and marker-gated truncation (Step-GRPO
   :mod:`~rolloutopt.control.step_grpo`, :mod:`~rolloutopt.control.deer`, DUET :mod:`~rolloutopt.control.duet`,
   ECHO :mod:`~rolloutopt.control.echo_pruning`), the on-policy-distillation horizon rules (Prune-OPD
   :mod:`~rolloutopt.control.prune_opd`, Stable-OPD :mod:`~rolloutopt.control.stable_opd`, ADWIN
@@ -47,8 +47,10 @@ from rolloutopt.advantages.dler import (
 from rolloutopt.control import (
     _base,
     _partial_records,
+    abstention,
     adwin,
     april,
+    arrol,
     copris,
     deer,
     duet,
@@ -64,14 +66,15 @@ from rolloutopt.control import (
     soft_compression,
     stable_opd,
     step_grpo,
-    value,
 )
 from rolloutopt.control import dot as _dot  # the modules dot and egae: the names dot and egae are their functions
 from rolloutopt.control import egae as _egae
 from rolloutopt.control._base import *  # noqa: F403
 from rolloutopt.control._partial_records import *  # noqa: F403
+from rolloutopt.control.abstention import *  # noqa: F403
 from rolloutopt.control.adwin import *  # noqa: F403
 from rolloutopt.control.april import *  # noqa: F403
+from rolloutopt.control.arrol import *  # noqa: F403
 from rolloutopt.control.copris import *  # noqa: F403
 from rolloutopt.control.deer import *  # noqa: F403
 from rolloutopt.control.dot import *  # noqa: F403
@@ -88,12 +91,12 @@ from rolloutopt.control.siri import *  # noqa: F403
 from rolloutopt.control.soft_compression import *  # noqa: F403
 from rolloutopt.control.stable_opd import *  # noqa: F403
 from rolloutopt.control.step_grpo import *  # noqa: F403
-from rolloutopt.control.value import *  # noqa: F403
 
 __all__: list[str] = []
 __all__ += _base.__all__
 __all__ += espo.__all__
-__all__ += value.__all__
+__all__ += abstention.__all__
+__all__ += arrol.__all__
 __all__ += step_grpo.__all__
 __all__ += deer.__all__
 __all__ += duet.__all__

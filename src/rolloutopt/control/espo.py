@@ -66,7 +66,7 @@ __all__ = [
 _DOCS = "docs/methods/early_stop.md"
 
 
-# -- hyper-parameter checks (shared with control.value) -------------------------------------------------------------
+# -- hyper-parameter checks (shared with control.abstention) --------------------------------------------------------
 def _float_state(state: Any, key: str, owner: str) -> float:
     value = state.get(key) if isinstance(state, dict) else None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -571,7 +571,7 @@ def absorbing_failure(
     Reference: ESPO, arXiv 2605.29860 (``docs/methods/early_stop.md``, "loss-side effect"): no bootstrap beyond
     the stop, so GAE concentrates the negative TD error near the stop point; PPO/GAE then run unchanged. The
     terminal reward is **never** added to rows that finished normally. Works for any :class:`StopRule`'s result
-    (e.g. :class:`~rolloutopt.control.value.Abstention` with ``r_fail=rule.r_abs``).
+    (e.g. :class:`~rolloutopt.control.abstention.Abstention` with ``r_fail=rule.r_abs``).
 
     Args:
         rewards: float ``[N]`` sequence rewards (placed on each row's last masked-in token) or ``[N, T]`` token
