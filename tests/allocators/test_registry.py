@@ -347,3 +347,32 @@ def test_every_allocator_refuses_a_corrupted_state_and_keeps_its_own(name: str) 
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x.counts, y.counts) and torch.equal(x.rewards, y.rewards)
     assert _same(alloc.state_dict(), twin.state_dict())
+
+
+@pytest.mark.parametrize("name", ["knapsack", "dots", "coba"])
+def test_update_does_not_depend_on_how_the_groups_rows_interleave(name: str) -> None:
+    """The rows of a result arrive grouped from a one-request plan (a fast path skips the sort) or interleaved
+    from a trainer that merges results: with each group's own order kept, the learnt state is the same."""
+    grouped_alloc, mixed_alloc = make(name), make(name)
+    prompts = torch.arange(10, 26)
+    for _ in range(4):
+        plan_res = run_step(grouped_alloc, prompts, budget(name, prompts), answer(set()), update=False)
+        twin = run_step(mixed_alloc, prompts, budget(name, prompts), answer(set()), update=False)
+        assert torch.equal(plan_res.counts, twin.counts)
+        # round-robin over the groups: row k of every group, then row k + 1, ...; each group's order kept
+        within = torch.zeros_like(twin.group)
+        for g in twin.group.unique():
+            at = (twin.group == g).nonzero().squeeze(1)
+            within[at] = torch.arange(at.numel())
+        order = torch.argsort(within * (int(twin.group.max()) + 1) + twin.group, stable=True)
+        assert not torch.equal(order, torch.arange(order.numel()))
+        mixed = _replace(
+            twin,
+            prompt_ids=twin.prompt_ids[order],
+            group=twin.group[order],
+            rewards=twin.rewards[order],
+            weight=twin.weight[order],
+        )
+        grouped_alloc.update(plan_res)
+        mixed_alloc.update(mixed)
+    assert _same(grouped_alloc.state_dict(), mixed_alloc.state_dict())

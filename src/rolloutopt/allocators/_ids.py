@@ -80,3 +80,13 @@ def _insert(
     out = [torch.cat([f, fill.expand(add.numel(), *fill.shape).to(f.dtype)])[perm] for f, fill in fields]
     pos, _, order = _locate(ids, new_ids)
     return ids, out, pos, order
+
+
+def _by_group(gs: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Rows ordered by group, observation order kept within one: ``(gs_sorted, perm)`` with ``perm`` None when
+    ``gs`` is already non-decreasing (a one-request plan observes its rollouts grouped: one pass to see it),
+    otherwise ``torch.sort(gs, stable=True)``."""
+    if gs.numel() < 2 or bool((gs[1:] >= gs[:-1]).all()):
+        return gs, None
+    gs_sorted, perm = torch.sort(gs, stable=True)
+    return gs_sorted, perm

@@ -34,7 +34,7 @@ from rolloutopt.allocators._base import (
     as_prompt_ids,
     check_budget,
 )
-from rolloutopt.allocators._ids import _insert, _lookup
+from rolloutopt.allocators._ids import _by_group, _insert, _lookup
 from rolloutopt.allocators._tracked import _rank
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, FloatP, IntB, IntP
@@ -466,13 +466,17 @@ class DOTS:
         slot[cand] = torch.arange(g)
         rows = (slot[result.group] >= 0).nonzero().squeeze(1)  # in observation order
         gs = slot[result.group[rows]]
-        gs_sorted, perm = torch.sort(gs, stable=True)
+        gs_sorted, perm = _by_group(gs)
         gcounts = torch.bincount(gs, minlength=g)
         starts = torch.cumsum(gcounts, 0) - gcounts
         within = torch.arange(gs.numel()) - starts[gs_sorted]
         rewards = torch.zeros(g, self.n_max, dtype=_F64)
         fits = within < self.n_max
-        rewards[gs_sorted[fits], within[fits]] = result.rewards[rows[perm]][fits].to(_F64)
+        values_sorted = result.rewards[rows if perm is None else rows[perm]].to(_F64)
+        if bool(fits.all()):  # no group larger than n_max (the usual case): no compaction
+            rewards[gs_sorted, within] = values_sorted
+        else:
+            rewards[gs_sorted[fits], within[fits]] = values_sorted[fits]
         new = {
             "keys": self._next_key + torch.arange(g),
             "prompt_ids": result.plan_prompt_ids[cand],

@@ -23,7 +23,7 @@ from rolloutopt._validation import check_real as _float
 from rolloutopt._validation import describe
 from rolloutopt.allocators._base import AllocationResult, Conversation, _check_result, as_prompt_ids, check_budget
 from rolloutopt.allocators._budget import _F64, _OneShot, _short, _spread, _top_units_by_key, _top_units_lazy, _unsort
-from rolloutopt.allocators._ids import _lookup, _sort_ids
+from rolloutopt.allocators._ids import _by_group, _lookup, _sort_ids
 from rolloutopt.allocators.history import PromptHistory
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatAny, FloatP, IntP
@@ -299,13 +299,8 @@ class Knapsack:
             slot[played] = torch.arange(played.numel())
             success = self.history._success(result.rewards.detach().cpu().to(_F64))
             gs = slot[result.group]
-            # rollouts by group, in observation order within one: a one-request plan observes them grouped
-            # already (one pass to see it), otherwise one stable sort
-            if gs.numel() < 2 or bool((gs[1:] >= gs[:-1]).all()):
-                gs_sorted, ordered = gs, success
-            else:
-                gs_sorted, perm = torch.sort(gs, stable=True)
-                ordered = success[perm]
+            gs_sorted, perm = _by_group(gs)  # rollouts by group, in observation order within one
+            ordered = success if perm is None else success[perm]
             ng = n[played]
             starts = torch.cumsum(ng, 0) - ng
             newest_first = ng[gs_sorted] - 1 - (torch.arange(gs.numel()) - starts[gs_sorted])
