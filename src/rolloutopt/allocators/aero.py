@@ -26,13 +26,13 @@ from rolloutopt._validation import describe, require_experimental
 from rolloutopt.allocators._base import (
     AllocationResult,
     Request,
-    _check_result,
     _int,
     _real,
     as_prompt_ids,
     check_budget,
 )
 from rolloutopt.allocators._ids import _argsort_stable, _insert, _lookup, _sort_ids
+from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.allocators._tracked import _success, _Tracked
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatAny, FloatB, FloatP, IntP

@@ -27,7 +27,6 @@ from rolloutopt._validation import require_experimental
 from rolloutopt.allocators._base import (
     AllocationResult,
     Request,
-    _check_result,
     _choice,
     _int,
     _real,
@@ -35,6 +34,7 @@ from rolloutopt.allocators._base import (
     check_budget,
 )
 from rolloutopt.allocators._ids import _argsort_stable, _lookup
+from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.allocators._tracked import _budget_prefix, _success, _Tracked
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, FloatP, IntB, IntP

@@ -12,10 +12,10 @@ from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
     OneShotPlan,
-    _check_result,
     as_prompt_ids,
     check_budget,
 )
+from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.errors import InputError
 from rolloutopt.typing import IntP
 

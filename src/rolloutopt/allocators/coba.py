@@ -19,9 +19,10 @@ from torch import Tensor
 from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import check_int as _int
 from rolloutopt._validation import check_real as _float
-from rolloutopt.allocators._base import AllocationResult, Conversation, _check_result, as_prompt_ids, check_budget
+from rolloutopt.allocators._base import AllocationResult, Conversation, as_prompt_ids, check_budget
 from rolloutopt.allocators._budget import _F64, _OneShot, _short, _spread, _top_units_by_key, _unsort
 from rolloutopt.allocators._ids import _sort_ids
+from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.allocators.history import PromptHistory
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatAny, IntP

@@ -21,13 +21,13 @@ from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
     Request,
-    _check_result,
     _choice,
     _int,
     _real,
     as_prompt_ids,
     check_budget,
 )
+from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, FloatP, IntB, IntP
 

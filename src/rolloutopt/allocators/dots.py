@@ -28,13 +28,13 @@ from rolloutopt.allocators._base import (
     OneShotPlan,
     _check_float,
     _check_int,
-    _check_result,
     _fill,
     _group_sizes,
     as_prompt_ids,
     check_budget,
 )
 from rolloutopt.allocators._ids import _by_group, _insert, _lookup
+from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.allocators._tracked import _rank
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, FloatP, IntB, IntP

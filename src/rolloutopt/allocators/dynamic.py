@@ -19,10 +19,10 @@ from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
     Request,
-    _check_result,
     as_prompt_ids,
     check_budget,
 )
+from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, IntP
 

@@ -21,13 +21,13 @@ from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
     Request,
-    _check_result,
     _int,
     _real,
     as_prompt_ids,
     check_budget,
 )
 from rolloutopt.allocators._ids import _sort_ids
+from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatAny, FloatB, FloatP, IntP
 

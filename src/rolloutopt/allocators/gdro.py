@@ -31,11 +31,11 @@ from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
     OneShotPlan,
-    _check_result,
     as_prompt_ids,
     check_budget,
 )
 from rolloutopt.allocators._ids import _sort_ids
+from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.allocators.gdro_bins import (
     _DOCS,
     _F64,

@@ -29,13 +29,13 @@ from rolloutopt.allocators._base import (
     Request,
     _check_float,
     _check_int,
-    _check_result,
     _fill,
     _group_sizes,
     as_prompt_ids,
     check_budget,
 )
 from rolloutopt.allocators._ids import _insert, _lookup
+from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatAny, FloatB, FloatP, IntB, IntP
 

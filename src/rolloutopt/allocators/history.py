@@ -26,7 +26,8 @@ from torch import Tensor
 from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import check_int as _check_int
 from rolloutopt._validation import checks_enabled, choice, describe
-from rolloutopt.allocators._base import AllocationResult, _check_result
+from rolloutopt.allocators._base import AllocationResult
+from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, FloatP, IntB, IntP
 

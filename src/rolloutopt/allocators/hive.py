@@ -30,7 +30,6 @@ from rolloutopt.allocators._base import (
     Request,
     _check_float,
     _check_int,
-    _check_result,
     _fill,
     _group_sizes,
     as_prompt_ids,
@@ -38,6 +37,7 @@ from rolloutopt.allocators._base import (
 )
 from rolloutopt.allocators._filters import _check_entropy, _check_window, _keyed, _order, _shift_in
 from rolloutopt.allocators._ids import _insert, _lookup
+from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatP, IntP
 

@@ -20,7 +20,6 @@ from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
     Request,
-    _check_result,
     _choice,
     _int,
     _real,
@@ -28,6 +27,7 @@ from rolloutopt.allocators._base import (
     check_budget,
 )
 from rolloutopt.allocators._ids import _argsort_stable
+from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.allocators._tracked import _BIG, _caps, _Tracked
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, IntP

@@ -24,13 +24,13 @@ from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
     Request,
-    _check_result,
     _int,
     _real,
     as_prompt_ids,
     check_budget,
 )
 from rolloutopt.allocators._ids import _insert, _lookup
+from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.allocators._tracked import _budget_prefix
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, FloatP, IntP

@@ -23,13 +23,13 @@ from rolloutopt.allocators._base import (
     AllocationResult,
     Conversation,
     Request,
-    _check_result,
     _choice,
     _int,
     _real,
     as_prompt_ids,
     check_budget,
 )
+from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.allocators._tracked import _BIG, _caps, _rank, _Tracked
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatAny, FloatB, IntP

@@ -25,10 +25,10 @@ from rolloutopt.allocators._base import (
     Request,
     _check_float,
     _check_int,
-    _check_result,
     as_prompt_ids,
     check_budget,
 )
+from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.allocators._tracked import _rank
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatAny, FloatB, IntP
