@@ -143,7 +143,9 @@ def check_state_round_trip_mid_run(kind: str) -> None:
         assert torch.equal(ra.rewards, rb.rewards) and torch.equal(ra.reasons, rb.reasons)
         a.update(ra)
         b.update(rb)
-    assert a.state_dict()["history"]["window"].equal(b.state_dict()["history"]["window"])
+    assert torch.equal(a.table.prompt_ids, b.table.prompt_ids)
+    for key, col in a.table.state_dict()["columns"].items():
+        assert torch.equal(col, b.table.state_dict()["columns"][key]), key
 
 
 def _with(state: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
@@ -163,11 +165,14 @@ def _saved(kind: str) -> tuple[CoBA | Knapsack, dict[str, Any]]:
 
 def _refused(kind: str, state: dict[str, Any], argument: str) -> None:
     a, before = _saved(kind)
+    before_ids, before_cols = a.table.prompt_ids.clone(), a.table.state_dict()["columns"]
     with pytest.raises(InputError) as err:
         a.load_state_dict(state)
     assert err.value.argument == argument
     after = a.state_dict()
-    assert torch.equal(after["history"]["window"], before["history"]["window"])
+    assert torch.equal(a.table.prompt_ids, before_ids)
+    for key, col in a.table.state_dict()["columns"].items():
+        assert torch.equal(col, before_cols[key]), key
     assert after["step"] == before["step"]
 
 

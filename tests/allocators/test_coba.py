@@ -239,17 +239,24 @@ def test_coba_load_refuses_nan_and_negative_counters_naming_the_field() -> None:
     """NaN in a finite field, a negative counter (the allocator's and its history's), a truncated or foreign rate
     window, a Beta shape that does not match the rates: an ``InputError`` naming the field; nothing changes."""
     _, good = _saved("coba")
-    m, r = good["history"]["prompt_ids"].numel(), good["rates"].numel()
+    m, r = good["history"]["table"]["rows"]["prompt_ids"].numel(), good["rates"].numel()
+    rows, at = ("history", "table", "rows"), "state['history']['table']['rows']"
     cases = [
-        (("history", "reward_sum"), torch.full((m,), math.nan, dtype=F64), "state['history']['reward_sum']"),
-        (("history", "rollouts"), torch.full((m,), -1), "state['history']['rollouts']"),
-        (("history", "clock"), -1, "state['history']['clock']"),
+        (
+            (*rows, "columns", "coba/reward_sum"),
+            torch.full((m,), math.nan, dtype=F64),
+            f"{at}['columns']['coba/reward_sum']",
+        ),
+        ((*rows, "columns", "coba/rollouts"), torch.full((m,), -1), f"{at}['columns']['coba/rollouts']"),
+        ((*rows, "clock"), -1, f"{at}['clock']"),
+        ((*rows, "prompt_ids"), good["history"]["table"]["rows"]["prompt_ids"][:-1], f"{at}['touch']"),
         (("rates",), torch.full((r,), math.nan, dtype=F64), "state['rates']"),
-        (("rates",), good["rates"][:-1], "state['rates']"),
+        (("rates",), torch.cat([good["rates"], good["rates"]]), "state['rates']"),
         (("step",), -1, "state['step']"),
         (("alpha",), good["alpha"] + 0.25, "state['alpha']"),
         (("beta",), good["beta"] - 0.25, "state['beta']"),
         (("history", "config"), {**good["history"]["config"], "window": 5}, "state['history']['config']"),
+        (("history", "table", "owner"), "knapsack", "state['history']['table']['owner']"),
     ]
     for path, value, argument in cases:
         _refused("coba", _with(good, path, value), argument)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from rolloutopt.allocators import AllocationResult, Uniform
 from rolloutopt.allocators.history import SUCCESS_PRESETS, PromptHistory, PromptStats, stable_prompt_ids
+from rolloutopt.allocators.table import PromptTable
 from rolloutopt.errors import InputError
 
 
@@ -167,12 +168,24 @@ def test_eviction_ties_and_batch_members_are_kept() -> None:
         h.update(ids(1, 2, 3, 4), t(0, 0, 0, 0), step=2)
 
 
-def test_eviction_fewest_rollouts() -> None:
-    h = PromptHistory(capacity=2, eviction="fewest_rollouts")
-    h.update(ids(1, 1, 1, 2), t(1, 1, 1, 1), step=0)
-    h.update(ids(2), t(1), step=1)  # 1 has 3 rollouts, 2 has 2 (and is more recent)
-    h.update(ids(3), t(1), step=2)  # evict 2: fewest rollouts wins over recency
-    assert h.prompt_ids.tolist() == [1, 3]
+def test_two_histories_share_one_table_and_eviction() -> None:
+    """Two histories on one table: separate statistics, one id set; a row added by one is unseen by the other,
+    and eviction (least recently added by either) removes the prompt for both."""
+    table = PromptTable(capacity=3)
+    a, b = PromptHistory(table=table), PromptHistory(table=table, window=2)
+    assert table.owners == ("history", "history#2")
+    a.update(ids(1, 1, 2), t(1, 0, 1), step=0)
+    b.update(ids(2, 3), t(0, 0), step=0)
+    assert table.prompt_ids.tolist() == [1, 2, 3]
+    assert a.prompt_ids.tolist() == [1, 2] and b.prompt_ids.tolist() == [2, 3]
+    assert a.lookup(ids(1, 2, 3)).rollouts.tolist() == [2, 1, 0] and a.lookup(ids(3)).seen.tolist() == [False]
+    assert b.lookup(ids(1, 2)).seen.tolist() == [False, True] and b.lookup(ids(2)).pass_rate.tolist() == [0.0]
+    a.update(ids(4), t(1), step=1)  # full: 1 is the least recently added (a's first update), evicted for both
+    assert table.prompt_ids.tolist() == [2, 3, 4] and a.prompt_ids.tolist() == [2, 4]
+    with pytest.raises(InputError, match="capacity"):
+        PromptHistory(table=table, capacity=5)
+    with pytest.raises(InputError, match="table"):
+        PromptHistory(table="shared")  # type: ignore[arg-type]
 
 
 # -- a naive reference model (Python loops, allowed in a test) ------------------------------------------------
@@ -319,6 +332,18 @@ def _stream(seed: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def _flat(state: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(state, dict):
+        return {prefix: state}
+    return {k: v for key, sub in state.items() for k, v in _flat(sub, f"{prefix}/{key}").items()}
+
+
+def _with(state: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    if len(path) == 1:
+        return {**state, path[0]: value}
+    return {**state, path[0]: _with(state[path[0]], path[1:], value)}
+
+
 def test_state_dict_round_trip_continues_identically() -> None:
     stream = _stream(0, 8)
     a = PromptHistory(capacity=25, window=3)
@@ -327,16 +352,16 @@ def test_state_dict_round_trip_continues_identically() -> None:
     state = a.state_dict()
     b = PromptHistory(capacity=25, window=3)
     b.load_state_dict(state)
-    state["rollouts"].add_(100)  # the loaded copy must not alias the saved dict
+    state["table"]["rows"]["columns"]["history/rollouts"].add_(100)  # the loaded copy must not alias the saved dict
     for step, (pid, r) in enumerate(stream[4:], start=4):
         a.update(pid, r, step=step)
         b.update(pid, r, step=step)
-    sa, sb = a.state_dict(), b.state_dict()
+    sa, sb = _flat(a.state_dict()), _flat(b.state_dict())
     assert sa.keys() == sb.keys()
     for k, v in sa.items():
         assert torch.equal(v, sb[k]) if isinstance(v, torch.Tensor) else v == sb[k], k
     with pytest.raises(InputError, match="state"):
-        PromptHistory(capacity=25, window=4).load_state_dict(sa)
+        PromptHistory(capacity=25, window=4).load_state_dict(a.state_dict())
     with pytest.raises(InputError, match="state"):
         PromptHistory().load_state_dict({"version": 0})
 
@@ -352,30 +377,35 @@ def test_load_refuses_nan_negative_counters_and_another_config_naming_the_field(
     """A NaN in a finite field, a negative counter, a foreign configuration, more prompts than ``capacity``: an
     ``InputError`` naming the field, and the history is unchanged."""
     good = _saved_history()
-    n = good["prompt_ids"].numel()
+    n = good["table"]["rows"]["prompt_ids"].numel()
+    rows = ("table", "rows")
     cases = [
-        ("reward_sum", torch.full((n,), math.nan, dtype=torch.float64)),
-        ("ema", torch.full((n,), -0.5, dtype=torch.float64)),
-        ("rollouts", torch.full((n,), -1)),
-        ("window_successes", torch.full((n, 3), -2)),
-        ("clock", -1),
-        ("config", {**good["config"], "ema_decay": 0.5}),
-        ("config", "not a config"),
+        ((*rows, "columns", "history/reward_sum"), torch.full((n,), math.nan, dtype=torch.float64)),
+        ((*rows, "columns", "history/ema"), torch.full((n,), -0.5, dtype=torch.float64)),
+        ((*rows, "columns", "history/rollouts"), torch.full((n,), -1)),
+        ((*rows, "columns", "history/window_successes"), torch.full((n, 3), -2)),
+        ((*rows, "clock"), -1),
+        ((*rows, "touch"), torch.full((n,), 10**6)),
+        (("config",), {**good["config"], "ema_decay": 0.5}),
+        (("config",), "not a config"),
+        (("table", "owner"), "coba"),
     ]
-    for key, value in cases:
+    for path, value in cases:
         h = PromptHistory(capacity=25, window=3)
         with pytest.raises(InputError) as err:
-            h.load_state_dict({**good, key: value})
-        assert err.value.argument == f"state[{key!r}]"
-        assert len(h) == 0 and h.state_dict()["clock"] == 0
+            h.load_state_dict(_with(good, path, value))
+        assert err.value.argument == "state" + "".join(f"[{k!r}]" for k in path)
+        assert len(h) == 0 and len(h.table) == 0
     with pytest.raises(InputError) as err:
-        PromptHistory(capacity=n - 1, window=3).load_state_dict(
-            {**good, "config": {**good["config"], "capacity": n - 1}}
-        )
-    assert err.value.argument == "state['prompt_ids']"
+        PromptHistory(capacity=n - 1, window=3).load_state_dict(good)
+    assert err.value.argument == "state['table']['rows']['prompt_ids']"
     with pytest.raises(InputError) as err:
         PromptHistory(capacity=25, window=3).load_state_dict({**good, "format": 2})
     assert err.value.argument == "state['format']"
+    shared = PromptHistory(table=PromptTable(), window=3)
+    with pytest.raises(InputError) as err:
+        shared.load_state_dict(good)  # a private table's rows into a history on a shared table
+    assert err.value.argument == "state['table']['rows']"
 
 
 def test_state_loads_with_weights_only() -> None:
@@ -462,7 +492,6 @@ def test_bad_update_input() -> None:
         ({"run_basis": "group"}, "run_basis"),
         ({"unseen": "zero"}, "unseen"),
         ({"prior_pass_rate": 1.5}, "prior_pass_rate"),
-        ({"eviction": "random"}, "eviction"),
     ],
 )
 def test_bad_config(kwargs: dict[str, Any], name: str) -> None:

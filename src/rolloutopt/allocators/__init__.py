@@ -24,6 +24,7 @@ from rolloutopt.allocators import (
     gdro_bins,
     greso,
     history,
+    table,
     hive,
     knapsack,
     pilot_commit,
@@ -56,6 +57,7 @@ from rolloutopt.allocators.gdro import *  # noqa: F403
 from rolloutopt.allocators.gdro_bins import *  # noqa: F403
 from rolloutopt.allocators.greso import *  # noqa: F403
 from rolloutopt.allocators.history import *  # noqa: F403
+from rolloutopt.allocators.table import *  # noqa: F403
 from rolloutopt.allocators.hive import *  # noqa: F403
 from rolloutopt.allocators.knapsack import *  # noqa: F403
 from rolloutopt.allocators.pilot_commit import *  # noqa: F403
@@ -77,6 +79,7 @@ __all__ = [
 ]
 __all__ += baselines.__all__
 __all__ += history.__all__
+__all__ += table.__all__
 __all__ += dynamic.__all__
 __all__ += vigor.__all__
 __all__ += pilot_commit.__all__

@@ -24,6 +24,7 @@ from rolloutopt.allocators._budget import _F64, _OneShot, _short, _spread, _top_
 from rolloutopt.allocators._ids import _sort_ids
 from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.allocators.history import PromptHistory
+from rolloutopt.allocators.table import PromptTable, TableOwner
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatAny, IntP
 
@@ -65,7 +66,7 @@ def coba_beta_params(failure_rate: float, beta_params_sum: float = 7.0) -> tuple
     return alpha, s - alpha
 
 
-class CoBA:
+class CoBA(TableOwner):
     r"""CoBA-RL: per-prompt rollout counts from a capability-oriented value, by heap greedy.
 
     Every prompt's success rate :math:`p_i` (successes over rollouts in the last ``window`` steps it was rolled
@@ -128,7 +129,10 @@ class CoBA:
         weight_alpha: ``w`` of step 5 (code 1).
         beta_params_sum: ``S`` (code 7; the 7B script 11).
         smoothing: ``s``, the clip of ``p`` in the value (code ``smoothing_factor = 0.01``).
-        capacity: prompts kept in the history (bounded memory; least recently seen evicted).
+        capacity: prompts kept in a private table (default None: 1,000,000; least recently seen evicted).
+        table: a shared :class:`~rolloutopt.allocators.PromptTable` (default None: a private one). CoBA registers
+            its history's columns as owner ``"coba"``; the table is then saved once by the caller, not in
+            :meth:`state_dict`.
 
     Edge cases: an empty batch or a zero budget requests nothing. Prompts absent from the step's result keep
     their window. The history is bounded by ``capacity`` (``W`` groups per prompt).
@@ -152,7 +156,8 @@ class CoBA:
         weight_alpha: float = 1.0,
         beta_params_sum: float = 7.0,
         smoothing: float = 0.01,
-        capacity: int = 1_000_000,
+        capacity: int | None = None,
+        table: PromptTable | None = None,
     ) -> None:
         self.n_min = _int(n_min, "n_min", 1)
         self.n_max = _int(n_max, "n_max", 1)
@@ -168,7 +173,10 @@ class CoBA:
         self.weight_alpha = _float(weight_alpha, "weight_alpha", 0.0, 1e6)
         self.beta_params_sum = _float(beta_params_sum, "beta_params_sum", 2.0, 1e6, open_low=True)
         self.smoothing = _float(smoothing, "smoothing", 0.0, 0.5, open_low=True, open_high=True)
-        self.history = PromptHistory.from_preset("exact", window=self.window, capacity=_int(capacity, "capacity", 1))
+        self.history = PromptHistory.from_preset(
+            "exact", window=self.window, capacity=capacity, table=table, name="coba"
+        )
+        self._cols = self.history._cols
         self.alpha = self.beta_params_sum - 2.0
         self.beta = 2.0
         self._rates = torch.zeros(0, dtype=_F64)  # per-step average success rates, oldest first (<= window)
@@ -176,7 +184,7 @@ class CoBA:
         s = self.beta_params_sum
         self.STATE = {
             "history": Field("nested", fields=self.history.STATE),
-            # R = min(window, history clock), alpha/beta the Beta shape of these rates: checked after load_state
+            # R <= min(window, step), alpha/beta the Beta shape of these rates: checked after load_state
             "rates": Field("float", ("R",), ("prob",)),
             # alpha: S - 2 before the first update, then clipped to [1, S - 1]; beta: S - alpha (>= 1 up to rounding)
             "alpha": Field("real", low=min(s - 2.0, 1.0), high=s - 1.0),
@@ -305,14 +313,12 @@ class CoBA:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`, validated field by field (an ``InputError`` names a bad one)."""
         s = load_state(state, self.STATE, "CoBA")
-        self.history._check_loaded(s["history"], "state['history']")
-        # one rate per update with rollouts, the last window of them; the history's clock counts those updates
-        # (CoBA.update is what updates its history)
-        rates, want_n = s["rates"], min(s["history"]["clock"], self.window)
-        if rates.numel() != want_n:
+        # one rate per update with rollouts, the last window of them
+        rates, want_n = s["rates"], min(s["step"], self.window)
+        if rates.numel() > want_n:
             raise InputError(
                 "state['rates']",
-                f"{want_n} rates (one per update with rollouts, at most window={self.window})",
+                f"at most {want_n} rates (one per update with rollouts, at most window={self.window})",
                 f"{rates.numel()} rates",
                 "pass the state_dict() of a CoBA with this window",
             )
@@ -330,7 +336,7 @@ class CoBA:
                     repr(s[key]),
                     "pass the state_dict() of a CoBA with this beta_params_sum",
                 )
-        self.history._assign(s["history"])
+        self.history._load(s["history"], "state['history']")
         self._rates = s["rates"]
         self.alpha, self.beta = float(s["alpha"]), float(s["beta"])
         self._step = s["step"]

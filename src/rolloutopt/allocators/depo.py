@@ -38,8 +38,8 @@ from rolloutopt.allocators._base import (
     as_prompt_ids,
     check_budget,
 )
-from rolloutopt.allocators._filters import _check_entropy, _check_window, _keyed, _order, _shift_in
-from rolloutopt.allocators._ids import _insert, _lookup
+from rolloutopt.allocators._filters import _check_entropy, _keyed, _order, _shift_in
+from rolloutopt.allocators.table import Column, PromptTable, TableColumns, TableOwner, open_table
 from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, FloatG, FloatP, IntB, IntP
@@ -118,7 +118,7 @@ def _depo_scores(group: Tensor, correct: Tensor, e: Tensor, g: int, ratio: float
     return a_pos.abs() * pos_sum + a_neg.abs() * neg_sum
 
 
-class DEPO:
+class DEPO(TableOwner):
     r"""DEPO's online explorability filter with its replay of least-explored prompts (arXiv 2509.01321).
 
     Each prompt keeps the explorability scores (:func:`depo_group_scores`) of its last ``history_k`` rolled-out
@@ -169,6 +169,9 @@ class DEPO:
         steps_per_epoch: None: the epoch is what :meth:`set_epoch` last said (0 until then, so everything is
             kept); an int: ``epoch = steps // steps_per_epoch`` after each ``update``.
         seed: seed of the tie-break generator.
+        capacity: prompts kept in a private table (default None: 1,000,000; least recently updated evicted).
+        table: a shared :class:`~rolloutopt.allocators.PromptTable` (default None: a private one); DEPO registers
+            ``scores`` and ``count`` as owner ``"depo"``, and the caller saves a shared table once.
 
     Budget: never more than ``budget``; it spends all of it only when the kept prompts can absorb it (up to
     ``n_max`` each). Response entropies are required: ``plan.observe(request, rewards, entropy=...)``.
@@ -197,6 +200,8 @@ class DEPO:
         pad_multiple: int = 1,
         steps_per_epoch: int | None = None,
         seed: int = 0,
+        capacity: int | None = None,
+        table: PromptTable | None = None,
     ) -> None:
         self.n, self.n_min, self.n_max = _group_sizes(n, n_min, n_max)
         self.history_k = _check_int(history_k, "history_k", 1, "pass e.g. history_k=5")
@@ -214,9 +219,15 @@ class DEPO:
         self.epoch = 0
         self.steps = 0
         self._gen = torch.Generator().manual_seed(self.seed)
-        self._ids = torch.zeros(0, dtype=torch.long)
-        self._scores = torch.zeros(0, self.history_k, dtype=torch.float64)
-        self._count = torch.zeros(0, dtype=torch.long)
+        self._cols = open_table(
+            table,
+            capacity,
+            "depo",
+            {
+                "scores": Column("float", (self.history_k,), math.nan, ("finite_or_nan",)),  # NaN: an empty slot
+                "count": Column("int", checks=("nonneg",)),
+            },
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Tell the filter the current epoch (epoch 0 keeps everything; the keep ratio decays with it)."""
@@ -232,23 +243,24 @@ class DEPO:
         return self._scores_of(as_prompt_ids(prompt_ids))
 
     def _scores_of(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        if self._ids.numel() == 0:
+        if self._cols.empty:
             return torch.full(ids.shape, math.nan, dtype=torch.float64), torch.zeros_like(ids)
-        pos, found = _lookup(self._ids, ids)
+        pos, found = self._cols.find(ids)
         return self._scores_at(pos, found)
 
     def _scores_at(self, pos: Tensor, found: Tensor) -> tuple[Tensor, Tensor]:
-        if self._ids.numel() == 0:
+        if self._cols.empty:
             return torch.full(pos.shape, math.nan, dtype=torch.float64), torch.zeros_like(pos)
-        score = torch.where(found, torch.nanmean(self._scores[pos], dim=1), math.nan)
-        return score, torch.where(found, self._count[pos], 0)
+        # a row another owner of a shared table added holds the fills: NaN scores and count 0, as unseen
+        score = torch.where(found, torch.nanmean(self._cols["scores"][pos], dim=1), math.nan)
+        return score, torch.where(found, self._cols["count"][pos], 0)
 
     def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
         """Filter the candidates ``prompt_ids`` (see the class docstring), then one request of ``n`` each."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
         p = ids.numel()
-        seq, at, found = _keyed(ids, self._gen, self._ids)
+        seq, at, found = _keyed(ids, self._gen, self._cols.table.prompt_ids)
         reasons = torch.full((p,), 4, dtype=torch.long)
         if self.epoch == 0:
             order = seq
@@ -298,34 +310,28 @@ class DEPO:
         score = _depo_scores(result.group, correct, e, p, self.neg_pos_ratio, self.eps)
         rolled = result.counts > 0
         ids = result.plan_prompt_ids[rolled]
-        nan_row = torch.full((self.history_k,), math.nan, dtype=torch.float64)
-        self._ids, (self._scores, self._count), pos, order = _insert(
-            self._ids, ids, [(self._scores, nan_row), (self._count, torch.zeros((), dtype=torch.long))]
-        )
-        self._scores = _shift_in(self._scores, pos, score[rolled][order])
-        self._count[pos] += 1
+        pos, order = self._cols.add(ids)
+        self._cols["scores"] = _shift_in(self._cols["scores"], pos, score[rolled][order])
+        self._cols["count"][pos] += 1
         self.steps += 1
         if self.steps_per_epoch is not None:
             self.epoch = self.steps // self.steps_per_epoch
 
     STATE: ClassVar[dict[str, Field]] = {
-        "ids": Field("int", ("M",), ("ids",)),
-        "scores": Field("float", ("M", "W"), ("finite_or_nan",)),
-        "count": Field("int", ("M",), ("nonneg",)),
+        "table": TableColumns.FIELD,
         "epoch": Field("integer", low=0),
         "steps": Field("integer", low=0),
         "generator": Field("generator"),
     }
-    """The declared fields of :meth:`state_dict` (NaN marks an empty window slot; ``W`` must equal ``history_k``,
-    checked by :meth:`load_state_dict`)."""
+    """The declared fields of :meth:`state_dict` (the table's columns are validated by the table: NaN marks an
+    empty window slot, whose width must equal ``history_k``)."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Sorted ids, score windows ``[M, history_k]``, counts, epoch, steps and the generator; copies."""
+        """The table (score windows ``[M, history_k]`` and counts; the rows only when the table is private), the
+        epoch, steps and the generator; copies."""
         return dump_state(
             {
-                "ids": self._ids.clone(),
-                "scores": self._scores.clone(),
-                "count": self._count.clone(),
+                "table": self._cols.state(),
                 "epoch": self.epoch,
                 "steps": self.steps,
                 "generator": self._gen.get_state(),
@@ -336,7 +342,6 @@ class DEPO:
         """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one),
         with windows of this allocator's ``history_k``."""
         s = load_state(state, self.STATE, "DEPO")
-        _check_window(s["scores"], "scores", self.history_k, "DEPO", "history_k")
-        self._ids, self._scores, self._count = s["ids"], s["scores"], s["count"]
+        self._cols.load(s["table"])
         self.epoch, self.steps = s["epoch"], s["steps"]
         self._gen.set_state(s["generator"])

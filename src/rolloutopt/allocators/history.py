@@ -28,6 +28,7 @@ from rolloutopt._validation import check_int as _check_int
 from rolloutopt._validation import checks_enabled, choice, describe
 from rolloutopt.allocators._base import AllocationResult
 from rolloutopt.allocators._result_check import _check_result
+from rolloutopt.allocators.table import Column, PromptTable, TableColumns, open_table
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, FloatP, IntB, IntP
 
@@ -35,7 +36,6 @@ __all__ = ["SUCCESS_PRESETS", "PromptHistory", "PromptStats", "stable_prompt_ids
 
 Compare = Literal[">=", ">", "==", "<=", "<"]
 Unseen = Literal["prior", "nan", "raise"]
-Eviction = Literal["least_recent", "fewest_rollouts"]
 RunBasis = Literal["rollout", "mean"]
 
 SUCCESS_PRESETS: dict[str, dict[str, Any]] = {
@@ -150,9 +150,10 @@ class PromptStats:
         return torch.arange(w) < self.window_count[:, None]
 
 
-_INT_FIELDS = ("rollouts", "successes", "groups", "last_step", "last_touch", "correct_run", "wrong_run", "flat_run")
+_INT_FIELDS = ("rollouts", "successes", "groups", "last_step", "correct_run", "wrong_run", "flat_run")
 _FLOAT_FIELDS = ("reward_sum", "ema")
 _WINDOW_FIELDS = ("window", "window_rollouts", "window_successes")
+_FIELDS = (*_INT_FIELDS, *_FLOAT_FIELDS, *_WINDOW_FIELDS)
 _COMPARES = (">=", ">", "==", "<=", "<")
 
 
@@ -243,7 +244,8 @@ class PromptHistory:
     def __init__(
         self,
         *,
-        capacity: int = 1_000_000,
+        capacity: int | None = None,
+        table: PromptTable | None = None,
         window: int = 8,
         ema_decay: float = 0.9,
         success_threshold: float = 1.0,
@@ -253,9 +255,8 @@ class PromptHistory:
         run_basis: RunBasis = "rollout",
         unseen: Unseen = "prior",
         prior_pass_rate: float = 0.5,
-        eviction: Eviction = "least_recent",
+        name: str = "history",
     ) -> None:
-        self.capacity = _check_int(capacity, "capacity", 1)
         self.window = _check_int(window, "window", 1)
         beta = _check_number(ema_decay, "ema_decay")
         if not 0.0 <= beta < 1.0:
@@ -277,18 +278,12 @@ class PromptHistory:
         if not 0.0 <= prior <= 1.0:
             raise InputError("prior_pass_rate", "a number in [0, 1]", describe(prior_pass_rate), "pass e.g. 0.5")
         self.prior_pass_rate = prior
-        choice(eviction, "eviction", ("least_recent", "fewest_rollouts"))
-        self.eviction: Eviction = eviction
-        self._clock = 0
-        self._ids = torch.zeros(0, dtype=torch.long)
-        self._f: dict[str, Tensor] = {}
-        self._reset_fields(0)
-        self.STATE = _history_state(self.window)
+        self._cols = open_table(table, capacity, name, _history_columns(self.window))
+        self.STATE = {"config": Field("any"), "table": TableColumns.FIELD}
 
     STATE: dict[str, Field]
-    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`; the window width ``W`` is
-    this history's ``window``, so the spec is built per instance). An allocator that holds a history nests it:
-    ``Field("nested", fields=history.STATE)``."""
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`). An allocator that holds
+    a history nests it: ``Field("nested", fields=history.STATE)``."""
 
     @classmethod
     def from_preset(cls, preset: str, **kwargs: Any) -> PromptHistory:
@@ -296,31 +291,25 @@ class PromptHistory:
         choice(preset, "preset", tuple(SUCCESS_PRESETS))
         return cls(**{**SUCCESS_PRESETS[preset], **kwargs})
 
-    # -- storage --------------------------------------------------------------------------------------------
-    def _reset_fields(self, size: int) -> None:
-        w = self.window
-        self._f = {name: torch.zeros(size, dtype=torch.long) for name in _INT_FIELDS}
-        self._f.update({name: torch.zeros(size, dtype=torch.float64) for name in _FLOAT_FIELDS})
-        self._f["window"] = torch.zeros(size, w, dtype=torch.float64)
-        self._f["window_rollouts"] = torch.zeros(size, w, dtype=torch.long)
-        self._f["window_successes"] = torch.zeros(size, w, dtype=torch.long)
+    @property
+    def table(self) -> PromptTable:
+        """The :class:`~rolloutopt.allocators.PromptTable` that holds the statistics (private or shared)."""
+        return self._cols.table
 
-    def __len__(self) -> int:
-        """Number of stored prompts (at most ``capacity``)."""
-        return int(self._ids.numel())
+    @property
+    def capacity(self) -> int:
+        """The table's capacity (at most this many prompts are stored)."""
+        return self._cols.table.capacity
 
     @property
     def prompt_ids(self) -> IntP:
-        """The stored prompt ids, int64, sorted ascending (a copy)."""
-        return self._ids.clone()
+        """int64 ``[M]``: the prompts this history has seen and still stores, sorted."""
+        if self._cols.empty:
+            return self._cols.table.prompt_ids
+        return self._cols.table.prompt_ids[self._cols["seen"]]
 
-    def _find(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """Positions of ``ids`` in the store (clamped) and whether each is stored."""
-        size = self._ids.numel()
-        if size == 0:
-            return torch.zeros_like(ids), torch.zeros(ids.shape, dtype=torch.bool)
-        pos = torch.searchsorted(self._ids, ids).clamp(max=size - 1)
-        return pos, self._ids[pos] == ids
+    def __len__(self) -> int:
+        return int(self.prompt_ids.numel())
 
     def _success(self, r: Tensor) -> Tensor:
         return _compare(r, self.success_compare, self.success_threshold)
@@ -329,30 +318,6 @@ class PromptHistory:
         if self.failure_threshold is None:
             return ~success
         return _compare(r, self.failure_compare, self.failure_threshold)
-
-    def _insert(self, new_ids: Tensor, batch_known: Tensor) -> None:
-        """Make room (evicting) and insert ``new_ids`` (sorted, distinct, not stored) with empty statistics."""
-        size, k = self._ids.numel(), new_ids.numel()
-        overflow = size + k - self.capacity
-        keep = torch.ones(size, dtype=torch.bool)
-        if overflow > 0:
-            candidates = torch.ones(size, dtype=torch.bool)
-            candidates[batch_known] = False  # never evict a prompt of the current batch
-            cand = candidates.nonzero().squeeze(1)  # ascending id order (the store is sorted)
-            if self.eviction == "least_recent":
-                order = torch.sort(self._f["last_touch"][cand], stable=True).indices
-            else:
-                by_touch = torch.sort(self._f["last_touch"][cand], stable=True).indices
-                by_count = torch.sort(self._f["rollouts"][cand][by_touch], stable=True).indices
-                order = by_touch[by_count]
-            keep[cand[order[:overflow]]] = False
-        ids = torch.cat([self._ids[keep], new_ids])
-        ids, perm = torch.sort(ids)
-        fields: dict[str, Tensor] = {}
-        for name, t in self._f.items():
-            fresh = torch.zeros((k, *t.shape[1:]), dtype=t.dtype)
-            fields[name] = torch.cat([t[keep], fresh])[perm]
-        self._ids, self._f = ids, fields
 
     # -- the public API -------------------------------------------------------------------------------------
     def update(self, prompt_ids: IntB, rewards: FloatB, *, step: int) -> None:
@@ -442,20 +407,17 @@ class PromptHistory:
         flat = rmax == rmin
         rate = s.double() / n
 
-        pos, known = self._find(uniq)
-        if not bool(known.all()):
-            self._insert(uniq[~known], pos[known])
-            pos, known = self._find(uniq)
+        pos, _ = self._cols.add(
+            uniq
+        )  # uniq is sorted: the rows come out in its order = self._cols.add(uniq)  # uniq is sorted: order is the identity
         # the store rows of the batch's prompts are distinct: index_add_/index_copy_ touch each row once
-        f = self._f
+        f = self._cols
         first = f["groups"].index_select(0, pos) == 0
-        self._clock += 1
         f["rollouts"].index_add_(0, pos, n)
         f["successes"].index_add_(0, pos, s)
         f["groups"].index_add_(0, pos, torch.ones_like(n))
         f["reward_sum"].index_add_(0, pos, rsum)
         f["last_step"].index_fill_(0, pos, step)
-        f["last_touch"].index_fill_(0, pos, self._clock)
         ema = torch.where(first, rate, self.ema_decay * f["ema"].index_select(0, pos) + (1.0 - self.ema_decay) * rate)
         f["ema"].index_copy_(0, pos, ema)
         for name, hit in (("correct_run", all_correct), ("wrong_run", all_wrong), ("flat_run", flat)):
@@ -475,7 +437,10 @@ class PromptHistory:
         if prompt_ids.ndim != 1:
             raise InputError("prompt_ids", "a 1-d tensor [P]", describe(prompt_ids), "flatten prompt_ids")
         ids = prompt_ids.long().cpu()
-        pos, seen = self._find(ids)
+        if self._cols.empty:
+            pos, seen = torch.zeros_like(ids), torch.zeros(ids.shape, dtype=torch.bool)
+        else:
+            pos, seen = self._cols.find(ids)
         if self.unseen == "raise" and not bool(seen.all()):
             missing = ids[~seen][:5].tolist()
             raise InputError(
@@ -484,8 +449,8 @@ class PromptHistory:
                 f"unknown ids such as {missing}",
                 "update the history first or construct it with unseen='prior'",
             )
-        f = self._f
-        if self._ids.numel() == 0:
+        f = self._cols
+        if self._cols.empty:
             p, w = ids.numel(), self.window
             g = {name: torch.zeros(p, dtype=torch.long) for name in _INT_FIELDS}
             g.update({name: torch.zeros(p, dtype=torch.float64) for name in _FLOAT_FIELDS})
@@ -493,11 +458,11 @@ class PromptHistory:
             g["window_rollouts"] = torch.zeros(p, w, dtype=torch.long)
             g["window_successes"] = torch.zeros(p, w, dtype=torch.long)
         elif bool(seen.all()):
-            g = {name: t.index_select(0, pos) for name, t in f.items()}
+            g = {name: f[name].index_select(0, pos) for name in _FIELDS}
         else:
             g = {
-                name: torch.where(seen.view(-1, *[1] * (t.ndim - 1)), t.index_select(0, pos), 0)
-                for name, t in f.items()
+                name: torch.where(seen.view(-1, *[1] * (f[name].ndim - 1)), f[name].index_select(0, pos), 0)
+                for name in _FIELDS
             }
         fill = torch.tensor(torch.nan if self.unseen == "nan" else self.prior_pass_rate, dtype=torch.float64)
         roll = g["rollouts"]
@@ -527,11 +492,11 @@ class PromptHistory:
         """``(seen, window_pass_rate)`` of :meth:`lookup` (same values, same ``unseen`` policy) without gathering
         the other fields: what CoBA-RL and Knapsack-RL read."""
         stats_ids = prompt_ids.long().cpu()
-        if self.unseen == "raise" or self._ids.numel() == 0:
+        if self.unseen == "raise" or self._cols.empty:
             stats = self.lookup(stats_ids)
             return stats.seen, stats.window_pass_rate
-        pos, seen = self._find(stats_ids)
-        f = self._f
+        pos, seen = self._cols.find(stats_ids)
+        f = self._cols
         wr = f["window_rollouts"].index_select(0, pos).sum(1)
         ws = f["window_successes"].index_select(0, pos).sum(1)
         if not bool(seen.all()):
@@ -542,7 +507,6 @@ class PromptHistory:
     # -- checkpointing --------------------------------------------------------------------------------------
     def _config(self) -> dict[str, Any]:
         return {
-            "capacity": self.capacity,
             "window": self.window,
             "ema_decay": self.ema_decay,
             "success_threshold": self.success_threshold,
@@ -552,31 +516,21 @@ class PromptHistory:
             "run_basis": self.run_basis,
             "unseen": self.unseen,
             "prior_pass_rate": self.prior_pass_rate,
-            "eviction": self.eviction,
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue identically: the configuration, the update counter and every field."""
-        return dump_state(
-            {
-                "version": 1,
-                "config": self._config(),
-                "clock": self._clock,
-                "prompt_ids": self._ids.clone(),
-                **{name: t.clone() for name, t in self._f.items()},
-            }
-        )
+        """Everything needed to continue identically: the configuration and the table (its rows when private)."""
+        return dump_state({"config": self._config(), "table": self._cols.state()})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`, validated field by field (an ``InputError`` names a bad one); the
         configuration must equal this history's."""
         s = load_state(state, self.STATE, "PromptHistory")
-        self._check_loaded(s, "state")
-        self._assign(s)
+        self._load(s, "state")
 
-    def _check_loaded(self, s: dict[str, Any], name: str) -> None:
-        """The checks :func:`~rolloutopt._state.load_state` cannot know, on its output ``s`` (``name``: the path
-        of the history's state, e.g. ``"state['history']"`` for an allocator that nests one)."""
+    def _load(self, s: dict[str, Any], name: str) -> None:
+        """Restore the output ``s`` of :func:`~rolloutopt._state.load_state` (``name``: the path of the history's
+        state, e.g. ``"state['history']"`` for an allocator that nests one)."""
         config, want = s["config"], self._config()
         same = isinstance(config, dict) and set(config) == set(want)
         same = same and all(type(config[k]) is type(v) and config[k] == v for k, v in want.items())
@@ -587,33 +541,17 @@ class PromptHistory:
                 f"configuration {config if isinstance(config, dict) else describe(config)}",
                 "construct the PromptHistory with the saved configuration (state['config'])",
             )
-        if s["prompt_ids"].numel() > self.capacity:
-            raise InputError(
-                f"{name}['prompt_ids']",
-                f"at most capacity={self.capacity} stored prompts",
-                describe(s["prompt_ids"]),
-                "pass the state_dict() of a history with this capacity",
-            )
-
-    def _assign(self, s: dict[str, Any]) -> None:
-        """Take the fields of a validated state (the fresh copies :func:`~rolloutopt._state.load_state` returns)."""
-        self._ids = s["prompt_ids"]
-        self._f = {name: s[name] for name in (*_INT_FIELDS, *_FLOAT_FIELDS, *_WINDOW_FIELDS)}
-        self._clock = s["clock"]
+        self._cols.load(s["table"], f"{name}['table']")
 
 
-def _history_state(window: int) -> dict[str, Field]:
-    """The fields of :meth:`PromptHistory.state_dict` for a history of ``window`` slots: ``M`` stored prompts."""
+def _history_columns(window: int) -> dict[str, Column]:
+    """The table columns of a history of ``window`` slots."""
     return {
-        "version": Field("integer", low=1, high=1),  # the history's own version key (kept for its readers)
-        "config": Field("any"),  # str, float and None values: compared with the history's own configuration
-        "clock": Field("integer", low=0),
-        "prompt_ids": Field("int", ("M",), ("ids",)),
-        # counters, and last_step / last_touch (the step and the clock of an update, both >= 0)
-        **{name: Field("int", ("M",), ("nonneg",)) for name in _INT_FIELDS},
-        "reward_sum": Field("float", ("M",), ("finite",)),
-        "ema": Field("float", ("M",), ("nonneg",)),  # an average of pass rates in [0, 1]
-        "window": Field("float", ("M", window), ("finite",)),  # mean rewards (any finite reward)
-        "window_rollouts": Field("int", ("M", window), ("nonneg",)),
-        "window_successes": Field("int", ("M", window), ("nonneg",)),
+        # counters, and last_step (the step of an update, >= 0; -1 is reported for unseen prompts by lookup)
+        **{name: Column("int", checks=("nonneg",)) for name in _INT_FIELDS},
+        "reward_sum": Column("float", checks=("finite",)),
+        "ema": Column("float", checks=("nonneg",)),  # an average of pass rates in [0, 1]
+        "window": Column("float", (window,), checks=("finite",)),  # mean rewards (any finite reward)
+        "window_rollouts": Column("int", (window,), checks=("nonneg",)),
+        "window_successes": Column("int", (window,), checks=("nonneg",)),
     }
