@@ -68,7 +68,7 @@ def test_state_round_trip_with_weights_only() -> None:
     buf = io.BytesIO()
     torch.save(t.state_dict(), buf)
     buf.seek(0)
-    t2, a2, b2 = _table(capacity=3)  # a smaller capacity: the 3 rows fit
+    t2, a2, _ = _table(capacity=3)  # a smaller capacity: the 3 rows fit
     t2.load_state_dict(torch.load(buf, weights_only=True))
     for key, col in t.state_dict()["columns"].items():
         assert torch.equal(col, t2.state_dict()["columns"][key]) or bool(torch.isnan(col).any()), key
@@ -85,7 +85,7 @@ def _with(state: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str,
 
 
 def test_load_refuses_corrupted_or_foreign_states_naming_the_field() -> None:
-    t, a, b = _table()
+    t, a, _ = _table()
     a.add(ids(1, 2, 3))
     good = t.state_dict()
     cols = dict(good["columns"])
@@ -175,7 +175,7 @@ def test_matches_a_naive_model(capacity: int, calls: list[tuple[bool, list[int]]
             row = model.setdefault(x, {"touch": 0, "seen": [False, False], "n": [0, 0]})
             row["touch"], row["seen"][which] = clock, True
             row["n"][which] += 1
-        pos, order = views[which].add(torch.tensor(xs))
+        pos, _ = views[which].add(torch.tensor(xs))
         first = torch.ones(len(xs), dtype=torch.bool)
         first[1:] = pos[1:] != pos[:-1]
         views[which]["n"].index_add_(0, pos[first], torch.ones(int(first.sum()), dtype=torch.long))
