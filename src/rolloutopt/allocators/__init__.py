@@ -24,10 +24,11 @@ from rolloutopt.allocators import (
     gdro_bins,
     greso,
     history,
-    table,
     hive,
     knapsack,
     pilot_commit,
+    table,
+    tokens,
     v05_budget,
     vigor,
     xrpo,
@@ -57,10 +58,11 @@ from rolloutopt.allocators.gdro import *  # noqa: F403
 from rolloutopt.allocators.gdro_bins import *  # noqa: F403
 from rolloutopt.allocators.greso import *  # noqa: F403
 from rolloutopt.allocators.history import *  # noqa: F403
-from rolloutopt.allocators.table import *  # noqa: F403
 from rolloutopt.allocators.hive import *  # noqa: F403
 from rolloutopt.allocators.knapsack import *  # noqa: F403
 from rolloutopt.allocators.pilot_commit import *  # noqa: F403
+from rolloutopt.allocators.table import *  # noqa: F403
+from rolloutopt.allocators.tokens import *  # noqa: F403
 from rolloutopt.allocators.v05_budget import *  # noqa: F403
 from rolloutopt.allocators.vigor import *  # noqa: F403
 from rolloutopt.allocators.xrpo import *  # noqa: F403
@@ -80,6 +82,7 @@ __all__ = [
 __all__ += baselines.__all__
 __all__ += history.__all__
 __all__ += table.__all__
+__all__ += tokens.__all__
 __all__ += dynamic.__all__
 __all__ += vigor.__all__
 __all__ += pilot_commit.__all__

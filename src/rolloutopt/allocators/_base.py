@@ -25,6 +25,7 @@ from torch import Tensor
 
 from rolloutopt._validation import check_int, check_real, checks_enabled, describe
 from rolloutopt.allocators._ids import _sort_ids
+from rolloutopt.allocators._units import TokenBudget, check_budget
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, FloatP, IntB, IntP, Scalar
 
@@ -35,6 +36,7 @@ __all__ = [
     "Conversation",
     "OneShotPlan",
     "Request",
+    "TokenBudget",
     "as_prompt_ids",
     "check_budget",
 ]
@@ -127,7 +129,7 @@ class AllocationResult:
 class Allocator(Protocol):
     """An allocator: keyword-only construction with the paper's defaults, a plan per step, an update after it."""
 
-    def plan(self, prompt_ids: IntP, budget: int) -> Conversation: ...
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> Conversation: ...
 
     def update(self, result: AllocationResult) -> None: ...
 
@@ -169,13 +171,6 @@ def _cat(parts: list[Tensor], empty: Tensor) -> Tensor:
     return empty if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def check_budget(budget: Any, name: str = "budget") -> int:
-    """Validate a non-negative integer budget (in rollouts unless the allocator says otherwise)."""
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
-        raise InputError(name, "a non-negative int (rollouts)", describe(budget), "pass e.g. budget=8 * len(prompts)")
-    return budget
-
-
 class Conversation:
     """One step's plan: the request/observe bookkeeping shared by every allocator, vectorised.
 
@@ -197,8 +192,19 @@ class Conversation:
         self, prompt_ids: IntP, budget: int, *, requires: tuple[str, ...] = (), accepts: tuple[str, ...] = ()
     ) -> None:
         self.prompt_ids = prompt_ids
-        self.budget = budget
+        self._budget = int(budget)
         self.spent = 0
+        self._token_budget: TokenBudget | None = getattr(budget, "source", None)
+        self._tokens = 0.0  # tokens generated so far (token budgets)
+        if self._token_budget is not None:
+            if self._token_budget.expected.numel() != prompt_ids.numel():
+                raise InputError(
+                    "budget",
+                    f"a TokenBudget with one expected length per planned prompt ({prompt_ids.numel()})",
+                    f"{self._token_budget.expected.numel()} expected lengths",
+                    "make it with lengths.budget(tokens, prompt_ids) for the same prompt_ids",
+                )
+            requires = requires if "tokens" in requires else (*requires, "tokens")
         self.requires = requires
         self.accepts = accepts
         # the signals every generating request collects (rollout and prompt kinds; probes name their own)
@@ -219,6 +225,18 @@ class Conversation:
         self._log_rewards: list[Tensor] = []
         self._all_f64: bool | None = None  # every observed reward tensor float64 (None: nothing observed yet)
         self._finished = False
+
+    @property
+    def budget(self) -> int:
+        """The step's budget in rollouts; with a :class:`TokenBudget`, re-priced after every observed request:
+        rollouts spent plus the tokens left over the step's mean tokens per rollout so far
+        (:mod:`rolloutopt.allocators.tokens`)."""
+        tb = self._token_budget
+        n = self.spent_observed
+        if tb is None or n == 0:
+            return self._budget
+        per = max(self._tokens / n, 1.0)
+        return self.spent + max(0, int((tb.tokens - self._tokens) // per))
 
     @property
     def _sorted(self) -> Tensor:
@@ -394,6 +412,8 @@ class Conversation:
         self._log_pos.append(pos)
         self._log_rewards.append(r)
         self._store_signals(request, signals, rows)
+        if "tokens" in signals:
+            self._tokens += float(signals["tokens"].detach().double().sum())
         self._pending = None
         self._known = None
         self.on_observe(pos, r)
@@ -466,6 +486,18 @@ class Conversation:
                 if SIGNALS[name] == "rollout":
                     signals[name] = torch.full((n,), math.nan, dtype=dtype)
         signals.update({name: v.to(dtype) for name, v in self._prompt_signals.items()})
+        f64 = torch.float64
+        tb = self._token_budget
+        used = n / max(self.budget, 1) if tb is None else self._tokens / max(tb.tokens, 1)
+        metrics = {
+            "rollouts": torch.tensor(float(n), dtype=f64),
+            "budget_used_frac": torch.tensor(used, dtype=f64),
+            "kept_frac": torch.tensor(kept / n if n else 0.0, dtype=f64),
+        }
+        if "tokens" in self._rollout_signals:
+            metrics["tokens"] = torch.tensor(self._tokens, dtype=f64)
+        if tb is not None:
+            metrics["token_budget"] = torch.tensor(float(tb.tokens), dtype=f64)
         return AllocationResult(
             prompt_ids=self.prompt_ids.index_select(0, pos),
             group=pos,
@@ -475,11 +507,7 @@ class Conversation:
             counts=self._n.clone(),
             reasons=reasons,
             reason_names=self.reason_names,
-            metrics={
-                "rollouts": torch.tensor(float(n), dtype=torch.float64),
-                "budget_used_frac": torch.tensor(n / max(self.budget, 1), dtype=torch.float64),
-                "kept_frac": torch.tensor(kept / n if n else 0.0, dtype=torch.float64),
-            },
+            metrics=metrics,
             signals=signals,
         )
 

@@ -16,6 +16,7 @@ from rolloutopt.allocators._base import (
     check_budget,
 )
 from rolloutopt.allocators._result_check import _check_result
+from rolloutopt.allocators._units import TokenBudget
 from rolloutopt.errors import InputError
 from rolloutopt.typing import IntP
 
@@ -53,7 +54,7 @@ class Uniform:
             raise InputError("n", "None or an int >= 1 (rollouts per prompt)", repr(n), "pass e.g. n=8")
         self.n = n
 
-    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> Conversation:
         """One request: ``budget`` spread over ``prompt_ids`` (see the class docstring)."""
         ids, budget = as_prompt_ids(prompt_ids), check_budget(budget)
         return _UniformPlan(ids, budget, *_uniform_counts(ids.numel(), budget, self.n))

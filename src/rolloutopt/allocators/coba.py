@@ -23,6 +23,7 @@ from rolloutopt.allocators._base import AllocationResult, Conversation, as_promp
 from rolloutopt.allocators._budget import _F64, _OneShot, _short, _spread, _top_units_by_key, _unsort
 from rolloutopt.allocators._ids import _sort_ids
 from rolloutopt.allocators._result_check import _check_result
+from rolloutopt.allocators._units import TokenBudget
 from rolloutopt.allocators.history import PromptHistory
 from rolloutopt.allocators.table import PromptTable, TableOwner
 from rolloutopt.errors import InputError
@@ -274,7 +275,7 @@ class CoBA(TableOwner):
         return counts, reasons
 
     # -- the protocol -----------------------------------------------------------------------------------------
-    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> Conversation:
         """One request: the CoBA-RL counts of ``prompt_ids`` under ``budget`` rollouts (class docstring)."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)

@@ -28,6 +28,7 @@ from rolloutopt.allocators._base import (
     check_budget,
 )
 from rolloutopt.allocators._result_check import _check_result
+from rolloutopt.allocators._units import TokenBudget
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, FloatP, IntB, IntP
 
@@ -241,7 +242,7 @@ class DARS:
         self.n, self.schedule, self.use_std, self.n_min, self.n_max = n, schedule, use_std, n_min, n_max
         self.upper_threshold, self.success, self.seed = float(upper_threshold), float(success), seed
 
-    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> Conversation:
         """Stage 1 on every prompt, then the schedule's top-up (see the class docstring)."""
         return _DARSPlan(as_prompt_ids(prompt_ids), check_budget(budget), self)
 

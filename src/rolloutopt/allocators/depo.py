@@ -39,8 +39,9 @@ from rolloutopt.allocators._base import (
     check_budget,
 )
 from rolloutopt.allocators._filters import _check_entropy, _keyed, _order, _shift_in
-from rolloutopt.allocators.table import Column, PromptTable, TableColumns, TableOwner, open_table
 from rolloutopt.allocators._result_check import _check_result
+from rolloutopt.allocators._units import TokenBudget
+from rolloutopt.allocators.table import Column, PromptTable, TableColumns, TableOwner, open_table
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, FloatG, FloatP, IntB, IntP
 
@@ -255,7 +256,7 @@ class DEPO(TableOwner):
         score = torch.where(found, torch.nanmean(self._cols["scores"][pos], dim=1), math.nan)
         return score, torch.where(found, self._cols["count"][pos], 0)
 
-    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> Conversation:
         """Filter the candidates ``prompt_ids`` (see the class docstring), then one request of ``n`` each."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)

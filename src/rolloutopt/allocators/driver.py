@@ -13,6 +13,7 @@ from torch import Tensor
 
 from rolloutopt._validation import describe
 from rolloutopt.allocators._base import AllocationResult, Request
+from rolloutopt.allocators._units import TokenBudget
 from rolloutopt.errors import InputError
 from rolloutopt.typing import IntP
 
@@ -28,7 +29,7 @@ trainer cannot measure them (an allocator that only accepts a probe signal then 
 def run_step(
     allocator: Any,
     prompt_ids: IntP,
-    budget: int,
+    budget: int | TokenBudget,
     generate: Callable[[Request], Generated],
     *,
     update: bool = True,
@@ -53,7 +54,8 @@ def run_step(
     Args:
         allocator: any allocator (:func:`rolloutopt.allocators.get` returns their classes).
         prompt_ids: the candidate prompts, int64 ``[P]``.
-        budget: the step's budget (rollouts).
+        budget: the step's budget: rollouts (an int) or a :class:`~rolloutopt.allocators.TokenBudget` (then
+            ``generate`` must return each rollout's ``tokens``; :mod:`rolloutopt.allocators.tokens`).
         generate: ``request -> Generated`` (see :data:`Generated`).
         update: call ``allocator.update(result)`` (default); False leaves it to the caller, e.g. to update on
             one data-parallel rank's merged result.

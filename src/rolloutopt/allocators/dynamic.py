@@ -23,6 +23,7 @@ from rolloutopt.allocators._base import (
     check_budget,
 )
 from rolloutopt.allocators._result_check import _check_result
+from rolloutopt.allocators._units import TokenBudget
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, IntP
 
@@ -230,7 +231,7 @@ class DAPODynamicSampling:
         self.seed = _check_int(seed, "seed", 0, "pass e.g. seed=0")
         self._gen = torch.Generator().manual_seed(self.seed)
 
-    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> Conversation:
         """Start a step over the candidate pool ``prompt_ids`` (int64 ``[P]``, distinct) with ``budget`` rollouts."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)

@@ -29,6 +29,7 @@ from rolloutopt.allocators._base import (
 from rolloutopt.allocators._ids import _argsort_stable
 from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.allocators._tracked import _BIG, _caps, _Tracked
+from rolloutopt.allocators._units import TokenBudget
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, IntP
 
@@ -308,7 +309,7 @@ class PilotCommit:
         self._buf_order = torch.zeros(0, dtype=torch.long)  # pilot order within the entry's step (tie-break)
         self._evicted = torch.zeros(0, dtype=torch.long)
 
-    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> Conversation:
         """Pilot/commit rounds over ``prompt_ids`` (fresh prompts in data-loader order, plus any buffered ids)."""
         return _PilotCommitPlan(as_prompt_ids(prompt_ids), check_budget(budget), self)
 

@@ -31,6 +31,7 @@ from rolloutopt.allocators._base import (
 )
 from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.allocators._tracked import _BIG, _caps, _rank, _Tracked
+from rolloutopt.allocators._units import TokenBudget
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatAny, FloatB, IntP
 
@@ -316,7 +317,7 @@ class VIGOR:
         self.prior = (float(prior[0]), float(prior[1])) if prior is not None else None
         self.n_min, self.n_max = n_min, n_max
 
-    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> Conversation:
         """Warm start, then variance-guided top-up rounds (see the class docstring)."""
         return _VIGORPlan(as_prompt_ids(prompt_ids), check_budget(budget), self)
 

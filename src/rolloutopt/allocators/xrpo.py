@@ -30,6 +30,7 @@ from rolloutopt.allocators._base import (
 )
 from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.allocators._tracked import _rank
+from rolloutopt.allocators._units import TokenBudget
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatAny, FloatB, IntP
 
@@ -203,7 +204,7 @@ class XRPO:
         self.seed = _check_int(seed, "seed", 0, "pass a non-negative int")
         self._gen = torch.Generator().manual_seed(self.seed)
 
-    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> Conversation:
         """Base groups, then rounds of uncertainty-reduction top-ups (see the class docstring)."""
         return _XRPOPlan(as_prompt_ids(prompt_ids), check_budget(budget), self)
 
