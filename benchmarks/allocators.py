@@ -20,7 +20,10 @@ V0.5 budget rule (``V05Budget``) runs standalone: with no trainer-supplied reque
 ``rolloutopt.advantages.v05`` itself (prior: past mean reward, 0.5 unseen), and that call is part of its plan
 time. HIVE runs without prompt entropies (its probe is answered with nothing, so its stage 2 is skipped).
 
-Run: ``python benchmarks/allocators.py`` (``--quick``: fewer seeds and steps).
+Part 3 (one table, token budgets): GRESO, DPS, Knapsack and CoBA, and a ``ResponseLengths``, share one
+``PromptTable`` of 100,000 prompts; each step is planned with a ``TokenBudget`` (responses of 40-103 tokens).
+
+Run: ``python benchmarks/allocators.py`` (``--quick``: fewer seeds and steps; ``--speed-only``: Parts 2 and 3).
 """
 
 from __future__ import annotations
@@ -155,24 +158,27 @@ def speed(repeats: int) -> None:
     print(f"| {'allocator':24} | {'plan ms':>9} | {'update ms':>9} | {'rollouts':>9} |")
     print(f"|{'-' * 26}|{'-' * 11}|{'-' * 11}|{'-' * 11}|")
 
-    def converse(alloc: Any, budget: int) -> tuple[Any, float]:
-        """One conversation; its time without the reward (and synthetic signal) draws: the engine's cost, not
-        the allocator's. A probe (HIVE's prompt entropy) is answered with nothing, as the testbed does."""
-        start, drawing = time.perf_counter(), 0.0
-        plan = alloc.plan(ids, budget)
+    def converse(alloc: Any, budget: Any) -> tuple[Any, float]:
+        """One step through ``run_step`` (no update); its time without the reward (and synthetic signal) draws:
+        the engine's cost, not the allocator's. A probe (HIVE's prompt entropy) is answered with nothing, as the
+        testbed does; a token plan gets 40 + id % 64 tokens per response."""
+        drawing = [0.0]
         synthetic = getattr(alloc, "signals", lambda req: {})  # signals the testbed synthesises (DEPO's entropies)
-        while (req := plan.next()) is not None:
+
+        def generate(req: A.Request) -> Any:
             if req.is_probe:
-                plan.observe(req, None)
-                continue
+                return None
             t1 = time.perf_counter()
             rep = req.prompt_ids.repeat_interleave(req.counts)
-            r = torch.bernoulli(truth[torch.searchsorted(ids, rep)], generator=gen)  # ids are sorted
-            signals = synthetic(req)
-            drawing += time.perf_counter() - t1
-            plan.observe(req, r, **signals)
-        res = plan.finish()
-        return res, time.perf_counter() - start - drawing
+            out = {"rewards": torch.bernoulli(truth[torch.searchsorted(ids, rep)], generator=gen), **synthetic(req)}
+            if "tokens" in req.signals:
+                out["tokens"] = (40 + rep % 64).double()
+            drawing[0] += time.perf_counter() - t1
+            return out
+
+        start = time.perf_counter()
+        res = A.run_step(alloc, ids, budget, generate, update=False)
+        return res, time.perf_counter() - start - drawing[0]
 
     for name, make in contenders().items():
         try:
@@ -195,15 +201,68 @@ def speed(repeats: int) -> None:
         )
 
 
+def shared(repeats: int) -> None:
+    """Part 3: allocators sharing one PromptTable at 100k prompts, and token budgets (ResponseLengths on the same
+    table): plan and update time of each owner, median of ``repeats``."""
+    p = 100_000
+    ids = torch.arange(p) * 7 + 3
+    gen = torch.Generator().manual_seed(0)
+    truth = torch.rand(p, generator=gen, dtype=torch.float64)
+    table = A.PromptTable(capacity=2 * p)
+    owners = {
+        "GRESO": A.GRESO(seed=0, steps_per_epoch=10, train_batch_size=128, table=table),
+        "DPS": A.DPS(seed=0, table=table),
+        "Knapsack": A.Knapsack(table=table),
+        "CoBA": A.CoBA(table=table),
+    }
+    lengths = A.ResponseLengths(prior=64.0, table=table)
+    print(f"\nPart 3: {p:,} prompts, {len(owners)} allocators and ResponseLengths on one PromptTable; token budget")
+    print(
+        f"| {'allocator (shared table)':24} | {'plan ms':>9} | {'update ms':>9} | {'lengths ms':>10} | {'tokens':>11} |"
+    )
+    print(f"|{'-' * 26}|{'-' * 11}|{'-' * 11}|{'-' * 12}|{'-' * 13}|")
+
+    def generate(req: A.Request) -> Any:
+        rep = req.prompt_ids.repeat_interleave(req.counts)
+        r = torch.bernoulli(truth[torch.searchsorted(ids, rep)], generator=gen)
+        return {"rewards": r, "tokens": (40 + rep % 64).double()}
+
+    for name, alloc in owners.items():
+        plans, updates, lens, tokens = [], [], [], 0.0
+        for k in range(repeats + 1):
+            budget = lengths.budget(8 * p * 72, ids)
+            t0 = time.perf_counter()
+            res = A.run_step(alloc, ids, budget, generate, update=False)
+            t1 = time.perf_counter()
+            alloc.update(res)
+            t2 = time.perf_counter()
+            lengths.update(res)
+            t3 = time.perf_counter()
+            if k:  # the first step fills the table
+                plans.append((t1 - t0) * 1e3)
+                updates.append((t2 - t1) * 1e3)
+                lens.append((t3 - t2) * 1e3)
+                tokens = float(res.metrics["tokens"])
+        print(
+            f"| {name:24} | {statistics.median(plans):9.1f} | {statistics.median(updates):9.1f} | "
+            f"{statistics.median(lens):10.1f} | {tokens:11,.0f} |",
+            flush=True,
+        )
+    print(f"table: {len(table):,} prompts, owners {', '.join(table.owners)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--speed-only", action="store_true", help="skip Part 1 (learning)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     print(f"torch {torch.__version__}, threads 1, {platform.processor() or platform.machine()}")
-    learning([0, 1] if args.quick else [0, 1, 2], 150 if args.quick else STEPS)
+    if not args.speed_only:
+        learning([0, 1] if args.quick else [0, 1, 2], 150 if args.quick else STEPS)
     speed(2 if args.quick else 5)
+    shared(2 if args.quick else 5)
 
 
 if __name__ == "__main__":
