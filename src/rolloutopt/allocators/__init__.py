@@ -4,7 +4,9 @@ Every allocator speaks one protocol — ``plan(prompt_ids, budget)`` → ``next(
 ``update(result)`` — implemented once in :class:`Conversation` and driven by :func:`run_step` given a
 ``generate(request)`` callable. What an allocator learns from beyond rewards (:data:`SIGNALS`) travels with
 ``observe`` and in ``result.signals``. ``state_dict()``/``load_state_dict()`` checkpoint it.
-:class:`PromptHistory` is the shared, bounded per-prompt store.
+:class:`PromptTable` is the one bounded per-prompt store that allocators share (a checkpoint holds it once);
+:class:`PromptHistory` the common statistics kept in it. A budget is rollouts (an int) or tokens
+(:class:`TokenBudget`, with the expected lengths :class:`ResponseLengths` learns).
 """
 
 from __future__ import annotations
