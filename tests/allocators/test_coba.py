@@ -252,6 +252,8 @@ def test_coba_load_refuses_nan_and_negative_counters_naming_the_field() -> None:
         ((*rows, "prompt_ids"), good["history"]["table"]["rows"]["prompt_ids"][:-1], f"{at}['touch']"),
         (("rates",), torch.full((r,), math.nan, dtype=F64), "state['rates']"),
         (("rates",), torch.cat([good["rates"], good["rates"]]), "state['rates']"),
+        (("rates",), good["rates"][:-1], "state['rates']"),
+        (("rated",), good["step"] + 1, "state['rated']"),
         (("step",), -1, "state['step']"),
         (("alpha",), good["alpha"] + 0.25, "state['alpha']"),
         (("beta",), good["beta"] - 0.25, "state['beta']"),

@@ -181,15 +181,17 @@ class CoBA(TableOwner):
         self.alpha = self.beta_params_sum - 2.0
         self.beta = 2.0
         self._rates = torch.zeros(0, dtype=_F64)  # per-step average success rates, oldest first (<= window)
+        self._rated = 0  # updates with rollouts (each pushed one rate)
         self._step = 0
         s = self.beta_params_sum
         self.STATE = {
             "history": Field("nested", fields=self.history.STATE),
-            # R <= min(window, step), alpha/beta the Beta shape of these rates: checked after load_state
+            # R = min(window, rated), alpha/beta the Beta shape of these rates: checked after load_state
             "rates": Field("float", ("R",), ("prob",)),
             # alpha: S - 2 before the first update, then clipped to [1, S - 1]; beta: S - alpha (>= 1 up to rounding)
             "alpha": Field("real", low=min(s - 2.0, 1.0), high=s - 1.0),
             "beta": Field("real", low=0.5, high=s),
+            "rated": Field("integer", low=0),
             "step": Field("integer", low=0),
         }
 
@@ -293,6 +295,7 @@ class CoBA(TableOwner):
             )
             avg = float((succ[got] / result.counts[got].to(_F64)).mean())
             self._rates = torch.cat([self._rates, torch.tensor([avg], dtype=_F64)])[-self.window :]
+            self._rated += 1
             self.alpha, self.beta = coba_beta_params(
                 min(max(1.0 - float(self._rates.mean()), 0.0), 1.0), self.beta_params_sum
             )
@@ -300,13 +303,14 @@ class CoBA(TableOwner):
         self._step += 1
 
     def state_dict(self) -> dict[str, Any]:
-        """The history, the global window, the Beta shape and the step counter (copies)."""
+        """The history, the global window, the Beta shape, the updates with rollouts and the step counter (copies)."""
         return dump_state(
             {
                 "history": self.history.state_dict(),
                 "rates": self._rates.clone(),
                 "alpha": self.alpha,
                 "beta": self.beta,
+                "rated": self._rated,
                 "step": self._step,
             }
         )
@@ -315,11 +319,13 @@ class CoBA(TableOwner):
         """Restore a :meth:`state_dict`, validated field by field (an ``InputError`` names a bad one)."""
         s = load_state(state, self.STATE, "CoBA")
         # one rate per update with rollouts, the last window of them
-        rates, want_n = s["rates"], min(s["step"], self.window)
-        if rates.numel() > want_n:
+        if s["rated"] > s["step"]:
+            raise InputError("state['rated']", f"<= step = {s['step']}", repr(s["rated"]), "pass CoBA.state_dict()")
+        rates, want_n = s["rates"], min(s["rated"], self.window)
+        if rates.numel() != want_n:
             raise InputError(
                 "state['rates']",
-                f"at most {want_n} rates (one per update with rollouts, at most window={self.window})",
+                f"{want_n} rates (one per update with rollouts, at most window={self.window})",
                 f"{rates.numel()} rates",
                 "pass the state_dict() of a CoBA with this window",
             )
@@ -338,6 +344,6 @@ class CoBA(TableOwner):
                     "pass the state_dict() of a CoBA with this beta_params_sum",
                 )
         self.history._load(s["history"], "state['history']")
-        self._rates = s["rates"]
+        self._rates, self._rated = s["rates"], s["rated"]
         self.alpha, self.beta = float(s["alpha"]), float(s["beta"])
         self._step = s["step"]

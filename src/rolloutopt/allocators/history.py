@@ -4,8 +4,9 @@ Every history-based allocator (GRESO, DPS, E3, CoBA, DOTS, HIVE, DEPO, Knapsack,
 ``docs/methods/dynamic_sampling.md``) reads the same few per-prompt facts: how often a prompt was rolled out and
 solved, when it was last seen, a smoothed pass rate, the last few group outcomes and how many consecutive groups
 came back all-correct or all-wrong. :class:`PromptHistory` keeps them once, for any number of allocators, in
-dense tensors sorted by prompt id (lookup is one ``torch.searchsorted``), with a hard ``capacity`` and an
-explicit eviction policy, and ``state_dict`` / ``load_state_dict`` that round-trip exactly.
+columns of a :class:`~rolloutopt.allocators.PromptTable` (sorted by prompt id, lookup is one
+``torch.searchsorted``, a hard ``capacity`` and least-recent eviction), with ``state_dict`` /
+``load_state_dict`` that round-trip exactly.
 
 :func:`stable_prompt_ids` turns string ids (``"{data_source}_{index}"``, a hash of the prompt text, ...) into
 int64 ids that are identical across processes, machines and Python runs (unlike ``hash(str)``).
@@ -213,15 +214,17 @@ class PromptHistory:
     the only way a NaN leaves this class); ``"raise"`` raises :class:`~rolloutopt.errors.InputError` naming the
     unknown ids. Counts and run lengths are 0, ``last_step`` is -1 and the window is empty in every mode.
 
-    **Bounded memory.** At most ``capacity`` prompts are stored (memory :math:`O(\mathrm{capacity} \cdot
-    W)`). When an update brings new prompts into a full history, the prompts not in the current batch are
-    evicted in this order: ``eviction="least_recent"`` (default) — least recently updated first (an internal
-    update counter, so a non-monotone ``step`` cannot confuse it), ties by smaller prompt id;
-    ``"fewest_rollouts"`` — fewest rollouts first, then least recent, then smaller id. An evicted prompt is
-    unseen again. A single update with more than ``capacity`` distinct prompts raises.
+    **Bounded memory.** The statistics are columns of a :class:`~rolloutopt.allocators.PromptTable` (private, or
+    shared with other allocators via ``table=``): at most ``capacity`` prompts are stored (memory
+    :math:`O(\mathrm{capacity} \cdot W)`). When an update brings new prompts into a full table, the prompts not
+    in the current batch are evicted least recently updated first (an internal update counter, so a non-monotone
+    ``step`` cannot confuse it), ties by smaller prompt id. An evicted prompt is unseen again. A single update
+    with more than ``capacity`` distinct prompts raises.
 
     Args:
-        capacity: maximum number of stored prompts (default 1,000,000).
+        capacity: maximum number of stored prompts of a private table (default None: 1,000,000).
+        table: a shared :class:`~rolloutopt.allocators.PromptTable` (default None: a private one); the history
+            registers its columns as owner ``name``.
         window: ``W``, number of recent groups kept per prompt (default 8).
         ema_decay: :math:`\beta \in [0, 1)` of the pass-rate EMA (default 0.9).
         success_threshold: threshold of the success rule (default 1.0).
@@ -232,7 +235,7 @@ class PromptHistory:
         run_basis: ``"rollout"`` (default) or ``"mean"``, see above.
         unseen: ``"prior"`` (default), ``"nan"`` or ``"raise"``, see above.
         prior_pass_rate: the fill for unseen prompts with ``unseen="prior"`` (default 0.5).
-        eviction: ``"least_recent"`` (default) or ``"fewest_rollouts"``.
+        name: the owner name in the table (default ``"history"``; CoBA passes ``"coba"``).
 
     Example::
 

@@ -133,8 +133,8 @@ class PromptTable:
         pos, found, order = _locate(self._ids, ids)
         self._clock += 1
         if not bool(found.all()):
-            new_ids = ids[order[~found]].unique()
-            stored = int(pos[found].unique_consecutive().numel())
+            new_ids = _distinct(ids[order[~found]])  # sorted-query order: sorted
+            stored = _distinct(pos[found]).numel()
             if new_ids.numel() + stored > self.capacity:  # refused before anything changes
                 self._clock -= 1
                 raise InputError(
@@ -209,6 +209,13 @@ class PromptTable:
             raise InputError(f"{name}['touch']", f"values <= clock = {s['clock']}", "larger values", "pass state")
         self._ids, self._touch, self._clock = s["prompt_ids"], s["touch"], s["clock"]
         self._cols = dict(s["columns"])
+
+
+def _distinct(x: Tensor) -> Tensor:
+    """The distinct values of a sorted 1-d tensor."""
+    keep = torch.ones(x.shape, dtype=torch.bool)
+    keep[1:] = x[1:] != x[:-1]
+    return x[keep]
 
 
 class TableColumns:
