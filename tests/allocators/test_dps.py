@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import copy
+import io
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.allocators._base import AllocationResult, Conversation, Request, _fill
+from rolloutopt.allocators.depo import DEPO
 from rolloutopt.allocators.dps import DPS
+from rolloutopt.allocators.table import PromptTable
 from rolloutopt.errors import InputError
 
 Rewards = Callable[[Request], torch.Tensor]
@@ -65,6 +70,36 @@ def step(d: DPS, ids: list[int], budget: int, rewards: Rewards) -> AllocationRes
     res, _ = run(d.plan(torch.tensor(ids), budget), rewards)
     d.update(res)
     return res
+
+
+COLUMNS = "state['table']['rows']['columns']"  # where a private table's columns are in a DPS state
+
+
+def state_with(ids: torch.Tensor, **columns: torch.Tensor) -> dict[str, Any]:
+    """A DPS state (private table) holding the sorted ``ids``, registered by DPS, with these columns (``alpha``,
+    ``pi``, ``pi_before``, ``sampled_times``) and a generator seeded 0."""
+    m = ids.numel()
+    cols = {"dps/seen": torch.ones(m, dtype=torch.bool), **{f"dps/{k}": v for k, v in columns.items()}}
+    rows = {"prompt_ids": ids, "touch": torch.zeros(m, dtype=torch.long), "clock": 0, "columns": cols}
+    return {"table": {"owner": "dps", "rows": rows}, "generator": torch.Generator().manual_seed(0).get_state()}
+
+
+def with_column(state: dict[str, Any], name: str, value: torch.Tensor) -> dict[str, Any]:
+    """A copy of a DPS state (private table) with column ``name`` replaced."""
+    out = copy.deepcopy(state)
+    out["table"]["rows"]["columns"][f"dps/{name}"] = value
+    return out
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equality of (nested) state dicts holding tensors (NaN equals NaN)."""
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        return torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return bool(a == b)
 
 
 # -- the code's HMM by hand (uniform prior, all-ones alpha, lambda = 1) -------------------------------------------
@@ -193,19 +228,18 @@ def test_budget_caps_and_reasons() -> None:
 
 
 # -- properties ---------------------------------------------------------------------------------------------------
-def _random_state(k: int, seed: int) -> dict[str, object]:
+def _random_state(k: int, seed: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randperm(4 * k + 1, generator=g)[:k].sort().values
     pi = torch.rand(k, 3, generator=g, dtype=torch.float64) + 0.01
     pi = pi / pi.sum(-1, keepdim=True)
-    return {
-        "ids": ids,
-        "alpha": torch.rand(k, 3, 3, generator=g, dtype=torch.float64) + 0.1,
-        "pi": pi,
-        "pi_before": pi.clone(),
-        "sampled_times": torch.randint(0, 5, (k,), generator=g),
-        "generator": torch.Generator().manual_seed(0).get_state(),
-    }
+    return state_with(
+        ids,
+        alpha=torch.rand(k, 3, 3, generator=g, dtype=torch.float64) + 0.1,
+        pi=pi,
+        pi_before=pi.clone(),
+        sampled_times=torch.randint(0, 5, (k,), generator=g),
+    )
 
 
 @settings(max_examples=30, deadline=None)
@@ -221,8 +255,7 @@ def test_properties(k: int, budget: int, n: int, dn_min: int, dn_max: int, seed:
     """Budget, caps, spending, permutation equivariance (distinct scores), determinism, finiteness after update."""
     n_min, n_max = max(1, n - dn_min), n + dn_max
     state = _random_state(k, seed)
-    ids = state["ids"]
-    assert isinstance(ids, torch.Tensor)
+    ids = state["table"]["rows"]["prompt_ids"]
     d = DPS(n=n, n_min=n_min, n_max=n_max, decay=0.7)
     d.load_state_dict(state)
     res, _ = run(d.plan(ids, budget), by_id)
@@ -239,8 +272,7 @@ def test_properties(k: int, budget: int, n: int, dn_min: int, dn_max: int, seed:
     assert torch.equal(res_p.counts, c[perm]) and torch.equal(res_p.reasons, res.reasons[perm])
     d.update(res)
     d2.update(res_p)
-    for a, b in zip(d.state_dict().values(), d2.state_dict().values(), strict=True):
-        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b  # the format version is an int
+    assert same(d.state_dict(), d2.state_dict())
     pi = d.predictive(ids)
     assert bool(torch.isfinite(pi).all()) and torch.allclose(pi.sum(-1), torch.ones(k, dtype=torch.float64))
     assert bool(torch.isfinite(d.transition_counts(ids)).all())
@@ -271,9 +303,8 @@ def test_state_dict_round_trip_mid_run(strategy: str) -> None:
             (q.prompt_ids.tolist(), q.counts.tolist()) for q in rb
         ]
         assert torch.equal(xa.rewards, xb.rewards) and torch.equal(xa.reasons, xb.reasons)
-    for key, value in a.state_dict().items():  # tensors, and the format version (an int)
-        other = b.state_dict()[key]
-        assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, key
+    for key, value in a.state_dict().items():  # the table, the generator and the format version (an int)
+        assert same(value, b.state_dict()[key]), key
 
 
 def test_dps_prefers_partially_solved_prompts() -> None:
@@ -334,15 +365,20 @@ def test_bad_plan_observe_update_load() -> None:
         d.update("not a result")  # type: ignore[arg-type]
     with pytest.raises(InputError, match="state"):
         d.load_state_dict({"ids": torch.zeros(1)})
-    bad = d.state_dict()
-    bad["pi"] = torch.zeros(5, 3)
+    bad = with_column(d.state_dict(), "pi", torch.zeros(5, 3))
     with pytest.raises(InputError, match="pi"):
         d.load_state_dict(bad)
-    bad = DPS(n=2).state_dict()
-    bad.update(ids=torch.tensor([3]), alpha=torch.zeros(1, 3, 3), pi=torch.ones(1, 3) / 3)
-    bad.update(pi_before=torch.ones(1, 3) / 3, sampled_times=torch.zeros(1, dtype=torch.long))
-    with pytest.raises(InputError, match="alpha"):
+    third = torch.ones(1, 3, dtype=torch.float64) / 3
+    bad = state_with(
+        torch.tensor([3]),
+        alpha=torch.zeros(1, 3, 3, dtype=torch.float64),
+        pi=third,
+        pi_before=third,
+        sampled_times=torch.zeros(1, dtype=torch.long),
+    )
+    with pytest.raises(InputError, match="alpha") as err:
         d.load_state_dict(bad)
+    assert err.value.argument == f"{COLUMNS}['dps/alpha']"
     with pytest.raises(InputError, match="prompt_ids"):
         d.predictive(torch.tensor([0.5]))
 
@@ -418,7 +454,8 @@ def test_vectorised_filter_matches_the_code_loop(prior: float | str, decay: floa
     assert d.num_known == known.numel()
     assert torch.allclose(d.transition_counts(known), torch.stack([ref.alphas[int(i)] for i in known]), atol=1e-12)
     assert torch.allclose(d.predictive(known), torch.stack([ref.pis[int(i)] for i in known]), atol=1e-12)
-    assert torch.allclose(d.state_dict()["pi_before"], torch.stack([ref.pis_before[int(i)] for i in known]))
+    assert torch.equal(d.table.prompt_ids, known)
+    assert torch.allclose(d._cols["pi_before"], torch.stack([ref.pis_before[int(i)] for i in known]))
 
 
 def test_load_refuses_nan_and_negative_counters_naming_the_field() -> None:
@@ -431,12 +468,11 @@ def test_load_refuses_nan_and_negative_counters_naming_the_field() -> None:
 
     def refused(key: str, value: torch.Tensor) -> None:
         with pytest.raises(InputError) as err:
-            d.load_state_dict({**good, key: value})
-        assert err.value.argument == f"state[{key!r}]"
-        assert all(torch.equal(v, d.state_dict()[k]) for k, v in before.items() if isinstance(v, torch.Tensor))
+            d.load_state_dict(with_column(good, key, value))
+        assert err.value.argument == f"{COLUMNS}['dps/{key}']"
+        assert same(d.state_dict(), before)
 
-    alpha = good["alpha"]
-    assert isinstance(alpha, torch.Tensor)
+    alpha = good["table"]["rows"]["columns"]["dps/alpha"]
     nan_alpha, neg_alpha = alpha.clone(), alpha.clone()
     nan_alpha[1, 2, 0] = math.nan
     neg_alpha[0, 0, 1] = -0.5
@@ -445,3 +481,132 @@ def test_load_refuses_nan_and_negative_counters_naming_the_field() -> None:
     refused("pi", torch.tensor([[0.5, 0.5, 0.0], [math.nan, 0.5, 0.5], [0.2, 0.3, 0.5]], dtype=torch.float64))
     refused("pi_before", torch.tensor([[1.5, -0.5, 0.0], [0.5, 0.5, 0.0], [0.2, 0.3, 0.5]], dtype=torch.float64))
     refused("sampled_times", torch.tensor([0, -1, 2]))
+
+
+# -- the prompt table ---------------------------------------------------------------------------------------------
+def test_capacity_evicts_the_least_recently_planned_prompt() -> None:
+    """capacity=2: a third prompt evicts the least recently planned one, which is then unknown again (the prior
+    pi and alpha, no visits) and starts over from the prior when planned again."""
+    d = DPS(n=4, prior_alpha="progress", capacity=2)
+    step(d, [7], 4, const({7: MIXED}))
+    step(d, [8], 4, const({8: [1.0]}))
+    step(d, [9], 4, const({9: [0.0]}))  # 7 is the least recently planned: evicted
+    assert d.table.prompt_ids.tolist() == [8, 9] and d.num_known == 2
+    assert torch.equal(d.predictive(torch.tensor([7]))[0], d.prior_pi)
+    assert torch.equal(d.transition_counts(torch.tensor([7]))[0], d.prior_alpha)
+    assert d.sampled_times(torch.tensor([7, 8, 9])).tolist() == [0, 1, 1]
+    fresh = DPS(n=4, prior_alpha="progress")
+    step(fresh, [7], 4, const({7: MIXED}))
+    step(d, [7], 4, const({7: MIXED}))  # back, as a never-seen prompt: 8 is evicted now
+    assert d.table.prompt_ids.tolist() == [7, 9]
+    assert torch.equal(d.predictive(torch.tensor([7])), fresh.predictive(torch.tensor([7])))
+    with pytest.raises(InputError, match="capacity"):
+        DPS(capacity=5, table=PromptTable())
+
+
+def _drive(alloc: Any, ids: torch.Tensor, s: int) -> AllocationResult:
+    """One step with deterministic rewards (id % 3: all wrong, all right, alternating; shifted by the step) and an
+    entropy for the allocators that ask for one; then ``update``."""
+    plan = alloc.plan(ids, 2 * ids.numel())
+    while (req := plan.next()) is not None:
+        pid = req.prompt_ids.repeat_interleave(req.counts)
+        j = torch.cat([torch.arange(int(c)) for c in req.counts])
+        kind = (pid + s // 3) % 3
+        r = torch.where(kind == 2, ((j + 1) % 2).double(), (kind == 1).double())
+        extra = {"entropy": ((pid * 7 + j) % 5).double() / 5 + 0.1} if "entropy" in req.signals else {}
+        plan.observe(req, r, **extra)
+    res: AllocationResult = plan.finish()
+    alloc.update(res)
+    return res
+
+
+def _pools(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Overlapping candidate pools of the two allocators at step ``s``."""
+    gen = torch.Generator().manual_seed(s)
+    return torch.randperm(40, generator=gen)[:24], 20 + torch.randperm(40, generator=gen)[:24]
+
+
+def _same_results(a: list[AllocationResult], b: list[AllocationResult]) -> None:
+    for x, y in zip(a, b, strict=True):
+        for name in ("prompt_ids", "group", "rewards", "weight", "counts", "reasons"):
+            assert torch.equal(getattr(x, name), getattr(y, name)), name
+
+
+@pytest.mark.parametrize("other", ["depo", "dps"])
+def test_a_shared_table_gives_the_private_tables_results_and_reloads(other: str) -> None:
+    """DPS and a second owner (DEPO, or a second DPS registered as "dps#2") on one PromptTable, over overlapping
+    pools: the same plans, results and filter state as with private tables (the rows the other owner added do
+    not decay with DPS's); ``table.state_dict()`` and each allocator's state, through
+    ``torch.save``/``torch.load(weights_only=True)``, continue identically."""
+
+    def make(table: PromptTable | None) -> tuple[Any, Any]:
+        d = DPS(n=2, prior_alpha="progress", decay=0.7, table=table)
+        if other == "depo":
+            return d, DEPO(n=2, steps_per_epoch=1, table=table)
+        return d, DPS(n=2, strategy="uniform", seed=4, table=table)
+
+    def steps(pair: tuple[Any, Any], at: range) -> tuple[list[AllocationResult], list[AllocationResult]]:
+        out: tuple[list[AllocationResult], list[AllocationResult]] = ([], [])
+        for s in at:
+            for alloc, pool, res in zip(pair, _pools(s), out, strict=True):
+                res.append(_drive(alloc, pool, s))
+        return out
+
+    def same_filter(a: DPS, b: DPS) -> None:
+        ids = torch.arange(60)
+        assert a.num_known == b.num_known
+        assert torch.equal(a.predictive(ids), b.predictive(ids))
+        assert torch.equal(a.transition_counts(ids), b.transition_counts(ids))
+        assert torch.equal(a.sampled_times(ids), b.sampled_times(ids))
+
+    private = make(None)
+    shared_table = PromptTable()
+    shared = make(shared_table)
+    assert shared_table.owners == ("dps", "depo" if other == "depo" else "dps#2")
+    for a, b in zip(steps(private, range(4)), steps(shared, range(4)), strict=True):
+        _same_results(a, b)
+    same_filter(private[0], shared[0])
+    assert len(shared_table) > shared[0].num_known == len(private[0].table)  # the other owner's rows are not DPS's
+
+    buf = io.BytesIO()
+    torch.save({"table": shared_table.state_dict(), "a": shared[0].state_dict(), "b": shared[1].state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    resumed_table = PromptTable()
+    resumed = make(resumed_table)
+    resumed_table.load_state_dict(ckpt["table"])
+    resumed[0].load_state_dict(ckpt["a"])
+    resumed[1].load_state_dict(ckpt["b"])
+    for a, b, c in zip(
+        steps(private, range(4, 7)), steps(shared, range(4, 7)), steps(resumed, range(4, 7)), strict=True
+    ):
+        _same_results(a, b)
+        _same_results(a, c)
+    same_filter(private[0], shared[0])
+    same_filter(private[0], resumed[0])
+    assert same(shared_table.state_dict(), resumed_table.state_dict())
+    assert same(shared[0].state_dict(), resumed[0].state_dict())
+
+
+def test_private_and_shared_states_do_not_mix() -> None:
+    """A private table's state does not load into a DPS on a shared table, nor the reverse; a second owner's
+    state does not load into the first; a zero alpha column of a registered prompt in a shared table is
+    refused."""
+    private = DPS(n=2)
+    step(private, [1, 2], 4, const({1: MIXED, 2: [1.0]}))
+    table = PromptTable()
+    first, second = DPS(n=2, table=table), DPS(n=2, table=table)
+    with pytest.raises(InputError, match="rows"):
+        first.load_state_dict(private.state_dict())
+    with pytest.raises(InputError, match="rows"):
+        private.load_state_dict(first.state_dict())
+    with pytest.raises(InputError, match="owner"):
+        first.load_state_dict(second.state_dict())
+    assert private.num_known == 2
+    step(first, [1, 2], 4, const({1: MIXED, 2: [1.0]}))
+    saved = table.state_dict()
+    saved["columns"]["dps/alpha"][0, :, 1] = 0.0
+    table.load_state_dict(saved)
+    with pytest.raises(InputError) as err:
+        first.load_state_dict(first.state_dict())
+    assert err.value.argument == "table['columns']['dps/alpha']"

@@ -5,20 +5,63 @@ Oracles computed by hand following the authors' code (``LiaoMengqi/E3-RL4LLMs``
 
 from __future__ import annotations
 
+import copy
+import io
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rolloutopt.allocators._base import AllocationResult
 from rolloutopt.allocators.dars import DARS
+from rolloutopt.allocators.depo import DEPO
 from rolloutopt.allocators.e3 import E3Budget, E3Temperature, e3_counts, e3_temperature_step
+from rolloutopt.allocators.table import PromptTable
 from rolloutopt.errors import InputError
 
 from .difficulty_helpers import check_bad_arguments, check_bad_protocol_input, names
 from .helpers import hashed, run, table
+
+COLUMNS = "state['table']['rows']['columns']"  # where a private table's columns are in an E3Budget state
+
+
+def with_rows(alloc: E3Budget, ids: torch.Tensor, **columns: torch.Tensor) -> dict[str, Any]:
+    """``alloc.state_dict()`` with its private table holding the sorted ``ids``, known to E3Budget, with these
+    columns (``sum``, ``count``, ``rank``)."""
+    state = copy.deepcopy(alloc.state_dict())
+    rows = state["table"]["rows"]
+    m = ids.numel()
+    rows.update(prompt_ids=ids, touch=torch.zeros(m, dtype=torch.long), clock=0)
+    rows["columns"] = {"e3_budget/seen": torch.ones(m, dtype=torch.bool)}
+    rows["columns"].update({f"e3_budget/{k}": v for k, v in columns.items()})
+    return state
+
+
+def column(state: dict[str, Any], name: str) -> torch.Tensor:
+    """Column ``name`` of the private table in an E3Budget state."""
+    out: torch.Tensor = state["table"]["rows"]["columns"][f"e3_budget/{name}"]
+    return out
+
+
+def with_column(state: dict[str, Any], name: str, value: torch.Tensor) -> dict[str, Any]:
+    out = copy.deepcopy(state)
+    out["table"]["rows"]["columns"][f"e3_budget/{name}"] = value
+    return out
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equality of (nested) state dicts holding tensors (NaN equals NaN)."""
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        return torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return bool(a == b)
 
 
 # -- E3: allocation oracles (by hand following E3's code, n_min = 4, n_max = 12, N_total = 32) --------------------
@@ -104,10 +147,13 @@ def test_e3_short_budget_hardest_first() -> None:
     alloc = E3Budget(n=4, n_low=4, n_high=4, n_update=0)
     alloc.load_state_dict(
         {
-            "ids": torch.tensor([1, 2, 3]),
-            "sum": torch.zeros(3, dtype=torch.float64),
-            "count": torch.ones(3, dtype=torch.long),
-            "rank": torch.tensor([0.0, 2 / 3, 1 / 3], dtype=torch.float64),
+            **with_rows(
+                alloc,
+                torch.tensor([1, 2, 3]),
+                sum=torch.zeros(3, dtype=torch.float64),
+                count=torch.ones(3, dtype=torch.long),
+                rank=torch.tensor([0.0, 2 / 3, 1 / 3], dtype=torch.float64),
+            ),
             "n_min": 4,
             "n_max": 4,
             "epoch": 1,
@@ -169,8 +215,7 @@ def test_e3_state_round_trip_mid_run() -> None:
         assert rqa == rqb and ra.reasons.tolist() == rb.reasons.tolist()
         a.update(ra)
         b.update(rb)
-    sa, sb = a.state_dict(), b.state_dict()
-    assert all(torch.equal(sa[k], sb[k]) if isinstance(sa[k], torch.Tensor) else sa[k] == sb[k] for k in sa)
+    assert same(a.state_dict(), b.state_dict())
 
 
 # -- E3 temperature ------------------------------------------------------------------------------------------------
@@ -246,14 +291,15 @@ def test_e3_budget_state_refuses_nan_and_negative_counters_naming_the_field() ->
         res, _ = run(alloc.plan(torch.arange(6) + 3 * s, 30), hashed(s))
         alloc.update(res)
     good = alloc.state_dict()
-    assert bool((good["rank"] == -100).any()) and bool((good["rank"] >= 0).any())
-    nan = good["sum"].clone()
+    rank = column(good, "rank")
+    assert bool((rank == -100).any()) and bool((rank >= 0).any())
+    nan = column(good, "sum").clone()
     nan[0] = math.nan
     cases = [
-        ({**good, "sum": nan}, "state['sum']"),
-        ({**good, "rank": torch.full_like(good["rank"], math.nan)}, "state['rank']"),
-        ({**good, "rank": good["rank"] + 1.0}, "state['rank']"),
-        ({**good, "count": -good["count"] - 1}, "state['count']"),
+        (with_column(good, "sum", nan), f"{COLUMNS}['e3_budget/sum']"),
+        (with_column(good, "rank", torch.full_like(rank, math.nan)), f"{COLUMNS}['e3_budget/rank']"),
+        (with_column(good, "rank", rank + 1.0), f"{COLUMNS}['e3_budget/rank']"),
+        (with_column(good, "count", -column(good, "count") - 1), f"{COLUMNS}['e3_budget/count']"),
         ({**good, "epoch": -1}, "state['epoch']"),
         ({**good, "steps": -3}, "state['steps']"),
         ({**good, "n_min": 1}, "state['n_min']"),
@@ -264,8 +310,7 @@ def test_e3_budget_state_refuses_nan_and_negative_counters_naming_the_field() ->
         with pytest.raises(InputError) as err:
             alloc.load_state_dict(bad)
         assert err.value.argument == arg
-    after = alloc.state_dict()
-    assert torch.equal(after["sum"], good["sum"]) and after["epoch"] == good["epoch"] == 1
+    assert same(alloc.state_dict(), good) and good["epoch"] == 1
 
 
 def test_e3_temperature_state_refuses_nan_and_negative_counters_naming_the_field() -> None:
@@ -294,3 +339,129 @@ def test_e3_temperature_state_refuses_nan_and_negative_counters_naming_the_field
     fresh = E3Temperature(vocab_size=100, init_steps=2)
     fresh.load_state_dict(good)
     assert fresh.step(1.1) == sched.step(1.1)
+
+
+# -- the prompt table ---------------------------------------------------------------------------------------------
+def test_e3_capacity_evicts_the_least_recently_updated_prompt() -> None:
+    """capacity=2: a third prompt evicts the least recently updated one, which is then unknown again (rank -100
+    until an epoch end, reward sum and count from zero when it comes back); K counts the stored prompts."""
+    alloc = E3Budget(n=4, n_low=4, n_high=4, n_update=0, capacity=2)
+    rewards = table({1: [1.0], 2: [0.0], 3: [1.0, 0.0]})
+    for p in (1, 2, 3):
+        alloc.update(run(alloc.plan(torch.tensor([p]), 4), rewards)[0])
+    assert alloc.table.prompt_ids.tolist() == [2, 3]  # 1 was updated least recently
+    alloc.end_epoch()  # K = 2: 3 (mean .5) then 2 (mean 0)
+    assert alloc.ranks(torch.tensor([1, 2, 3])).tolist() == [-100.0, 0.5, 0.0]
+    alloc.update(run(alloc.plan(torch.tensor([1]), 4), rewards)[0])  # back: evicts 2
+    assert alloc.table.prompt_ids.tolist() == [1, 3]
+    assert alloc.ranks(torch.tensor([1, 2, 3])).tolist() == [-100.0, -100.0, 0.0]
+    assert alloc._cols["count"].tolist() == [4, 4] and alloc._cols["sum"].tolist() == [4.0, 2.0]
+    alloc.end_epoch()
+    assert alloc.ranks(torch.tensor([1, 3])).tolist() == [0.0, 0.5]
+    with pytest.raises(InputError, match="dataset_ids"):
+        E3Budget(dataset_ids=torch.arange(5), capacity=4)
+    with pytest.raises(InputError, match="capacity"):
+        E3Budget(capacity=5, table=PromptTable())
+
+
+def _drive(alloc: Any, ids: torch.Tensor, s: int) -> AllocationResult:
+    """One step with deterministic rewards (id % 3: all wrong, all right, alternating; shifted by the step) and an
+    entropy for the allocators that ask for one; then ``update``."""
+    plan = alloc.plan(ids, 4 * ids.numel())
+    while (req := plan.next()) is not None:
+        pid = req.prompt_ids.repeat_interleave(req.counts)
+        j = torch.cat([torch.arange(int(c)) for c in req.counts])
+        kind = (pid + s // 3) % 3
+        r = torch.where(kind == 2, ((j + 1) % 2).double(), (kind == 1).double())
+        extra = {"entropy": ((pid * 7 + j) % 5).double() / 5 + 0.1} if "entropy" in req.signals else {}
+        plan.observe(req, r, **extra)
+    res: AllocationResult = plan.finish()
+    alloc.update(res)
+    return res
+
+
+def _pools(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Overlapping candidate pools of the two allocators at step ``s``."""
+    gen = torch.Generator().manual_seed(s)
+    return torch.randperm(40, generator=gen)[:24], 20 + torch.randperm(40, generator=gen)[:24]
+
+
+def _same_results(a: list[AllocationResult], b: list[AllocationResult]) -> None:
+    for x, y in zip(a, b, strict=True):
+        for name in ("prompt_ids", "group", "rewards", "weight", "counts", "reasons"):
+            assert torch.equal(getattr(x, name), getattr(y, name)), name
+
+
+@pytest.mark.parametrize("other", ["depo", "e3_budget"])
+def test_e3_a_shared_table_gives_the_private_tables_results_and_reloads(other: str) -> None:
+    """E3Budget (with ``dataset_ids``: the ranks divide by E3's known prompts, never by the rows another owner
+    added) and a second owner (DEPO, or a second E3Budget registered as "e3_budget#2") on one PromptTable, over
+    overlapping pools: the same plans, results and ranks as with private tables; ``table.state_dict()`` and each
+    allocator's state, through ``torch.save``/``torch.load(weights_only=True)``, continue identically."""
+
+    def make(shared: PromptTable | None) -> tuple[Any, Any]:
+        e3 = E3Budget(n=4, n_low=2, n_high=6, steps_per_epoch=2, dataset_ids=torch.arange(50), table=shared)
+        if other == "depo":
+            return e3, DEPO(n=2, steps_per_epoch=1, table=shared)
+        return e3, E3Budget(n=4, n_low=2, n_high=6, steps_per_epoch=3, table=shared)
+
+    def steps(pair: tuple[Any, Any], at: range) -> tuple[list[AllocationResult], list[AllocationResult]]:
+        out: tuple[list[AllocationResult], list[AllocationResult]] = ([], [])
+        for s in at:
+            for alloc, pool, res in zip(pair, _pools(s), out, strict=True):
+                res.append(_drive(alloc, pool, s))
+        return out
+
+    ids = torch.arange(70)
+    private = make(None)
+    shared_table = PromptTable()
+    shared = make(shared_table)
+    assert shared_table.owners == ("e3_budget", "depo" if other == "depo" else "e3_budget#2")
+    for a, b in zip(steps(private, range(4)), steps(shared, range(4)), strict=True):
+        _same_results(a, b)
+    assert torch.equal(private[0].ranks(ids), shared[0].ranks(ids))
+    if other != "depo":
+        assert torch.equal(private[1].ranks(ids), shared[1].ranks(ids))
+    assert len(private[0].table) == 50 < len(shared_table)  # the data set; the shared table holds more
+    assert sorted(set(private[0].ranks(ids)[:50].tolist())) == [k / 50 for k in range(50)]  # K = 50
+
+    buf = io.BytesIO()
+    torch.save({"table": shared_table.state_dict(), "a": shared[0].state_dict(), "b": shared[1].state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    resumed_table = PromptTable()
+    resumed = make(resumed_table)
+    resumed_table.load_state_dict(ckpt["table"])
+    resumed[0].load_state_dict(ckpt["a"])
+    resumed[1].load_state_dict(ckpt["b"])
+    for a, b, c in zip(
+        steps(private, range(4, 7)), steps(shared, range(4, 7)), steps(resumed, range(4, 7)), strict=True
+    ):
+        _same_results(a, b)
+        _same_results(a, c)
+    assert torch.equal(private[0].ranks(ids), resumed[0].ranks(ids))
+    assert same(shared_table.state_dict(), resumed_table.state_dict())
+    assert same(shared[0].state_dict(), resumed[0].state_dict())
+
+
+def test_e3_private_and_shared_states_do_not_mix() -> None:
+    """A private table's state does not load into an E3Budget on a shared table, nor the reverse; a second
+    owner's state does not load into the first; a rank outside [0, 1) in a shared table is refused."""
+    private = E3Budget(steps_per_epoch=1)
+    private.update(run(private.plan(torch.tensor([1, 2]), 16), hashed(0))[0])
+    shared = PromptTable()
+    first, second = E3Budget(table=shared), E3Budget(table=shared)
+    with pytest.raises(InputError, match="rows"):
+        first.load_state_dict(private.state_dict())
+    with pytest.raises(InputError, match="rows"):
+        private.load_state_dict(first.state_dict())
+    with pytest.raises(InputError, match="owner"):
+        first.load_state_dict(second.state_dict())
+    assert private.ranks(torch.tensor([1, 2])).tolist() in ([0.0, 0.5], [0.5, 0.0])
+    first.update(run(first.plan(torch.tensor([1, 2]), 16), hashed(0))[0])
+    saved = shared.state_dict()
+    saved["columns"]["e3_budget/rank"][0] = 1.5
+    shared.load_state_dict(saved)
+    with pytest.raises(InputError) as err:
+        first.load_state_dict(first.state_dict())
+    assert err.value.argument == "table['columns']['e3_budget/rank']"

@@ -9,8 +9,9 @@ transition matrix and a predictive distribution ``pi`` of its state at the next 
 deterministic (the success rate names the state), so filtering is exact. Before rollout the prompts with the
 highest predicted probability of S2 — the only state whose group has a non-zero GRPO advantage — are picked.
 
-The state of every prompt ever planned lives in sorted int64 tensors (ids ``[K]``, ``alpha [K, 3, 3]``,
-``pi [K, 3]``, ...), looked up with ``torch.searchsorted``: no Python loop over prompts.
+The state of every prompt planned (at most ``capacity`` of them) lives in the columns of a bounded
+:class:`~rolloutopt.allocators.table.PromptTable` (``alpha [K, 3, 3]``, ``pi [K, 3]``, ... aligned with sorted
+int64 ids), looked up with ``torch.searchsorted``: no Python loop over prompts.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from rolloutopt.allocators._base import (
     as_prompt_ids,
     check_budget,
 )
-from rolloutopt.allocators._ids import _insert, _lookup
 from rolloutopt.allocators._result_check import _check_result
+from rolloutopt.allocators._units import TokenBudget
+from rolloutopt.allocators.table import Column, PromptTable, TableColumns, TableOwner, open_table
 from rolloutopt.errors import InputError
 from rolloutopt.typing import IntP
 
@@ -55,7 +57,24 @@ _NAMED_PI: dict[str, list[float]] = {
 }
 
 
-# -- helpers shared with rolloutopt.allocators.greso (private) -------------------------------------------------
+# -- helpers shared with rolloutopt.allocators.greso and .e3 (private) -----------------------------------------
+def _incoming_columns(view: TableColumns, value: Any, names: tuple[str, ...]) -> tuple[dict[str, Tensor], str]:
+    """The owner's columns ``names`` that loading ``value`` (the owner's saved ``"table"`` entry) puts in effect,
+    validated, for the checks a column's declaration cannot express; and the path that names them in an error.
+
+    A private table: its saved rows (validated as ``view.load`` will, nothing assigned). A shared table (the
+    caller restores it first): its live columns. Empty when ``value`` is malformed: ``view.load`` then raises,
+    naming the fault."""
+    if not view.private:
+        return {c: view[c] for c in names}, "table['columns']"
+    rows = value.get("rows") if isinstance(value, dict) else None
+    if not isinstance(rows, dict):
+        return {}, ""
+    at = "state['table']['rows']"
+    cols = load_state(rows, view.table.STATE, "PromptTable", name=at)["columns"]
+    return {c: cols[f"{view.owner}/{c}"] for c in names}, f"{at}['columns']"
+
+
 def _sum3(x: Tensor, dim: int) -> Tensor:
     """Sum over an axis of size 3, written out (torch's reduction over a tiny axis is several times slower)."""
     return x.select(dim, 0) + x.select(dim, 1) + x.select(dim, 2)
@@ -78,7 +97,7 @@ class _DPSPlan(OneShotPlan):
         self.scores = scores
 
 
-class DPS:
+class DPS(TableOwner):
     r"""Dynamics-Predictive Sampling: pick the prompts most likely to be *partially solved* at the next visit.
 
     Every prompt's solving state :math:`s \in \{S_1, S_2, S_3\}` (group success rate 0, in between, 1) is a
@@ -148,6 +167,11 @@ class DPS:
             ``acc >= 1``, default 1.0); the group success rate names the state (0 -> S1, 1 -> S3, else S2).
             ``None`` uses the raw group mean reward (the code's ``metric="score"``).
         seed: seed of the generator behind ``strategy="uniform"``.
+        capacity: prompts kept in a private table (default None: 1,000,000; least recently planned evicted, and
+            an evicted prompt is then unknown again: it carries the prior).
+        table: a shared :class:`~rolloutopt.allocators.PromptTable` (default None: a private one); DPS registers
+            ``alpha``, ``pi``, ``pi_before`` and ``sampled_times`` as owner ``"dps"`` (0 on rows it has not
+            planned), and the caller saves a shared table once.
 
     Budget: one request; it spends ``n * min(P, budget // n)`` rollouts with the defaults (at most ``n - 1``
     stay unspent, or fewer than ``P`` groups exist), all of it when ``n_min``/``n_max`` allow. Every rollout
@@ -155,7 +179,7 @@ class DPS:
 
     Edge cases: an empty candidate pool or ``budget < n_min`` requests nothing. ``update`` ignores planned
     prompts that got no rollouts (beyond registering them). The state grows with the number of distinct
-    prompts ever planned (the dataset), 23 numbers each.
+    prompts planned (the dataset), 23 numbers each, up to ``capacity`` prompts.
     """
 
     reference: ClassVar[str] = "arXiv 2603.10887 (DPS, Dynamics-Predictive Sampling); code maoyixiu/DPS"
@@ -177,6 +201,8 @@ class DPS:
         no_update: bool = False,
         success_threshold: float | None = 1.0,
         seed: int = 0,
+        capacity: int | None = None,
+        table: PromptTable | None = None,
     ) -> None:
         self.n, self.n_min, self.n_max = _group_sizes(n, n_min, n_max)
         if strategy not in ("topk", "topk+entropy", "uniform"):
@@ -198,11 +224,18 @@ class DPS:
         self.success_threshold = success_threshold
         self.seed = _check_int(seed, "seed", 0, "pass a non-negative int")
         self._gen = torch.Generator().manual_seed(self.seed)
-        self._ids = torch.zeros(0, dtype=torch.long)
-        self._alpha = torch.zeros(0, 3, 3, dtype=torch.float64)
-        self._pi = torch.zeros(0, 3, dtype=torch.float64)
-        self._pi_before = torch.zeros(0, 3, dtype=torch.float64)
-        self._times = torch.zeros(0, dtype=torch.long)
+        # the fills (0) mark a row DPS has not planned: update writes the priors when it first registers one
+        self._cols = open_table(
+            table,
+            capacity,
+            "dps",
+            {
+                "alpha": Column("float", (3, 3), 0.0, ("nonneg",)),
+                "pi": Column("float", (3,), 0.0, ("prob",)),
+                "pi_before": Column("float", (3,), 0.0, ("prob",)),
+                "sampled_times": Column("int", (), 0, ("nonneg",)),
+            },
+        )
 
     @staticmethod
     def _as_prior_alpha(value: Any) -> Tensor:
@@ -263,31 +296,34 @@ class DPS:
         return self._predictive(as_prompt_ids(prompt_ids))
 
     def _predictive(self, ids: Tensor) -> Tensor:
-        pos, found = _lookup(self._ids, ids)
-        known = self._pi[pos] if self._ids.numel() else self.prior_pi.expand(ids.numel(), 3)
-        return torch.where(found[:, None], known, self.prior_pi)
+        if self._cols.empty:
+            return self.prior_pi.repeat(ids.numel(), 1)
+        pos, seen = self._cols.find(ids)
+        return torch.where(seen[:, None], self._cols["pi"][pos], self.prior_pi)
 
     def transition_counts(self, prompt_ids: IntP) -> Float[Tensor, "P 3 3"]:
         """The Dirichlet pseudo-counts ``alpha`` of each prompt, float64 ``[P, 3, 3]`` (the prior if unknown)."""
         ids = as_prompt_ids(prompt_ids)
-        pos, found = _lookup(self._ids, ids)
-        known = self._alpha[pos] if self._ids.numel() else self.prior_alpha.expand(ids.numel(), 3, 3)
-        return torch.where(found[:, None, None], known, self.prior_alpha)
+        if self._cols.empty:
+            return self.prior_alpha.repeat(ids.numel(), 1, 1)
+        pos, seen = self._cols.find(ids)
+        return torch.where(seen[:, None, None], self._cols["alpha"][pos], self.prior_alpha)
 
     def sampled_times(self, prompt_ids: IntP) -> IntP:
         """How many steps each prompt was rolled out in, int64 ``[P]`` (0 if unknown)."""
         ids = as_prompt_ids(prompt_ids)
-        pos, found = _lookup(self._ids, ids)
-        known = self._times[pos] if self._ids.numel() else torch.zeros_like(ids)
-        return torch.where(found, known, 0)
+        if self._cols.empty:
+            return torch.zeros_like(ids)
+        pos, seen = self._cols.find(ids)
+        return torch.where(seen, self._cols["sampled_times"][pos], 0)
 
     @property
     def num_known(self) -> int:
-        """Number of prompts with a stored state."""
-        return int(self._ids.numel())
+        """Number of prompts with a stored state (planned, and not evicted since)."""
+        return int(self._cols["seen"].sum())
 
     # -- the protocol -----------------------------------------------------------------------------------------
-    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> Conversation:
         """Rank the candidates ``prompt_ids`` by the predictive prior and give the best ones ``n`` rollouts."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
@@ -317,31 +353,30 @@ class DPS:
         if self.no_update:
             return
         counts, rate = _group_stats(result, self.success_threshold)
-        self._ids, (self._alpha, self._pi, self._pi_before, self._times), plan_pos, order = _insert(
-            self._ids,
-            result.plan_prompt_ids,
-            [
-                (self._alpha, self.prior_alpha),
-                (self._pi, self.prior_pi),
-                (self._pi_before, self.prior_pi),
-                (self._times, torch.zeros((), dtype=torch.long)),
-            ],
-        )
+        cols, planned = self._cols, result.plan_prompt_ids
+        # the planned prompts DPS has not registered yet (new rows, or rows another owner of the table added)
+        fresh = ~cols.find(planned)[1] if not cols.empty else torch.ones(planned.shape, dtype=torch.bool)
+        plan_pos, order = cols.add(planned)
+        if bool(fresh.any()):  # they start at the priors (their columns hold the fills, 0)
+            new = plan_pos[fresh[order]]
+            cols["alpha"][new] = self.prior_alpha
+            cols["pi"][new] = self.prior_pi
+            cols["pi_before"][new] = self.prior_pi
         seen = counts[order] > 0  # in sorted-id order, so that every gather and scatter below is sequential
         pos = plan_pos[seen]
         rate = rate[order][seen]
         state = torch.where(rate == 0, 0, torch.where(rate == 1, 2, 1))
         onehot = torch.nn.functional.one_hot(state, 3).to(torch.float64)
-        pi_new = self._pi.clone()
+        pi_new = cols["pi"].clone()
         pi_new[pos] = onehot
-        alpha = self._alpha
+        alpha = cols["alpha"]
         if self.transitions == "learned":
             # Soft transition counts, only where eta != 0 (the code multiplies the others' C by lr = 0). With a
             # one-hot pi_new = e_s, C is zero outside row s: C[s, i] = pi_before[i] P[s, i] / sum_i (same).
             # (Sums over the size-3 axes are written out: torch's small-axis reductions are several times slower.)
             a_obs = alpha[pos]
             row = a_obs.gather(1, state[:, None, None].expand(-1, 1, 3)).squeeze(1) / _sum3(a_obs, 1)
-            joint = self._pi_before[pos] * row
+            joint = cols["pi_before"][pos] * row
             mass = _sum3(joint, 1)[:, None]
             soft = torch.where(mass > 0, joint / mass.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
             if self.decay != 1.0:
@@ -354,49 +389,41 @@ class DPS:
             flat[pos] += counts9
         # P(alpha) pi_new, with P = alpha / column sums: pi_next_j = sum_i alpha_ji (pi_new_i / colsum_i)
         pi_next = torch.bmm(alpha, (pi_new / _sum3(alpha, 1))[:, :, None]).squeeze(-1)
-        self._alpha = alpha
-        self._pi = pi_next / _sum3(pi_next, 1)[:, None]
-        self._pi_before = pi_new
-        times = self._times.clone()
-        times[pos] += 1
-        self._times = times
+        pi_next = pi_next / _sum3(pi_next, 1)[:, None]
+        known = cols["seen"]
+        if not bool(known.all()):  # rows other owners of a shared table added keep DPS's fills (0)
+            alpha = torch.where(known[:, None, None], alpha, 0.0)
+            pi_next = torch.where(known[:, None], pi_next, 0.0)
+            pi_new = torch.where(known[:, None], pi_new, 0.0)
+        cols["alpha"], cols["pi"], cols["pi_before"] = alpha, pi_next, pi_new
+        cols["sampled_times"][pos] += 1
 
     STATE: ClassVar[dict[str, Field]] = {
-        "ids": Field("int", ("M",), ("ids",)),
-        "alpha": Field("float", ("M", 3, 3), ("nonneg",)),
-        "pi": Field("float", ("M", 3), ("prob",)),
-        "pi_before": Field("float", ("M", 3), ("prob",)),
-        "sampled_times": Field("int", ("M",), ("nonneg",)),
+        "table": TableColumns.FIELD,
         "generator": Field("generator"),
     }
-    """The declared fields of :meth:`state_dict` (every column of ``alpha`` must also have a positive sum, checked
-    by :meth:`load_state_dict`)."""
+    """The declared fields of :meth:`state_dict` (the table validates its columns; every column of ``alpha`` of
+    a registered prompt must also have a positive sum, checked by :meth:`load_state_dict`)."""
 
     def state_dict(self) -> dict[str, Any]:
-        """The per-prompt HMM state (sorted ids and aligned tensors) and the generator state; copies."""
-        return dump_state(
-            {
-                "ids": self._ids.clone(),
-                "alpha": self._alpha.clone(),
-                "pi": self._pi.clone(),
-                "pi_before": self._pi_before.clone(),
-                "sampled_times": self._times.clone(),
-                "generator": self._gen.get_state(),
-            }
-        )
+        """The table (``alpha [M, 3, 3]``, ``pi [M, 3]``, ``pi_before [M, 3]``, ``sampled_times [M]``; the rows
+        only when the table is private) and the generator state; copies."""
+        return dump_state({"table": self._cols.state(), "generator": self._gen.get_state()})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one),
-        with every column of ``alpha`` summing to a positive count (the transition matrix divides by it)."""
+        with every column of a registered prompt's ``alpha`` summing to a positive count (the transition matrix
+        divides by it; for a shared table, the table loaded by the caller is checked)."""
         s = load_state(state, self.STATE, "DPS")
-        alpha = s["alpha"]
-        if bool((alpha.sum(1) <= 0).any()):
-            raise InputError(
-                "state['alpha']",
-                "finite non-negative counts, every column sum positive",
-                "a column summing to 0",
-                "pass DPS.state_dict()",
-            )
-        self._ids, self._alpha, self._pi, self._pi_before = s["ids"], alpha, s["pi"], s["pi_before"]
-        self._times = s["sampled_times"]
+        cols, at = _incoming_columns(self._cols, s["table"], ("alpha", "seen"))
+        if cols:
+            alpha, known = cols["alpha"], cols["seen"]
+            if bool(((alpha.sum(1) <= 0) & known[:, None]).any()):
+                raise InputError(
+                    f"{at}[{self._cols.owner + '/alpha'!r}]",
+                    "finite non-negative counts, every column sum positive for a registered prompt",
+                    "a column summing to 0",
+                    "pass DPS.state_dict()",
+                )
+        self._cols.load(s["table"])
         self._gen.set_state(s["generator"])

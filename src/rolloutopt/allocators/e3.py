@@ -28,6 +28,9 @@ from rolloutopt.allocators._base import (
 )
 from rolloutopt.allocators._ids import _sort_ids
 from rolloutopt.allocators._result_check import _check_result
+from rolloutopt.allocators._units import TokenBudget
+from rolloutopt.allocators.dps import _incoming_columns
+from rolloutopt.allocators.table import Column, PromptTable, TableColumns, TableOwner, open_table
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatAny, FloatB, FloatP, IntP
 
@@ -136,16 +139,17 @@ class _E3Plan(Conversation):
         return torch.ones(self.spent_observed, dtype=torch.float64), self._reasons
 
 
-class E3Budget:
+class E3Budget(TableOwner):
     r"""E3: more rollouts for prompts that ranked harder at the last epoch end (arXiv 2505.18573, EMNLP 2025).
 
     Code ``LiaoMengqi/E3-RL4LLMs`` (``e3/trainer/ray_trainer.py`` ``get_rollout_n_per_prompt``,
     ``e3/data/rl_dataset.py`` ``update_prompt_stats``/``update_rank``; ``docs/methods/difficulty.md``).
 
-    *State*, per prompt id (sorted int64 tensors): cumulative reward sum and rollout count over all steps, and a
-    rank. At :meth:`end_epoch` the ranked prompts are sorted by mean reward, descending (ties: the lower id), and
-    :math:`\mathrm{rank} = \mathrm{position}/K`, so 0 is the easiest. Which prompts are ranked, and so
-    :math:`K`:
+    *State*, per prompt id (columns of a :class:`~rolloutopt.allocators.PromptTable`): cumulative reward sum and
+    rollout count over all steps, and a rank. At :meth:`end_epoch` the ranked prompts are sorted by mean reward,
+    descending (ties: the lower id), and :math:`\mathrm{rank} = \mathrm{position}/K`, so 0 is the easiest. Which
+    prompts are ranked, and so :math:`K` (at most ``capacity`` prompts are stored: an evicted one is unknown
+    again):
 
     - ``dataset_ids=None`` (default): the *known* prompts (rolled out at least once, or ranked before);
       :math:`K` is their number. A prompt not rolled out before the last epoch end keeps rank -100 (weight 0:
@@ -187,9 +191,14 @@ class E3Budget:
         n_min, n_max: initial caps (None: ``n``).
         cap_share: see above.
         steps_per_epoch: updates per epoch, or None (call :meth:`end_epoch`).
-        dataset_ids: the training set's prompt ids (int ``[D]``, distinct), to rank unseen prompts as the code
-            does (see *State*); None ranks the known prompts only.
+        dataset_ids: the training set's prompt ids (int ``[D]``, distinct, at most the table's capacity), to rank
+            unseen prompts as the code does (see *State*); None ranks the known prompts only.
         seed: unused (the allocation is deterministic), kept for a uniform constructor.
+        capacity: prompts kept in a private table (default None: 1,000,000; least recently updated evicted, and
+            an evicted prompt is then unknown again: rank -100 until an epoch end that knows it).
+        table: a shared :class:`~rolloutopt.allocators.PromptTable` (default None: a private one); E3Budget
+            registers ``sum``, ``count`` and ``rank`` as owner ``"e3_budget"``, and the caller saves a shared
+            table once.
 
     Reasons: ``"ranked"`` (rank > 0 share), ``"unseen"`` (rank -100 or 0: ``n_min`` plus any leftover),
     ``"capped"`` (at ``n_max``, when ``n_max > n_min``), ``"no_budget"``.
@@ -211,6 +220,8 @@ class E3Budget:
         steps_per_epoch: int | None = None,
         dataset_ids: IntP | None = None,
         seed: int = 0,
+        capacity: int | None = None,
+        table: PromptTable | None = None,
     ) -> None:
         _int(n, "n", 1)
         _int(n_low, "n_low", 1)
@@ -239,10 +250,24 @@ class E3Budget:
             self.dataset_ids = uniq
         self._epoch = 0
         self._steps = 0
-        self._ids = torch.zeros(0, dtype=torch.long)
-        self._sum = torch.zeros(0, dtype=torch.float64)
-        self._cnt = torch.zeros(0, dtype=torch.long)
-        self._rank = torch.zeros(0, dtype=torch.float64)
+        self._cols = open_table(
+            table,
+            capacity,
+            "e3_budget",
+            {
+                "sum": Column("float", (), 0.0, ("finite",)),
+                "count": Column("int", (), 0, ("nonneg",)),
+                # position / K in [0, 1), or -100 (no rank yet; also the fill): checked by load_state_dict
+                "rank": Column("float", (), _UNSEEN_RANK, ("finite",)),
+            },
+        )
+        if self.dataset_ids is not None and self.dataset_ids.numel() > self.table.capacity:
+            raise InputError(
+                "dataset_ids",
+                f"at most the table's capacity = {self.table.capacity} prompts (every data-set prompt is ranked)",
+                f"{self.dataset_ids.numel()} prompts",
+                "raise capacity (or the shared PromptTable's)",
+            )
 
     @property
     def epoch(self) -> int:
@@ -254,13 +279,12 @@ class E3Budget:
         return self._ranks(as_prompt_ids(prompt_ids))
 
     def _ranks(self, ids: Tensor) -> Tensor:
-        k = self._ids.numel()
-        if k == 0:
+        if self._cols.empty:
             return torch.full(ids.shape, _UNSEEN_RANK, dtype=torch.float64)
-        pos = torch.searchsorted(self._ids, ids).clamp(max=k - 1)
-        return torch.where(self._ids[pos] == ids, self._rank[pos], _UNSEEN_RANK)
+        pos, seen = self._cols.find(ids)
+        return torch.where(seen, self._cols["rank"][pos], _UNSEEN_RANK)
 
-    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> Conversation:
         """One request with the rank-proportional counts (see the class docstring)."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
@@ -286,15 +310,11 @@ class E3Budget:
         _check_result(result)
         ids = result.plan_prompt_ids
         played = result.counts > 0
-        s = torch.bincount(result.group, weights=result.rewards.double(), minlength=ids.numel())
-        new_ids, new_s, new_c = ids[played], s[played], result.counts[played]
-        allid, inv = torch.unique(torch.cat([self._ids, new_ids]), return_inverse=True)
-        k = allid.numel()
-        tot = torch.zeros(k, dtype=torch.float64).index_add_(0, inv, torch.cat([self._sum, new_s]))
-        cnt = torch.zeros(k, dtype=torch.long).index_add_(0, inv, torch.cat([self._cnt, new_c]))
-        rank = torch.full((k,), _UNSEEN_RANK, dtype=torch.float64)
-        rank[inv[: self._ids.numel()]] = self._rank
-        self._ids, self._sum, self._cnt, self._rank = allid, tot, cnt, rank
+        s = torch.bincount(result.group, weights=result.rewards.double(), minlength=ids.numel()).double()
+        if bool(played.any()):
+            pos, order = self._cols.add(ids[played])  # a new prompt: sum 0, count 0, rank -100 (the fills)
+            self._cols["sum"].index_add_(0, pos, s[played][order])
+            self._cols["count"].index_add_(0, pos, result.counts[played][order])
         self._steps += 1
         if self.steps_per_epoch is not None and self._steps % self.steps_per_epoch == 0:
             self.end_epoch()
@@ -304,47 +324,48 @@ class E3Budget:
 
         Ranked: the known prompts, plus (if ``dataset_ids`` was given) every data-set id, an unseen one with
         mean reward 0 as in the code's ``update_rank``; see the class docstring."""
+        cols = self._cols
         if self.dataset_ids is not None:
-            new = self.dataset_ids[~torch.isin(self.dataset_ids, self._ids)]
+            new = self.dataset_ids
+            if not cols.empty:
+                new = new[~cols.find(new)[1]]
             if new.numel():
-                allid = torch.cat([self._ids, new])
-                order = torch.sort(allid).indices
-                zeros = torch.zeros(new.numel(), dtype=torch.float64)
-                self._ids = allid[order]
-                self._sum = torch.cat([self._sum, zeros])[order]
-                self._cnt = torch.cat([self._cnt, zeros.long()])[order]
-                self._rank = torch.cat([self._rank, torch.full_like(zeros, _UNSEEN_RANK)])[order]
-        k = self._ids.numel()
-        if k:
-            mean = self._sum / self._cnt.double().clamp(min=1)
+                cols.add(new)  # sum 0, count 0 (the fills): ranked as mean reward 0, as the code
+        if not cols.empty:
+            known = cols["seen"]
+            rows = None if bool(known.all()) else known.nonzero().squeeze(1)  # a shared table: E3's rows only
+            sums, cnt = cols["sum"], cols["count"]
+            if rows is not None:
+                sums, cnt = sums[rows], cnt[rows]
+            k = sums.numel()
+            mean = sums / cnt.double().clamp(min=1)
             order = torch.sort(mean, descending=True, stable=True).indices  # ids are sorted: ties -> lower id
             rank = torch.empty(k, dtype=torch.float64)
             rank[order] = torch.arange(k, dtype=torch.float64) / k
-            self._rank = rank
+            if rows is None:
+                cols["rank"] = rank
+            else:
+                cols["rank"][rows] = rank
         self.n_min = max(self.n_min - self.n_update, self.n_low)
         self.n_max = min(self.n_max + self.n_update, self.n_high)
         self._epoch += 1
 
     STATE: ClassVar[dict[str, Field]] = {
-        "ids": Field("int", ("K",), ("ids",)),
-        "sum": Field("float", ("K",), ("finite",)),
-        "count": Field("int", ("K",), ("nonneg",)),
-        "rank": Field("float", ("K",), ("finite",)),  # position / K in [0, 1), or -100 (no rank yet)
+        "table": TableColumns.FIELD,
         "n_min": Field("integer", low=1),  # and n_low <= n_min <= n_max <= n_high (checked after load_state)
         "n_max": Field("integer", low=1),
         "epoch": Field("integer", low=0),
         "steps": Field("integer", low=0),
     }
-    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`; the table validates its
+    columns)."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Per-prompt ids, reward sums, counts, ranks; the caps, epoch and step counters (copies)."""
+        """The table (reward sums, counts, ranks; the rows only when the table is private), the caps, epoch and
+        step counters (copies)."""
         return dump_state(
             {
-                "ids": self._ids.clone(),
-                "sum": self._sum.clone(),
-                "count": self._cnt.clone(),
-                "rank": self._rank.clone(),
+                "table": self._cols.state(),
                 "n_min": self.n_min,
                 "n_max": self.n_max,
                 "epoch": self._epoch,
@@ -354,16 +375,19 @@ class E3Budget:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one);
-        the caps must lie in this allocator's ``[n_low, n_high]``."""
+        the caps must lie in this allocator's ``[n_low, n_high]`` and the ranks in ``[0, 1)`` or be -100 (for a
+        shared table, the table loaded by the caller is checked)."""
         s = load_state(state, self.STATE, "E3Budget")
-        rank = s["rank"]
-        if bool(((rank != _UNSEEN_RANK) & ((rank < 0) | (rank >= 1))).any()):
-            raise InputError(
-                "state['rank']",
-                f"ranks in [0, 1) or {_UNSEEN_RANK} (none)",
-                describe(state["rank"]),
-                "pass state_dict()",
-            )
+        cols, at = _incoming_columns(self._cols, s["table"], ("rank",))
+        if cols:
+            rank = cols["rank"]
+            if bool(((rank != _UNSEEN_RANK) & ((rank < 0) | (rank >= 1))).any()):
+                raise InputError(
+                    f"{at}[{self._cols.owner + '/rank'!r}]",
+                    f"ranks in [0, 1) or {_UNSEEN_RANK} (none)",
+                    describe(rank),
+                    "pass state_dict()",
+                )
         if not self.n_low <= s["n_min"] <= self.n_high:
             raise InputError(
                 "state['n_min']",
@@ -378,7 +402,7 @@ class E3Budget:
                 repr(s["n_max"]),
                 "pass the state_dict() of an E3Budget with the same n_low and n_high",
             )
-        self._ids, self._sum, self._cnt, self._rank = s["ids"], s["sum"], s["count"], rank
+        self._cols.load(s["table"])
         self.n_min, self.n_max = s["n_min"], s["n_max"]
         self._epoch, self._steps = s["epoch"], s["steps"]
 

@@ -7,8 +7,9 @@ Reference: "Act Only When It Pays: Efficient Reinforcement Learning for LLM Reas
 ``train-scripts/math_qwen_1_5b_dm_greso.sh``; ``docs/methods/greso.md``.
 
 The per-prompt trace of the code (a list of (epoch, group mean) pairs that grows without bound) is replaced by
-the two run lengths the rule reads, which is equivalent for it: int64 tensors aligned with sorted prompt ids,
-looked up with ``torch.searchsorted``, O(1) memory per prompt and no Python loop over prompts.
+the two run lengths the rule reads, which is equivalent for it: two int64 columns of a bounded
+:class:`~rolloutopt.allocators.table.PromptTable` (sorted prompt ids, looked up with ``torch.searchsorted``),
+O(1) memory per prompt and no Python loop over prompts.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from rolloutopt.allocators._base import (
     as_prompt_ids,
     check_budget,
 )
-from rolloutopt.allocators._ids import _insert, _lookup
 from rolloutopt.allocators._result_check import _check_result
+from rolloutopt.allocators._units import TokenBudget
+from rolloutopt.allocators.table import Column, PromptTable, TableColumns, TableOwner, open_table
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatAny, FloatB, FloatP, IntB, IntP
 
@@ -185,7 +187,7 @@ class _GRESOPlan(Conversation):
         return dataclasses.replace(result, metrics={**result.metrics, **extra})
 
 
-class GRESO:
+class GRESO(TableOwner):
     r"""GRESO: skip, before rollout, prompts whose recent groups were all solved or all failed, with a probability.
 
     Per prompt, :math:`k_e` counts its last consecutive rolled-out groups with mean reward
@@ -286,6 +288,10 @@ class GRESO:
             adapts unless the trainer calls it). An int: the epoch advances by itself, ``epoch = steps //
             steps_per_epoch`` after each ``update`` (e.g. ``len(dataset) // train_batch_size``).
         seed: seed of the skip draws' generator.
+        capacity: prompts kept in a private table (default None: 1,000,000; least recently updated evicted, and
+            an evicted prompt is then never skipped, as one never rolled out).
+        table: a shared :class:`~rolloutopt.allocators.PromptTable` (default None: a private one); GRESO registers
+            ``k_easy`` and ``k_hard`` as owner ``"greso"``, and the caller saves a shared table once.
 
     Budget: never more than ``budget`` rollouts; a round requests at most what is left (full groups, then a
     partial group per ``n_min``), so the step may stop short of ``train_batch_size`` when the budget or the
@@ -294,8 +300,8 @@ class GRESO:
     never reached are reported as ``"not_reached"``).
 
     Edge cases: an empty pool or a zero budget requests nothing; a planned prompt that got no rollouts leaves
-    its run lengths unchanged. State: two int64 per prompt ever rolled out, ``p_easy``, ``p_hard``, the epoch,
-    the step count and the generator.
+    its run lengths unchanged. State: two int64 per prompt rolled out (at most ``capacity`` prompts),
+    ``p_easy``, ``p_hard``, the epoch, the step count and the generator.
     """
 
     reference: ClassVar[str] = "arXiv 2506.02177 (GRESO); code Infini-AI-Lab/GRESO"
@@ -325,6 +331,8 @@ class GRESO:
         adapt_from_epoch: int = 1,
         steps_per_epoch: int | None = None,
         seed: int = 0,
+        capacity: int | None = None,
+        table: PromptTable | None = None,
     ) -> None:
         self.n, self.n_min, self.n_max = _group_sizes(n, n_min, n_max)
         self.train_batch_size = _check_int(train_batch_size, "train_batch_size", 1, "pass e.g. 256 (script)")
@@ -372,9 +380,15 @@ class GRESO:
         self._epoch_told = False  # set_epoch was called (the trainer manages epochs)
         self._warned_epoch = False
         self._gen = torch.Generator().manual_seed(self.seed)
-        self._ids = torch.zeros(0, dtype=torch.long)
-        self._k_easy = torch.zeros(0, dtype=torch.long)
-        self._k_hard = torch.zeros(0, dtype=torch.long)
+        self._cols = open_table(
+            table,
+            capacity,
+            "greso",
+            {  # 0: no run (a prompt never rolled out, or evicted)
+                "k_easy": Column("int", checks=("nonneg",)),
+                "k_hard": Column("int", checks=("nonneg",)),
+            },
+        )
 
     @property
     def target_easy(self) -> float:
@@ -396,10 +410,10 @@ class GRESO:
         return self._run_lengths(as_prompt_ids(prompt_ids))
 
     def _run_lengths(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        if self._ids.numel() == 0:
+        if self._cols.empty:
             return torch.zeros_like(ids), torch.zeros_like(ids)
-        pos, found = _lookup(self._ids, ids)
-        return torch.where(found, self._k_easy[pos], 0), torch.where(found, self._k_hard[pos], 0)
+        pos, seen = self._cols.find(ids)
+        return torch.where(seen, self._cols["k_easy"][pos], 0), torch.where(seen, self._cols["k_hard"][pos], 0)
 
     def skip_probabilities(self, prompt_ids: IntP) -> tuple[FloatP, FloatP]:
         """Per prompt, float64 ``[P]``: the easy skip probability and the hard one (drawn if easy does not skip)."""
@@ -412,7 +426,7 @@ class GRESO:
             greso_skip_probability(k_h, self.p_hard, floor=self.floor),
         )
 
-    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> Conversation:
         """Draw the skips for the candidates ``prompt_ids`` (in dataloader order), then roll out in rounds."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
@@ -440,8 +454,8 @@ class GRESO:
             and not self._epoch_told
             and self.steps_per_epoch is None
             and self.epoch < self.adapt_from_epoch
-            and self._ids.numel()
-            and bool(_lookup(self._ids, ids)[1].any())
+            and not self._cols.empty
+            and bool(self._cols.find(ids)[1].any())
         ):
             self._warned_epoch = True
             warnings.warn(
@@ -452,14 +466,11 @@ class GRESO:
                 UserWarning,
                 stacklevel=2,
             )
-        self._ids, (self._k_easy, self._k_hard), pos, order = _insert(
-            self._ids,
-            ids,
-            [(self._k_easy, torch.zeros((), dtype=torch.long)), (self._k_hard, torch.zeros((), dtype=torch.long))],
-        )
+        pos, order = self._cols.add(ids)
         m = m[order]
-        self._k_easy[pos] = torch.where(m >= self.easy_threshold, self._k_easy[pos] + 1, 0)
-        self._k_hard[pos] = torch.where(m <= self.hard_threshold, self._k_hard[pos] + 1, 0)
+        k_easy, k_hard = self._cols["k_easy"], self._cols["k_hard"]
+        k_easy[pos] = torch.where(m >= self.easy_threshold, k_easy[pos] + 1, 0)
+        k_hard[pos] = torch.where(m <= self.hard_threshold, k_hard[pos] + 1, 0)
         groups = int(rolled.sum())
         if self.epoch >= self.adapt_from_epoch and groups > 0:
             zv = rolled & (hi == lo)
@@ -475,24 +486,22 @@ class GRESO:
         return max(p - self.p_step, self.min_p) if above else min(p + self.p_step, self.max_p)
 
     STATE: ClassVar[dict[str, Field]] = {
-        "ids": Field("int", ("M",), ("ids",)),
-        "k_easy": Field("int", ("M",), ("nonneg",)),
-        "k_hard": Field("int", ("M",), ("nonneg",)),
+        "table": TableColumns.FIELD,
         "p_easy": Field("real", low=0.0, high=1.0),
         "p_hard": Field("real", low=0.0, high=1.0),
         "epoch": Field("integer", low=0),
         "steps": Field("integer", low=0),
         "generator": Field("generator"),
     }
-    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`; the table validates its
+    run-length columns)."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Run lengths (sorted ids, aligned int64 tensors), p_easy, p_hard, epoch, steps and the generator; copies."""
+        """The table (run lengths ``k_easy``, ``k_hard``; the rows only when the table is private), p_easy,
+        p_hard, epoch, steps and the generator; copies."""
         return dump_state(
             {
-                "ids": self._ids.clone(),
-                "k_easy": self._k_easy.clone(),
-                "k_hard": self._k_hard.clone(),
+                "table": self._cols.state(),
                 "p_easy": self.p_easy,
                 "p_hard": self.p_hard,
                 "epoch": self.epoch,
@@ -504,7 +513,7 @@ class GRESO:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one)."""
         s = load_state(state, self.STATE, "GRESO")
-        self._ids, self._k_easy, self._k_hard = s["ids"], s["k_easy"], s["k_hard"]
+        self._cols.load(s["table"])
         self.p_easy, self.p_hard = float(s["p_easy"]), float(s["p_hard"])
         self.epoch, self.steps = s["epoch"], s["steps"]
         self._gen.set_state(s["generator"])
