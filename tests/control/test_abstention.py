@@ -33,8 +33,31 @@ def test_abstention_oracle_values() -> None:
     res = rule.finalize(state)
     assert res.reasons() == ["abstain"] and res.position.tolist() == [5]
     assert state.extra["checks"].tolist() == [3] and state.extra["value"].tolist() == [0.25]
-    assert rule.terminal_rewards(torch.tensor([1.0]), res).tolist() == [pytest.approx(0.3)]
-    assert rule.terminal_rewards(torch.tensor([1.0]), rule.finalize(rule.init(1))).tolist() == [1.0]
+    assert res.rewards(torch.tensor([1.0])).tolist() == [pytest.approx(0.3)]
+    assert rule.finalize(rule.init(1)).rewards(torch.tensor([1.0])).tolist() == [1.0]
+
+
+def test_abstention_result_fields_by_hand() -> None:
+    # rows 0 and 2 abstain (V = 0.1 and 0.2 < r_abs = 0.3 at their first checkpoint, t = 2), row 1 never does (0.5),
+    # row 3 is inactive: terminal reward r_abs on the abstained rows only, no weights
+    rule = Abstention(r_abs=0.3, every=2, **EXP)
+    v = torch.tensor([[NAN, 0.1, NAN], [NAN, 0.5, NAN], [NAN, 0.2, NAN], [NAN, NAN, NAN]])
+    active = torch.ones(4, 3, dtype=torch.bool)
+    active[3] = False
+    res = replay(rule, values=v, mask=active)
+    assert res.reasons() == ["abstain", "running", "abstain", "running"]
+    assert res.terminal_rows is not None and res.terminal_reward is not None
+    assert res.terminal_rows.tolist() == [True, False, True, False]
+    assert res.terminal_reward[res.terminal_rows].tolist() == [pytest.approx(0.3)] * 2
+    assert res.row_weight is None and res.token_weight is None
+    assert res.rewards(torch.tensor([1.0, 0.0, -2.0, 0.5])).tolist() == pytest.approx([0.3, 0.0, 0.3, 0.5])
+    # the loss weights: the truncated mask (the abstained rows keep their first 2 tokens)
+    assert res.loss_weights(torch.ones(4, 3, dtype=torch.bool)).tolist() == [
+        [1.0, 1.0, 0.0],
+        [1.0, 1.0, 1.0],
+        [1.0, 1.0, 0.0],
+        [1.0, 1.0, 1.0],
+    ]
 
 
 def test_abstention_oracle_estimator_not_called_after_stop() -> None:
@@ -112,8 +135,8 @@ def test_abstention_bad_input() -> None:
     bad = Abstention(r_abs=0.3, every=1, estimator=lambda x, due: torch.zeros(3), **EXP)
     with pytest.raises(InputError, match="estimator"):
         bad.step(bad.init(2))
-    with pytest.raises(InputError, match="result"):
-        rule.terminal_rewards(torch.zeros(3), rule.finalize(state))
+    with pytest.raises(InputError, match="rewards"):
+        rule.finalize(state).rewards(torch.zeros(3))
     with pytest.raises(InputError, match="rewards"):
         soft_value(torch.zeros(2, 0))
     with pytest.raises(InputError, match="rewards"):

@@ -31,6 +31,13 @@ def test_quality_head_oracle() -> None:
     kept = sorted(_oracle_scores()[~res.stopped].tolist())
     assert kept == pytest.approx([0.2, 0.4, 0.6, 0.7])
     assert res.reasons().count("pruned") == 4 and set(res.position[res.stopped].tolist()) == {2}  # L_c = 3 kept
+    # the pruned rows leave the loss (row weight 0); the survivors keep their whole mask; no terminal reward
+    assert res.row_weight is not None
+    assert res.row_weight.tolist() == [0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    w = res.loss_weights(torch.ones(8, 5, dtype=torch.bool))
+    assert w.sum(1).tolist() == [0.0, 0.0, 5.0, 5.0, 5.0, 0.0, 0.0, 5.0]
+    assert res.terminal_reward is None and res.token_weight is None
+    assert torch.equal(res.rewards(_oracle_scores()), _oracle_scores())
     # the same with a Groups and the rows shuffled into two interleaved groups of 8
     both = torch.cat([_oracle_scores(), _oracle_scores()])
     ids = torch.tensor([5, 9] * 8)

@@ -3,6 +3,7 @@ the stop-rule properties (truncation_helpers) and bad input."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from rolloutopt.control import (
     replay,
 )
 from rolloutopt.errors import InputError
+from rolloutopt.groups import Groups
 
 from .truncation_helpers import check_empty_batch, check_state_round_trip, check_stop_rule_contract
 
@@ -33,7 +35,7 @@ def test_marker_gated_abort_by_hand() -> None:
     res = rule.finalize(state)
     assert res.position.tolist() == [2, 4, 1, -1]
     assert res.reasons() == ["answered", "answered", "answered", "running"]
-    assert rule.weights(state).tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert res.row_weight is not None and res.row_weight.tolist() == [1.0, 1.0, 1.0, 1.0]
     assert float(res.metrics["survived_frac"]) == pytest.approx(0.25)
     # keep_prob tiny: row 1 (no marker in its first 3 tokens) is aborted at its 3rd token, weight 0
     rule = DUETAbort(keep_prob=1e-9, **kw)
@@ -44,7 +46,16 @@ def test_marker_gated_abort_by_hand() -> None:
     res = rule.finalize(state)
     assert res.position.tolist() == [2, 2, 1, -1]
     assert res.reasons() == ["answered", "aborted", "answered", "running"]
-    assert rule.weights(state).tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert res.row_weight is not None and res.row_weight.tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert res.terminal_reward is None and res.token_weight is None
+    # the loss weights: each row's kept prefix times its weight (row 1, aborted, leaves the loss)
+    assert res.loss_weights(active).tolist() == [
+        [1.0, 1.0, 1.0, 0.0, 0.0],
+        [0.0, 0.0, 0.0, 0.0, 0.0],
+        [1.0, 1.0, 0.0, 0.0, 0.0],
+        [0.0, 0.0, 0.0, 0.0, 0.0],
+    ]
+    assert res.rewards(torch.tensor([1.0, 2.0, 3.0, 4.0])).tolist() == [1.0, 2.0, 3.0, 4.0]
     # answer_tail=None: markers never stop a row; only the gate does
     rule = DUETAbort(keep_prob=1e-9, markers=[4], horizon=3, answer_tail=None, experimental=True)
     res = replay(rule, tokens=tokens, mask=active)
@@ -54,22 +65,33 @@ def test_marker_gated_abort_by_hand() -> None:
 def test_marker_gated_abort_weights_self_normalised_by_hand() -> None:
     rule = DUETAbort(markers=[4], keep_prob=0.25, self_normalize=True, aborted_weight=0.0, experimental=True)
     n = 6
+    extra = {
+        "u": torch.zeros(n),
+        "first_marker": torch.full((n,), -1),
+        "survived": torch.tensor([False, False, True, False, False, False]),
+    }
     state = StopState(
         stopped=torch.tensor([False, True, False, False, True, True]),
         position=torch.tensor([-1, 2, -1, -1, 2, 2]),
         reason=torch.tensor([0, 2, 0, 0, 2, 2]),
         steps=torch.full((n,), 3),
-        extra={
-            "u": torch.zeros(n),
-            "first_marker": torch.full((n,), -1),
-            "survived": torch.tensor([False, False, True, False, False, False]),
-        },
+        extra={**extra, "group": torch.tensor([0, 0, 1, 1, 2, 2])},  # what init(n, group=...) stores
     )
     # raw weights [1, 0, 4, 1, 0, 0]; groups {0, 1}, {2, 3}, {4, 5}: sums 1, 5, 0
-    w = rule.weights(state, group=torch.tensor([0, 0, 1, 1, 2, 2]))
-    assert w.tolist() == pytest.approx([2.0, 0.0, 8 / 5, 2 / 5, 0.0, 0.0])
-    raw = DUETAbort(markers=[4], keep_prob=0.25, aborted_weight=0.5, experimental=True).weights(state)
-    assert raw.tolist() == [1.0, 0.5, 4.0, 1.0, 0.5, 0.5]
+    w = rule.finalize(state).row_weight
+    assert w is not None and w.tolist() == pytest.approx([2.0, 0.0, 8 / 5, 2 / 5, 0.0, 0.0])
+    raw = DUETAbort(markers=[4], keep_prob=0.25, aborted_weight=0.5, experimental=True)
+    w_raw = raw.finalize(replace(state, extra=extra)).row_weight
+    assert w_raw is not None and w_raw.tolist() == [1.0, 0.5, 4.0, 1.0, 0.5, 0.5]
+    # the group ids go to init: any ids (or a Groups), stored as a dense index, the same weights after a stream
+    group = torch.tensor([7, 7, -3, -3, 10, 10])
+    for g in (group, Groups(group)):
+        s = rule.init(n, group=g)
+        assert s.extra["group"].tolist() == [1, 1, 0, 0, 2, 2]
+        s = replace(s, stopped=state.stopped, position=state.position, reason=state.reason, steps=state.steps)
+        s = replace(s, extra={**s.extra, "survived": extra["survived"]})
+        out = rule.finalize(s).row_weight
+        assert out is not None and out.tolist() == pytest.approx([2.0, 0.0, 8 / 5, 2 / 5, 0.0, 0.0])
 
 
 def test_marker_gated_abort_survival_rate_and_unbiased_weights() -> None:
@@ -80,7 +102,8 @@ def test_marker_gated_abort_survival_rate_and_unbiased_weights() -> None:
         state, _ = rule.step(state, tokens=torch.zeros(n, dtype=torch.long))
     survived = state.extra["survived"].float().mean().item()
     assert abs(survived - p) < 0.02  # binomial sd 0.003
-    assert abs(rule.weights(state).mean().item() - 1.0) < 0.1  # E[w] = 1 over gated rows
+    w = rule.finalize(state).row_weight
+    assert w is not None and abs(w.mean().item() - 1.0) < 0.1  # E[w] = 1 over gated rows
     u = state.extra["u"]
     assert float(u.min()) >= 0.0 and float(u.max()) < 1.0 and abs(u.mean().item() - 0.5) < 0.01
 
@@ -99,6 +122,10 @@ def test_prop_state_round_trip(n: int, t: int, seed: int) -> None:
 
 def test_empty_batch() -> None:
     check_empty_batch("duet")
+    rule = DUETAbort(markers=[1], self_normalize=True, experimental=True)
+    res = replay(rule, tokens=torch.zeros(0, 3, dtype=torch.long), init={"group": torch.zeros(0, dtype=torch.long)})
+    assert res.row_weight is not None and res.row_weight.shape == (0,)
+    assert res.loss_weights(torch.ones(0, 3, dtype=torch.bool)).shape == (0, 3)
 
 
 def test_duet_seed_and_generation_change_draws() -> None:
@@ -140,16 +167,25 @@ def test_bad_step_and_init_inputs() -> None:
         duet.init(2, row_id=torch.zeros(3, dtype=torch.long))
     with pytest.raises(InputError, match="row_id"):
         duet.init(2, row_id=torch.zeros(2))
-    with pytest.raises(InputError, match="group"):
-        duet.weights(duet.init(2), group=torch.zeros(2, dtype=torch.long))
+    with pytest.raises(InputError, match="self_normalize") as err:  # nothing reads the groups
+        duet.init(2, group=torch.zeros(2, dtype=torch.long))
+    assert err.value.argument == "group"
     with pytest.raises(InputError, match="state"):
-        duet.weights("state")  # type: ignore[arg-type]
+        duet.finalize("state")  # type: ignore[arg-type]
     with pytest.raises(InputError, match="state"):
         duet.load_state_dict({"seed": 1})
     with pytest.raises(InputError, match="state"):
         duet.load_state_dict([1, 2])  # type: ignore[arg-type]
     norm = DUETAbort(markers=[1], self_normalize=True, experimental=True)
+    assert norm.requires == ("tokens", "group") and DUETAbort.requires == ("tokens",)
+    with pytest.raises(InputError, match="group") as err:
+        norm.init(2)
+    assert err.value.argument == "group"
     with pytest.raises(InputError, match="group"):
-        norm.weights(norm.init(2))
+        norm.init(2, group=torch.zeros(3, dtype=torch.long))
     with pytest.raises(InputError, match="group"):
-        norm.weights(norm.init(2), group=torch.zeros(3, dtype=torch.long))
+        norm.init(2, group=Groups(torch.zeros(3, dtype=torch.long)))
+    with pytest.raises(InputError, match="group"):
+        norm.init(2, group=torch.zeros(2))  # float ids
+    with pytest.raises(InputError, match="group"):  # a state that did not come from this rule's init
+        norm.finalize(duet.init(2))

@@ -60,6 +60,18 @@ def test_espo_oracle() -> None:
     assert out.mask.int().tolist() == [[1, 0, 0, 0], [1, 1, 1, 0]]
     assert out.rewards.tolist() == [-1.0, 0.5] and out.stopped.tolist() == [True, False]
     assert float(out.metrics["tokens_removed"]) == 2.0 and float(out.metrics["stop_frac"]) == 0.5
+    # the result carries the terminal reward: absorbing_failure reads it by default, result.rewards applies it
+    assert res.terminal_rows is not None and res.terminal_reward is not None
+    assert res.terminal_rows.tolist() == [True, False] and float(res.terminal_reward[0]) == -1.0
+    assert res.row_weight is None and res.token_weight is None
+    assert res.rewards(torch.tensor([1.0, 0.5])).tolist() == [-1.0, 0.5]
+    assert torch.equal(absorbing_failure(torch.tensor([1.0, 0.5]), mask, res).token_rewards, out.token_rewards)
+    assert res.loss_weights(mask).tolist() == [[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]]
+    other = ESPO(r_fail=-2.5, beta_init=1.0, delta=0.0, critic_warmup=False).finalize(state)
+    assert other.rewards(torch.tensor([1.0, 0.5])).tolist() == [-2.5, 0.5]
+    assert absorbing_failure(torch.tensor([1.0, 0.5]), mask, other).token_rewards[0].tolist() == [-2.5, 0, 0, 0]
+    # an explicit r_fail still wins
+    assert absorbing_failure(torch.tensor([1.0, 0.5]), mask, other, r_fail=-1.0).rewards.tolist() == [-1.0, 0.5]
 
 
 def test_espo_normalisation_by_hand() -> None:
@@ -156,6 +168,12 @@ def test_critic_free_oracle() -> None:
     rule = ESPOCriticFree(rho_bar=0.1, s_rho=0.1, kappa=3.0, t_min=10, smoothing=0.0, **CF)
     res = replay(rule, logp=lp, topk_logp=topk)
     assert res.position.tolist() == [9, -1] and res.length.tolist() == [10, 30]
+    # the stopped row is an absorbing failure with r_fail = -1 (the default); no weights
+    assert res.rewards(torch.tensor([1.0, 1.0])).tolist() == [-1.0, 1.0]
+    assert res.terminal_rows is not None and res.terminal_rows.tolist() == [True, False]
+    assert res.row_weight is None and res.token_weight is None
+    res = replay(ESPOCriticFree(rho_bar=0.1, s_rho=0.1, smoothing=0.0, r_fail=0.0, **CF), logp=lp, topk_logp=topk)
+    assert res.rewards(torch.tensor([1.0, 1.0])).tolist() == [0.0, 1.0]
     # with the default smoothing a = 0.9: S_10 = 0.05 * sum_k k 0.9^(10-k) = 0.05 * 41.35 = 2.067 > 1 + 0.3 sqrt(10)
     smooth = sum(0.05 * k * 0.9 ** (10 - k) for k in range(1, 11))
     assert smooth > 1.0 + 0.3 * math.sqrt(10)
@@ -199,6 +217,8 @@ def test_absorbing_failure_token_rewards_and_edges() -> None:
     assert out.token_rewards.tolist() == [[0, -2.0, 0, 0], [0, 0, 0, 1.0], [0, 0, 0, 0]]
     assert out.rewards.tolist() == pytest.approx([-2.0, 1.0, 0.0])
     assert out.done.tolist() == [[False, True, False, False], [False, False, False, True], [False] * 4]
+    # a rule without a terminal reward: absorbing_failure's default is -1.0 (the ESPO digests' value)
+    assert absorbing_failure(tok, mask, res).token_rewards[0].tolist() == [0, -1.0, 0, 0]
     res0 = At().finalize(At().init(2))
     out0 = absorbing_failure(torch.tensor([1.0, 2.0]), torch.zeros(2, 0, dtype=torch.bool), res0)
     assert out0.token_rewards.shape == (2, 0) and out0.rewards.tolist() == [1.0, 2.0]

@@ -67,7 +67,16 @@ def test_prune_opd_hand_example() -> None:
     res = rule.finalize(state)
     assert res.reasons() == ["low_weight"] and res.position.tolist() == [5] and res.length.tolist() == [6]
     assert state.extra["drift_at"].tolist() == [3]
-    assert rule.token_weights(state, 8).tolist() == [[1.0, 1.0, 1.0, 0.5, 0.25, 0.125, 0.0, 0.0]]
+    assert res.loss_weights(torch.ones(1, 8, dtype=torch.bool)).tolist() == [
+        [1.0, 1.0, 1.0, 0.5, 0.25, 0.125, 0.0, 0.0]
+    ]
+    # the result's own token weights span the longest generated row (6 tokens); no reward, no row weight
+    assert res.token_weight is not None and res.token_weight.tolist() == [[1.0, 1.0, 1.0, 0.5, 0.25, 0.125]]
+    assert res.terminal_reward is None and res.row_weight is None
+    assert res.rewards(torch.tensor([0.7])).tolist() == [pytest.approx(0.7)]
+    # with a padding mask the weights are 0 there too
+    pad = torch.tensor([[True, True, True, True, False, False, False, False]])
+    assert res.loss_weights(pad).tolist() == [[1.0, 1.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0]]
     # chunked decisions (C=4): the weight is below w_min from t=5, the decision falls at t=7
     chunked = _prune(k=2, window=2, tau_drift=0.5, m=2, rho=0.5, w_min=0.2, tau_hard=0.0, chunk=4)
     res = chunked.finalize(_run(chunked, inputs))
@@ -96,7 +105,9 @@ def test_prop_prune_opd_identical_student_never_truncated(n: int, t: int, seed: 
     rule = _prune(tau_hard=1.0, tau_drift=1.0)  # the strictest thresholds: o = 1 is still not below them
     state = _run(rule, _overlaps(rule, ids, shuffled))
     assert not state.stopped.any()
-    assert bool((rule.token_weights(state, t) == 1).all())
+    res = rule.finalize(state)
+    assert res.token_weight is not None and bool((res.token_weight == 1).all())
+    assert bool((res.loss_weights(torch.ones(n, t, dtype=torch.bool)) == 1).all())
 
 
 @settings(max_examples=30, deadline=None)
@@ -117,22 +128,24 @@ def test_prop_prune_opd_properties(n: int, t: int, chunk: int, seed: int) -> Non
         frozen = prev.stopped | ~active[:, j]
         assert torch.equal(state.extra["weight"][frozen], prev.extra["weight"][frozen])
     # weights are non-increasing along every row, in [0, 1], and 0 exactly after the kept length
-    w = rule.token_weights(state, t)
-    assert bool((w[:, 1:] <= w[:, :-1]).all()) and bool(((w >= 0) & (w <= 1)).all())
+    # (the mask of each row's generated tokens, right-padded: t indexes StopState.steps)
+    generated = torch.arange(t)[None, :] < state.steps[:, None]
     res = rule.finalize(state)
+    w = res.loss_weights(generated)
+    assert bool((w[:, 1:] <= w[:, :-1]).all()) and bool(((w >= 0) & (w <= 1)).all())
     assert torch.equal(w > 0, res.keep_mask(t) & (w > 0))
     # permutation of rows permutes decisions and weights
     perm = torch.randperm(n, generator=g)
     state_p = _run(rule, {k: v[perm] for k, v in inputs.items()}, active[perm])
     res_p = rule.finalize(state_p)
     assert torch.equal(res_p.position, res.position[perm]) and torch.equal(res_p.reason, res.reason[perm])
-    assert torch.equal(rule.token_weights(state_p, t), w[perm])
+    assert torch.equal(res_p.loss_weights(generated[perm]), w[perm])
     # determinism
     assert torch.equal(rule.finalize(_run(rule, inputs, active)).position, res.position)
     # all-inactive batch: a no-op
     none = _run(rule, inputs, torch.zeros(n, t, dtype=torch.bool))
     assert not none.stopped.any() and (none.steps == 0).all()
-    assert bool((rule.token_weights(none, t) == 1).all())
+    assert bool((rule.finalize(none).loss_weights(torch.ones(n, t, dtype=torch.bool)) == 1).all())
     # state round trip mid-run: save, rebuild, continue -> identical
     mid = t // 2
     first = _run(rule, {k: v[:, :mid] for k, v in inputs.items()}, active[:, :mid]) if mid else rule.init(n)
@@ -216,9 +229,9 @@ def test_prune_opd_bad_input() -> None:
     with pytest.raises(InputError, match="teacher_topk"):
         rule.overlap(ids, ids[:1])
     with pytest.raises(InputError, match="state"):
-        rule.token_weights(ESR().init(2), 3)
-    with pytest.raises(InputError, match="length"):
-        rule.token_weights(state, -1)
+        rule.finalize(ESR().init(2))
+    with pytest.raises(InputError, match="mask"):
+        rule.finalize(state).loss_weights(torch.ones(3, 4, dtype=torch.bool))
     ctl = PruneOPDWindow(l0=1, l_max=4, experimental=True)
     with pytest.raises(InputError, match="lengths"):
         ctl.observe(torch.tensor([-1]))

@@ -57,6 +57,7 @@ POSTHOC_INPUTS: dict[str, Any] = {
 }
 
 RULES = control.names()
+STOP_RULES = [name for name in RULES if issubclass(control.get(name), StopRule)]  # not the per-step controllers
 POSTHOC = control.posthoc.names()
 
 
@@ -149,6 +150,30 @@ def test_every_rule_runs_by_name_and_requires_exactly_what_it_declares(name: str
                 make(name).observe(**kw, **{missing: None})
             assert err.value.argument == missing
         make(name).observe(**{k: OBSERVE_INPUTS[k] for k in req | acc})
+
+
+@pytest.mark.parametrize("name", STOP_RULES)
+def test_every_stop_rules_result_gives_rewards_and_loss_weights(name: str) -> None:
+    rule = make(name)
+    entry = control.entry(name)
+    res = run_stream(rule, set(entry.requires) | set(entry.accepts))
+    rewards = torch.tensor([1.0, 0.0, 0.5, -1.0])
+    out = res.rewards(rewards)
+    assert out.shape == (N,) and out.dtype == torch.float32 and bool(torch.isfinite(out).all())
+    if res.terminal_reward is None:
+        assert torch.equal(out, rewards)
+    mask = torch.ones(N, T, dtype=torch.bool)
+    mask[0, 5:] = False
+    w = res.loss_weights(mask)
+    assert w.shape == (N, T) and w.dtype == torch.float32 and bool(torch.isfinite(w).all())
+    assert bool((w[~mask] == 0).all()) and bool((w >= 0).all())
+    if res.row_weight is None and res.token_weight is None:
+        assert torch.equal(w, control.truncate_mask(mask, res).float())
+    # the same through replay, on one recorded step
+    init = {k: tensor_input(rule, k) for k in set(entry.requires) | set(entry.accepts) if k in rule.init_inputs}
+    step = {k: tensor_input(rule, k)[:, None] for k in set(entry.requires) if k not in rule.init_inputs}
+    again = control.replay(make(name), mask=torch.ones(N, 1, dtype=torch.bool), init=init, **step)
+    assert again.rewards(rewards).shape == (N,) and again.loss_weights(mask).shape == (N, T)
 
 
 @pytest.mark.parametrize(("signal", "standard"), [("exp_neg_entropy", "entropy"), ("topk_mean_prob", "topk_logp")])

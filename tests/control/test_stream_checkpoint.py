@@ -5,9 +5,9 @@ decoding steps with every input it declares (required and accepted), the per-ste
 generators; after 96 steps the stream state (``StopState.state_dict()``) and the rule's own cross-batch state
 (``rule.state_dict()``) go through ``torch.save`` / ``torch.load(weights_only=True)`` into a fresh rule, which
 streams the rest. Its stop decisions, its final stream state (every running statistic in ``extra``) and the
-final result equal the uninterrupted run's. With these generic inputs ESR, ARRoL and Prune-OPD stop rows
-during the stream (ESR and ARRoL after the checkpoint); the other rules keep every row running, so for them the
-test checks that their running statistics continue identically.
+final result (the loss fields included) equal the uninterrupted run's. With these generic inputs ESR, ARRoL
+and Prune-OPD stop rows during the stream (ESR and ARRoL after the checkpoint); the other rules keep every row
+running, so for them the test checks that their running statistics continue identically.
 """
 
 from __future__ import annotations
@@ -105,3 +105,7 @@ def test_every_stop_rule_continues_identically_after_a_checkpoint(name: str) -> 
     result = resumed.finalize(state)
     for field_name in ("stopped", "position", "length", "reason"):
         assert torch.equal(getattr(want_result, field_name), getattr(result, field_name)), field_name
+    for field_name in ("terminal_reward", "terminal_rows", "row_weight", "token_weight"):  # the loss side too
+        want_field, got_field = getattr(want_result, field_name), getattr(result, field_name)
+        assert (want_field is None) == (got_field is None), field_name
+        assert want_field is None or _same(want_field, got_field), field_name

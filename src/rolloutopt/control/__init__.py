@@ -3,8 +3,11 @@
 Everything is engine-agnostic (it sees per-step log-probs, entropies, top-k log-probs, token ids and an ``active``
 mask — never a model), vectorised over the live batch, and checkpointable.
 
-- streaming stop rules (decide during generation; :class:`StopRule`: ``init`` → ``step``… → ``finalize``):
-  ESPO (:mod:`~rolloutopt.control.espo`), value-based abstention (:mod:`~rolloutopt.control.abstention`) and
+- streaming stop rules (decide during generation; :class:`StopRule`: ``init`` → ``step``… → ``finalize``, whose
+  :class:`StopResult` also carries what the rule implies for the loss: ``result.rewards(rewards)`` and
+  ``result.loss_weights(mask)``): ESPO (:mod:`~rolloutopt.control.espo`; the critic-free variant
+  :mod:`~rolloutopt.control.espo_critic_free`, the absorbing-failure rewrite :mod:`~rolloutopt.control.absorbing`),
+  value-based abstention (:mod:`~rolloutopt.control.abstention`) and
   the ARRoL quality head (:mod:`~rolloutopt.control.arrol`), confidence- and marker-gated truncation (Step-GRPO
   :mod:`~rolloutopt.control.step_grpo`, :mod:`~rolloutopt.control.deer`, DUET :mod:`~rolloutopt.control.duet`,
   ECHO :mod:`~rolloutopt.control.echo_pruning`), the on-policy-distillation horizon rules (Prune-OPD
@@ -47,6 +50,7 @@ from rolloutopt.advantages.dler import (
 from rolloutopt.control import (
     _base,
     _partial_records,
+    absorbing,
     abstention,
     adwin,
     april,
@@ -56,6 +60,7 @@ from rolloutopt.control import (
     duet,
     echo_pruning,
     espo,
+    espo_critic_free,
     esr,
     jet,
     opd_schedules,
@@ -71,6 +76,7 @@ from rolloutopt.control import dot as _dot  # the modules dot and egae: the name
 from rolloutopt.control import egae as _egae
 from rolloutopt.control._base import *  # noqa: F403
 from rolloutopt.control._partial_records import *  # noqa: F403
+from rolloutopt.control.absorbing import *  # noqa: F403
 from rolloutopt.control.abstention import *  # noqa: F403
 from rolloutopt.control.adwin import *  # noqa: F403
 from rolloutopt.control.april import *  # noqa: F403
@@ -82,6 +88,7 @@ from rolloutopt.control.duet import *  # noqa: F403
 from rolloutopt.control.echo_pruning import *  # noqa: F403
 from rolloutopt.control.egae import *  # noqa: F403
 from rolloutopt.control.espo import *  # noqa: F403
+from rolloutopt.control.espo_critic_free import *  # noqa: F403
 from rolloutopt.control.esr import *  # noqa: F403
 from rolloutopt.control.jet import *  # noqa: F403
 from rolloutopt.control.opd_schedules import *  # noqa: F403
@@ -95,6 +102,8 @@ from rolloutopt.control.step_grpo import *  # noqa: F403
 __all__: list[str] = []
 __all__ += _base.__all__
 __all__ += espo.__all__
+__all__ += espo_critic_free.__all__
+__all__ += absorbing.__all__
 __all__ += abstention.__all__
 __all__ += arrol.__all__
 __all__ += step_grpo.__all__

@@ -7,10 +7,13 @@ A stop rule is streamed, vectorised over the live batch, and never sees a model:
         state, stop = rule.step(state, logp=..., entropy=..., topk_logp=..., tokens=..., active=...)
         # stop: bool [N], cumulative (a row once stopped stays stopped); stop sampling those rows
     result = rule.finalize(state)                        # per-row stop positions and reasons, for the loss side
+    rewards = result.rewards(rewards)                    # the rule's terminal rewards applied (ESPO, abstention)
+    weights = result.loss_weights(mask)                  # [N, T]: mask, truncated, times the rule's weights
 
 :class:`StopRule` implements the bookkeeping once (validation, the cumulative ``stop`` mask, positions and
 reasons, the inputs a rule declares); a rule subclasses it and decides only *which live rows fire now*
-(:meth:`StopRule._step`). :func:`replay` drives a rule over recorded ``[N, T]`` tensors (offline analysis, tests).
+(:meth:`StopRule._step`); a rule that implies a terminal reward or loss weights adds them to the result in its
+``finalize``. :func:`replay` drives a rule over recorded ``[N, T]`` tensors (offline analysis, tests).
 
 Declared inputs. Every rule class declares ``requires`` (the inputs it cannot run without: a missing one raises an
 :class:`~rolloutopt.errors.InputError` naming it), ``accepts`` (inputs it reads when given, e.g. the checkpoint or
@@ -44,7 +47,7 @@ from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import Dims, as_float, as_index, as_mask, checks_enabled, describe, finite
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
-from rolloutopt.typing import BoolB, BoolBT, FloatB, IntB
+from rolloutopt.typing import BoolB, BoolBT, FloatB, FloatBT, IntB
 
 __all__ = [
     "StepInputs",
@@ -157,12 +160,26 @@ class StepInputs:
 
 @dataclass(frozen=True)
 class StopResult:
-    """Where and why each row stopped; what the loss-side helpers consume.
+    """Where and why each row stopped, and what the rule implies for the loss.
 
     ``stopped`` bool ``[N]``; ``position`` int64 ``[N]`` (last kept token, -1 for rows that did not stop);
     ``length`` int64 ``[N]`` (tokens kept: ``position + 1`` for stopped rows, the tokens generated otherwise);
     ``reason`` int64 ``[N]`` into ``reason_names`` (``reason_names[0]`` is ``"running"``: never stopped);
     ``metrics``: detached 0-d tensors (``stop_frac``, ``stop_position_mean``, ``stop_frac/<reason>``).
+
+    What the rule implies for the loss, filled by its :meth:`StopRule.finalize` (None where it implies nothing):
+
+    - ``terminal_reward`` float32 ``[N]`` with ``terminal_rows`` bool ``[N]`` (both or neither): the sequence
+      reward that replaces a row's own on the ``terminal_rows`` (ESPO's :math:`r_{fail}` for a stopped row,
+      Abstention's :math:`r_{abs}` for an abstained one); its values on the other rows are not read;
+    - ``row_weight`` float32 ``[N]``: a loss weight per row (DUET's importance weights, 0 for ARRoL's pruned
+      rows);
+    - ``token_weight`` float32 ``[N, L]``: a loss weight per token, ``L`` the longest generated row
+      (``max(length)`` before truncation; Prune-OPD's decay after a drift).
+
+    Read them through :meth:`rewards` and :meth:`loss_weights`, which work for every rule: a trainer calls the
+    two whatever the rule, and gets the rewards and mask unchanged (the mask truncated) where the rule implies
+    nothing.
     """
 
     stopped: BoolB
@@ -171,6 +188,28 @@ class StopResult:
     reason: IntB
     reason_names: tuple[str, ...]
     metrics: dict[str, Tensor] = field(default_factory=dict)
+    terminal_reward: FloatB | None = None
+    terminal_rows: BoolB | None = None
+    row_weight: FloatB | None = None
+    token_weight: FloatBT | None = None
+
+    def __post_init__(self) -> None:
+        if not checks_enabled():
+            return
+        n = int(self.stopped.shape[0])
+        fix = "build the loss fields in finalize: [N] per row, [N, L] per token"
+        if (self.terminal_reward is None) != (self.terminal_rows is None):
+            raise InputError(
+                "terminal_rows",
+                "terminal_reward and terminal_rows both given or both None",
+                f"terminal_reward {describe(self.terminal_reward)}, terminal_rows {describe(self.terminal_rows)}",
+                "give the rows whose reward terminal_reward replaces",
+            )
+        for name in ("terminal_reward", "terminal_rows", "row_weight", "token_weight"):
+            value = getattr(self, name)
+            ndim = 2 if name == "token_weight" else 1
+            if value is not None and (not isinstance(value, Tensor) or value.ndim != ndim or value.shape[0] != n):
+                raise InputError(name, f"a tensor [{', '.join(['N', 'L'][:ndim])}] with N={n}", describe(value), fix)
 
     def reasons(self) -> list[str]:
         """The reason of every row, as names (a convenience for logs and tests)."""
@@ -181,6 +220,79 @@ class StopResult:
         t = torch.arange(length, device=self.position.device)
         limit = torch.where(self.stopped, self.position + 1, torch.full_like(self.position, length))
         return t[None, :] < limit[:, None]
+
+    def rewards(self, rewards: FloatB) -> FloatB:
+        r"""The sequence rewards with the rule's terminal rewards applied.
+
+        .. math::
+            r'_i = \begin{cases} \text{terminal\_reward}_i & \text{terminal\_rows}_i \\ r_i & \text{otherwise}
+            \end{cases}
+
+        A copy of ``rewards`` when the rule implies no terminal reward (every rule but ESPO, arXiv 2605.29860,
+        its critic-free variant and Abstention, arXiv 2604.18419). Token rewards and GAE's ``done`` flags:
+        :func:`~rolloutopt.control.absorbing_failure`.
+
+        Args:
+            rewards: float ``[N]``, finite, the rollouts' own sequence rewards, in the rows' order.
+
+        Returns:
+            float32 ``[N]`` (float64 stays float64) on ``rewards``' device. ``N = 0`` gives ``[0]``.
+        """
+        n = int(self.stopped.shape[0])
+        r = as_float(rewards, "rewards")
+        if checks_enabled():
+            if r.ndim != 1 or r.shape[0] != n:
+                raise InputError(
+                    "rewards",
+                    f"a float tensor [N={n}] (one sequence reward per row of the result)",
+                    describe(r),
+                    "pass the batch's sequence rewards [N] in the rows' order (token rewards: absorbing_failure)",
+                )
+            finite(r, "rewards", exclude=None)
+        if self.terminal_reward is None or self.terminal_rows is None:
+            return r.clone()
+        rows = self.terminal_rows.to(r.device)
+        return torch.where(rows, self.terminal_reward.to(r.device, r.dtype), r)
+
+    def loss_weights(self, mask: BoolBT) -> FloatBT:
+        r"""The per-token loss weights the rule implies: the loss mask, truncated, times its row and token weights.
+
+        .. math::
+            w_{i,t} = [m_{i,t} \wedge t < \ell^{keep}_i] \cdot a_i \cdot b_{i,t}
+
+        with :math:`\ell^{keep}_i` the kept length of a stopped row (:meth:`keep_mask`; all of a row that did not
+        stop), :math:`a` = ``row_weight`` and :math:`b` = ``token_weight`` (each 1 when the rule implies none;
+        :math:`b` is 1 past its width ``L``, where only the keep mask counts). For a rule that implies no weights
+        this is ``truncate_mask(mask, result).float()``. The rules with weights are DUET (arXiv 2605.08441, row
+        weights), ARRoL (arXiv 2603.24840, row weights) and Prune-OPD (arXiv 2605.07804, token weights). Pass it
+        to :func:`~rolloutopt.losses.policy_loss` as ``is_weights`` with ``mask=truncate_mask(mask, result)``, or
+        multiply it into per-token rewards (Prune-OPD's teacher rewards).
+
+        Args:
+            mask: bool ``[N, T]`` (or 0/1), the response mask of the rows the rule observed.
+
+        Returns:
+            float32 ``[N, T]`` on ``mask``'s device, 0 wherever ``mask`` is 0 or after a stop.
+        """
+        n = int(self.stopped.shape[0])
+        m = as_mask(mask, "mask", Dims(), "N T")
+        if checks_enabled() and m.shape[0] != n:
+            raise InputError(
+                "mask",
+                f"a bool tensor [N={n}, T] (one row per row of the result)",
+                describe(mask),
+                "pass the response mask of the batch the rule observed, in the same row order",
+            )
+        t_len = int(m.shape[1])
+        w = (m & self.keep_mask(t_len).to(m.device)).float()
+        if self.row_weight is not None:
+            w = w * self.row_weight.to(w.device, w.dtype)[:, None]
+        if self.token_weight is not None:
+            tw = self.token_weight.to(w.device, w.dtype)[:, :t_len]
+            if tw.shape[1] < t_len:
+                tw = torch.nn.functional.pad(tw, (0, t_len - tw.shape[1]), value=1.0)
+            w = w * tw
+        return w
 
 
 def truncate_mask(mask: BoolBT, result: StopResult) -> BoolBT:
@@ -217,8 +329,10 @@ class StopRule:
     - ``reference`` (arXiv id) and ``experimental`` (why it is reconstructed and needs ``experimental=True``, or
       None), for the registry.
 
-    It overrides :meth:`_init` (per-row ``extra`` state) and :meth:`_step` (which live rows fire, and why), and,
-    when it learns across batches, :meth:`state_dict`/:meth:`load_state_dict`.
+    It overrides :meth:`_init` (per-row ``extra`` state) and :meth:`_step` (which live rows fire, and why); when it
+    learns across batches, :meth:`state_dict`/:meth:`load_state_dict`; and when it implies a terminal reward or
+    loss weights, :meth:`finalize` (``dataclasses.replace`` of the base result with the :class:`StopResult`
+    fields ``terminal_reward``/``terminal_rows``, ``row_weight`` or ``token_weight``).
     """
 
     reason_names: ClassVar[tuple[str, ...]] = ("running", "stopped")
@@ -304,7 +418,8 @@ class StopRule:
         return new, new.stopped
 
     def finalize(self, state: StopState) -> StopResult:
-        """Per-row stop positions, kept lengths and reasons, with ``stop_frac`` and per-reason metrics."""
+        """Per-row stop positions, kept lengths and reasons, with ``stop_frac`` and per-reason metrics; a rule that
+        implies a terminal reward or loss weights adds them (its own ``finalize``), None otherwise."""
         if not isinstance(state, StopState):
             raise InputError("state", "a StopState from rule.init()", describe(state), "pass the state step() returned")
         stopped = state.stopped
@@ -436,7 +551,8 @@ def replay(
     init: dict[str, Any] | None = None,
     **per_token: Shaped[Tensor, "B T ..."] | None,
 ) -> StopResult:
-    """Drive ``rule`` over a recorded generation and return :meth:`StopRule.finalize`'s result.
+    """Drive ``rule`` over a recorded generation and return :meth:`StopRule.finalize`'s result (the rule's terminal
+    rewards and loss weights included: the same :class:`StopResult` as a streamed run).
 
     Every per-token input is ``[N, T, ...]`` (``logp``, ``entropy``, ``topk_logp [N, T, K]``, ``tokens``,
     and the rule's extra inputs); step ``t`` passes ``x[:, t]``. ``mask`` bool ``[N, T]`` is the ``active`` mask

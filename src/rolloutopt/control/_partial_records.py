@@ -2,12 +2,13 @@
 
 :class:`Requests` (requests to start), :class:`PartialBatch` (rollouts as a right-padded batch), :class:`Removed`
 (rollouts removed without being trained, reasons in :data:`REMOVAL_REASONS`) and :class:`RoundResult` (what
-``end_round`` returns); the per-rollout storage record and the batch padding that
+``end_round`` returns); the per-rollout storage record and the batch assembly (padding) that
 :class:`~rolloutopt.control.PartialScheduler` uses.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -191,3 +192,39 @@ def _pad(parts: list[Tensor], width: int, value: float) -> Tensor:
     if out.shape[1] < width:
         out = torch.nn.functional.pad(out, (0, width - out.shape[1]), value=value)
     return out
+
+
+def _assemble(rollouts: dict[int, _Rollout], rids: list[int]) -> PartialBatch:
+    """The rollouts ``rids`` (held in ``rollouts``) as a right-padded :class:`PartialBatch`, in that order: the
+    stored recompute on each prefix and the engine's log-probs beyond it make ``behav_logp``."""
+    if not rids:
+        return _empty_batch()
+    recs = [rollouts[r] for r in rids]
+    lengths = torch.tensor([rec.tokens.numel() for rec in recs], dtype=torch.long)
+    width = int(lengths.max())
+    tokens = _pad([rec.tokens for rec in recs], width, 0)
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    stored = _pad([rec.stored for rec in recs], width, 0.0)
+    stored_len = torch.tensor([rec.stored.numel() for rec in recs], dtype=torch.long)
+    engine = _pad([rec.logp for rec in recs], width, 0.0)
+    prefix = torch.arange(width)[None, :] < stored_len[:, None]
+
+    def col(values: Iterable[int]) -> Tensor:
+        return torch.tensor(list(values), dtype=torch.long)
+
+    return PartialBatch(
+        rollout_ids=col(rids),
+        prompt_ids=col(rec.prompt for rec in recs),
+        group=col(rec.group for rec in recs),
+        sample=col(rec.sample for rec in recs),
+        lengths=lengths,
+        rewards=torch.tensor([rec.reward for rec in recs], dtype=torch.float32),
+        truncated=torch.tensor([rec.status == _TRUNCATED for rec in recs], dtype=torch.bool),
+        tokens=tokens,
+        mask=mask,
+        versions=_pad([rec.versions for rec in recs], width, -1),
+        engine_logp=engine,
+        stored_logp=stored,
+        stored_len=stored_len,
+        behav_logp=torch.where(prefix, stored, engine),
+    )

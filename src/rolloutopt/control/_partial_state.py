@@ -1,13 +1,15 @@
-"""Validation of a :class:`~rolloutopt.control.partial.PartialScheduler` state's ragged fields (rollout
-records, groups, queues, running requests), rebuilt into fresh objects before anything is assigned."""
+"""The checkpoint of a :class:`~rolloutopt.control.partial.PartialScheduler` (:class:`_PartialCheckpoint`, mixed
+into it: ``state_dict`` / ``load_state_dict``) and the validation of a state's ragged fields (rollout records,
+groups, queues, running requests), rebuilt into fresh objects before anything is assigned."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import describe
 from rolloutopt.control._partial_records import (
     _ROLLOUT_FIELDS,
@@ -140,3 +142,112 @@ def _parse_state(s: dict[str, Any], n_samples: int, owner: str) -> dict[str, Any
         "version": version,
         "open": s["open"],
     }
+
+
+class _PartialCheckpoint:
+    """The checkpoint of a :class:`~rolloutopt.control.PartialScheduler` (mixed into it): :meth:`state_dict` and
+    :meth:`load_state_dict`, which validates every field (with :func:`_parse_state`) before assigning any.
+
+    A scheduler provides ``_config`` (its constructor's arguments), ``_extra_keys``/``_extra_state``/
+    ``_load_extra`` (its own queues) and may override ``_check_extra`` (their semantic checks).
+    """
+
+    _extra_keys: ClassVar[tuple[str, ...]] = ()
+    n_samples_per_prompt: int
+    _rollouts: dict[int, _Rollout]
+    _groups: dict[int, list[int]]
+    _running: dict[int, int]
+    _aborted: list[int]
+    _removed: list[tuple[int, int, int, int]]
+    _next_rollout: int
+    _next_group: int
+    _next_request: int
+    _total_off_policy: int
+    _version: int | None
+    _open: bool
+
+    def _config(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra(self, state: dict[str, Any]) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue identically: tensors and plain Python containers (``torch.save``-able)."""
+        rollouts = {
+            r: {
+                k: (v.clone() if isinstance(v, Tensor) else v)
+                for k, v in ((k, getattr(rec, k)) for k in _ROLLOUT_FIELDS)
+            }
+            for r, rec in self._rollouts.items()
+        }
+        return dump_state(
+            {
+                "kind": type(self).__name__,
+                "config": self._config(),
+                "rollouts": rollouts,
+                "groups": {g: list(rids) for g, rids in self._groups.items()},
+                "running": [[q, r] for q, r in self._running.items()],
+                "aborted": list(self._aborted),
+                "removed": [list(x) for x in self._removed],
+                "counters": [self._next_rollout, self._next_group, self._next_request, self._total_off_policy],
+                "version": self._version,
+                "open": self._open,
+                "extra": self._extra_state(),
+            }
+        )
+
+    STATE: ClassVar[dict[str, Field]] = {
+        "kind": Field("any"),  # the class name: must be this class's
+        "config": Field("any"),  # the constructor's arguments: must equal this scheduler's
+        # the records, id tables and queues below are ragged containers: _parse_state checks each one
+        "rollouts": Field("any"),
+        "groups": Field("any"),
+        "running": Field("any"),
+        "aborted": Field("any"),
+        "removed": Field("any"),
+        "counters": Field("any"),
+        "version": Field("any"),
+        "open": Field("any"),
+        "extra": Field("any"),
+    }
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of a scheduler of the same class and configuration.
+
+        Validated before anything is assigned (an ``InputError`` names the bad field): the keys and the format
+        version, every rollout record (fields, tensor kinds, one length for tokens/logp/versions), the groups
+        (each rollout in exactly the group its record names), the running requests (known rollouts, status
+        running), the counters (past every id) and the subclass's queues.
+        """
+        name = type(self).__name__
+        s = load_state(state, self.STATE, name)
+        if s["kind"] != name or s["config"] != self._config():
+            raise InputError(
+                "state",
+                f"the state of a {name} with config {self._config()}",
+                f"{s['kind']} with config {s['config']}",
+                "construct the scheduler with the same arguments",
+            )
+        parsed = _parse_state(s, self.n_samples_per_prompt, name)
+        rollouts, groups = parsed["rollouts"], parsed["groups"]
+        extra = s["extra"]
+        if not isinstance(extra, dict) or set(extra) != set(self._extra_keys):
+            raise InputError("state['extra']", f"keys {self._extra_keys}", describe(extra), "pass state_dict()")
+        for key, value in extra.items():
+            ok = _int_list(value) is not None if key != "remaining" else _is_int(value) and value >= 0
+            if not ok:
+                raise InputError(f"state['extra'][{key!r}]", "a list of ints", describe(value), "pass state_dict()")
+        self._check_extra(extra, rollouts, groups)
+        self._rollouts, self._groups = rollouts, groups
+        self._running, self._aborted, self._removed = parsed["running"], parsed["aborted"], parsed["removed"]
+        self._next_rollout, self._next_group, self._next_request, self._total_off_policy = parsed["counters"]
+        self._version, self._open = parsed["version"], parsed["open"]
+        self._load_extra(extra)
+
+    def _check_extra(self, extra: dict[str, Any], rollouts: dict[int, _Rollout], groups: dict[int, list[int]]) -> None:
+        """Semantic checks of the subclass's own state (ids that must name held rollouts or groups)."""

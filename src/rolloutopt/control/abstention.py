@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -105,8 +105,8 @@ class Abstention(_CheckpointRule):
         \text{at } t \in \{K, 2K, \dots\}: \quad \text{abstain} \iff \hat V(s_t) < r_{abs}
 
     (:math:`t` counts the row's generated tokens, the current one included.) An abstained rollout outputs
-    "abstain" and earns :math:`r_{abs}` (:meth:`terminal_rewards`, or :func:`~rolloutopt.control.absorbing_failure`
-    with ``r_fail=rule.r_abs`` for token rewards). Reference: "Knowing When to Quit", arXiv 2604.18419
+    "abstain" and earns :math:`r_{abs}`: :meth:`finalize` puts it in the result (``result.rewards(rewards)`` for
+    sequence rewards, :func:`~rolloutopt.control.absorbing_failure` for token rewards). Reference: "Knowing When to Quit", arXiv 2604.18419
     (``docs/methods/early_stop.md``): the rule :math:`V < r_{abs}` is the paper's (proven optimal in its
     regularised view); the check every :math:`K` tokens and the estimators are **reconstructed**, so
     ``experimental=True`` is required.
@@ -213,12 +213,12 @@ class Abstention(_CheckpointRule):
         }
         return extra, fire, 1
 
-    def terminal_rewards(self, rewards: FloatB, result: StopResult) -> FloatB:
-        """Sequence rewards ``[N]`` with :math:`r_{abs}` for the abstained rows (others unchanged)."""
-        r = as_float(rewards, "rewards", Dims(), "N")
-        if checks_enabled():
-            if not isinstance(result, StopResult) or result.stopped.shape[0] != r.shape[0]:
-                raise InputError("result", f"a StopResult for {r.shape[0]} rows", describe(result), "same batch")
-            finite(r, "rewards")
-        abstained = result.stopped.to(r.device) & (result.reason.to(r.device) == 1)
-        return torch.where(abstained, torch.full_like(r, self.r_abs), r)
+    def finalize(self, state: StopState) -> StopResult:
+        r""":meth:`~rolloutopt.control.StopRule.finalize` plus the abstention reward: ``terminal_reward`` is
+        :math:`r_{abs}` on the abstained rows (``terminal_rows``), so ``result.rewards(rewards)`` gives them
+        :math:`r_{abs}` and leaves the others unchanged (arXiv 2604.18419: an abstained rollout earns
+        :math:`r_{abs}`)."""
+        res = super().finalize(state)
+        rows = res.stopped & (res.reason == 1)
+        reward = torch.full(rows.shape, self.r_abs, dtype=torch.float32, device=rows.device)
+        return replace(res, terminal_reward=reward, terminal_rows=rows)

@@ -16,6 +16,7 @@ inputs at the next step. Value-based abstention, the other checkpoint rule, is i
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -35,7 +36,7 @@ from rolloutopt._validation import (
 )
 from rolloutopt._validation import check_int as _int
 from rolloutopt._validation import check_real as _real
-from rolloutopt.control._base import StepInputs, StopState
+from rolloutopt.control._base import StepInputs, StopResult, StopState
 from rolloutopt.control._checkpoint import _CheckpointRule
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups
@@ -60,7 +61,8 @@ class ARRoL(_CheckpointRule):
     size at :meth:`StopRule.init` and :math:`o_g` its rows that are neither stopped nor candidates (finished
     early, or not yet at :math:`L_c`: they count as survivors). The :math:`k^+_g` *least* confident positives (smallest
     :math:`q`) and the :math:`k^-_g` least confident negatives (largest :math:`q`) survive; the others are pruned,
-    the most confident of the surplus class first (reason ``"pruned"``; kept length :math:`L_c`).
+    the most confident of the surplus class first (reason ``"pruned"``; kept length :math:`L_c`; row weight 0 in
+    :meth:`finalize`'s result: pruned rollouts leave the loss).
 
     Reference: ARRoL, arXiv 2603.24840 (``docs/methods/early_stop.md``). The head, the target ratio and BCE
     training on final correctness come from the abstract and summaries; everything else — over-generation by
@@ -294,6 +296,20 @@ class ARRoL(_CheckpointRule):
         rank = torch.empty_like(ranked).scatter_(0, order, ranked)
         limit = torch.where(pos, kp.index_select(0, grp), kn.index_select(0, grp))
         return cand & (rank < limit)
+
+    def finalize(self, state: StopState) -> StopResult:
+        r""":meth:`~rolloutopt.control.StopRule.finalize` plus ``row_weight``: 0 for the pruned rows, 1 for the
+        survivors, so ``result.loss_weights(mask)`` trains on the survivors only.
+
+        .. math::
+            a_i = [\text{row } i \text{ not pruned}]
+
+        ARRoL (arXiv 2603.24840) re-batches the remaining rollouts for the log-probability computation and the
+        policy update: a pruned rollout, which has no final reward, does not enter the loss.
+        """
+        res = super().finalize(state)
+        pruned = res.stopped & (res.reason == 1)
+        return replace(res, row_weight=(~pruned).float())
 
     # -- checkpoint ----------------------------------------------------------------------------------------------
     STATE: ClassVar[dict[str, Field]] = {

@@ -8,9 +8,9 @@ PPO/GAE concentrates the negative TD error near the detected failure step (``doc
 - :class:`ESPO`: the rule as the two digests describe it (needs a critic value :math:`V(s_t)` per step): EMA
   normalisation frozen during the rollout, exponential smoothing, threshold :math:`\beta\max(V, \epsilon_V)`,
   a stop-rate controller on :math:`\beta` and a critic warm-up gate.
-- :class:`ESPOCriticFree`: the critic-free variant reconstructed from the abstract (``experimental=True``):
-  cumulative regret against a reference :math:`t\bar\rho + \kappa\sqrt t\,s_\rho` learned from successful rollouts.
-- :func:`absorbing_failure`: rewrites rewards, ``done`` flags and the loss mask of a batch after a stop rule.
+- the critic-free variant reconstructed from the abstract, :class:`~rolloutopt.control.ESPOCriticFree`, is in
+  :mod:`~rolloutopt.control.espo_critic_free`; :func:`~rolloutopt.control.absorbing_failure`, which rewrites
+  rewards, ``done`` flags and the loss mask of a batch after a stop rule, in :mod:`~rolloutopt.control.absorbing`.
 
 A generation loop::
 
@@ -20,14 +20,15 @@ A generation loop::
         ...  # sample; the engine has logp [N], topk_logp [N, K], the critic's values [N]
         state, stop = rule.step(state, logp=lp, topk_logp=topk, values=v, active=~finished)
     result = rule.finalize(state)
-    batch = absorbing_failure(rewards, mask, result, r_fail=rule.r_fail)   # token rewards, done, mask for GAE
-    rule.update(state)                                                      # batch boundary: EMA stats, beta
+    seq_rewards = result.rewards(rewards)               # sequence rewards: r_fail on the stopped rows
+    batch = absorbing_failure(rewards, mask, result)    # or token rewards, done and mask for GAE
+    rule.update(state)                                  # batch boundary: EMA stats, beta
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -38,11 +39,9 @@ from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import (
     Dims,
     as_float,
-    as_mask,
     checks_enabled,
     describe,
     finite,
-    require_experimental,
 )
 from rolloutopt._validation import (
     check_int as _int,
@@ -50,28 +49,27 @@ from rolloutopt._validation import (
 from rolloutopt._validation import (
     check_real as _real,
 )
-from rolloutopt.control._base import StepInputs, StopResult, StopRule, StopState, truncate_mask
+from rolloutopt.control._base import StepInputs, StopResult, StopRule, StopState
 from rolloutopt.errors import InputError
-from rolloutopt.typing import BoolB, BoolBT, FloatAny, FloatB, FloatBT, PerSeqOrToken, Scalar
+from rolloutopt.typing import FloatAny, FloatB, Scalar
 
-__all__ = [
-    "ESPO",
-    "AbsorbingFailure",
-    "ESPOCriticFree",
-    "ESPOStats",
-    "absorbing_failure",
-    "surrogate_regret",
-]
+__all__ = ["ESPO", "ESPOStats", "surrogate_regret"]
 
 _DOCS = "docs/methods/early_stop.md"
 
 
-# -- hyper-parameter checks (shared with control.abstention) --------------------------------------------------------
+# -- state checks (shared with control.espo_critic_free) -----------------------------------------------------------
 def _float_state(state: Any, key: str, owner: str) -> float:
     value = state.get(key) if isinstance(state, dict) else None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise InputError(f"state[{key!r}]", "a finite number", describe(value), f"pass {owner}.state_dict()")
     return float(value)
+
+
+def _absorbing(res: StopResult, r_fail: float) -> StopResult:
+    """``res`` with ESPO's terminal reward: ``r_fail`` on every stopped row (an absorbing failure state)."""
+    reward = torch.full(res.stopped.shape, r_fail, dtype=torch.float32, device=res.stopped.device)
+    return replace(res, terminal_reward=reward, terminal_rows=res.stopped.clone())
 
 
 # -- the regret ------------------------------------------------------------------------------------------------------
@@ -161,7 +159,8 @@ class ESPO(StopRule):
     disabled never stops).
 
     Args:
-        r_fail: terminal reward of a stopped rollout, for :func:`absorbing_failure` (default -1.0, digests).
+        r_fail: terminal reward of a stopped rollout, in :meth:`finalize`'s result (``result.rewards``,
+            :func:`~rolloutopt.control.absorbing_failure`; default -1.0, digests).
         alpha_ema: :math:`\alpha_{EMA}`, the batch-boundary EMA of the regret statistics (0.99, digests).
         alpha_s: :math:`\alpha_s`, the within-rollout smoothing (0.9, digests).
         beta_init: initial :math:`\beta` (7.0, digests).
@@ -315,6 +314,14 @@ class ESPO(StopRule):
         fire = e["enabled"] & (z > self.beta * v.clamp_min(self.eps_v))
         return extra, fire, 1
 
+    def finalize(self, state: StopState) -> StopResult:
+        r""":meth:`~rolloutopt.control.StopRule.finalize` plus the absorbing-failure reward: ``terminal_reward`` is
+        :math:`r_{fail}` on every stopped row (``terminal_rows``), so ``result.rewards(rewards)`` gives a stopped
+        rollout :math:`r_{fail}` and leaves the others unchanged (ESPO, arXiv 2605.29860: a stopped rollout is an
+        absorbing failure state with a terminal reward; token rewards: :func:`~rolloutopt.control.absorbing_failure`).
+        """
+        return _absorbing(super().finalize(state), self.r_fail)
+
     # -- batch boundary ------------------------------------------------------------------------------------------
     def batch_stats(self, state: StopState) -> ESPOStats:
         """The sums :meth:`update` learns from, for one state (all-reduce them across ranks if needed)."""
@@ -394,252 +401,3 @@ class ESPO(StopRule):
         self.mu, self.var, self.beta = float(s["mu"]), float(s["var"]), float(s["beta"])
         self._progress, self._last_loss = float(s["progress"]), last
         self.batches, self._streak, self._warm = s["batches"], s["streak"], s["warm"]
-
-
-# -- ESPO, critic-free variant ---------------------------------------------------------------------------------------
-class ESPOCriticFree(StopRule):
-    r"""ESPO without a critic [reconstructed]: stop when smoothed cumulative regret exceeds a reference band.
-
-    .. math::
-        C_t = \sum_{\tau \le t} \rho_\tau, \qquad S_t = a\,S_{t-1} + (1 - a)\,C_t,\ S_0 = 0, \\
-        \text{stop at the first } t \ge t_{min} \text{ with } S_t > t\,\bar\rho + \kappa\sqrt t\,s_\rho
-
-    with :math:`\rho_t` the surrogate regret (:func:`surrogate_regret`) and :math:`t` the number of tokens the row
-    generated (the current one included). :math:`\bar\rho, s_\rho` are the per-token regret mean and standard
-    deviation of *completed, successful* rollouts, learnt by :meth:`update` (EMA across batches, the first batch
-    replacing the initial values when none were given). Until a reference exists the rule never fires.
-
-    Reference: ESPO, arXiv 2605.29860. **Reconstructed** from the abstract only (``docs/methods/early_stop.md``,
-    "critic-free variant"): the paper's values for this form are unknown, so every keyword default is ours and
-    ``experimental=True`` is required. The reference is global (one :math:`\bar\rho, s_\rho`), not per task.
-
-    Args:
-        kappa: :math:`\kappa`, the band width in reference standard deviations (3.0: ours, as in our worked example).
-        t_min: no stop before this many tokens (10: ours, as in our worked example).
-        smoothing: :math:`a`, the EMA coefficient on :math:`C_t` (0.9: ours, like ESPO's :math:`\alpha_s`;
-            0 disables smoothing).
-        rho_bar, s_rho: an initial reference (None: none until the first :meth:`update`).
-        ref_alpha: the EMA of the reference across batches (0.99: ours).
-        r_fail: the terminal reward for :func:`absorbing_failure` (-1.0: ours, the digest rule's value; the
-            abstract allows 0 or a negative value).
-        experimental: must be True.
-
-    Edge cases: a row whose sampled token is always the argmax has :math:`\rho = 0` and never stops; inactive rows
-    do not change; an empty batch works.
-    """
-
-    reason_names: ClassVar[tuple[str, ...]] = ("running", "regret")
-    requires: ClassVar[tuple[str, ...]] = ("logp", "topk_logp")
-    reference: ClassVar[str] = "arXiv 2605.29860 (ESPO, the critic-free variant of its abstract)"
-    experimental: ClassVar[str | None] = "the critic-free variant is reconstructed from ESPO's abstract"
-
-    def __init__(
-        self,
-        *,
-        kappa: float = 3.0,
-        t_min: int = 10,
-        smoothing: float = 0.9,
-        rho_bar: float | None = None,
-        s_rho: float | None = None,
-        ref_alpha: float = 0.99,
-        r_fail: float = -1.0,
-        experimental: bool = False,
-    ) -> None:
-        require_experimental(experimental, "ESPO's critic-free variant", _DOCS)
-        self.kappa = _real(kappa, "kappa", 0.0)
-        self.t_min = _int(t_min, "t_min", 1)
-        self.smoothing = _real(smoothing, "smoothing", 0.0, 1.0)
-        if self.smoothing == 1.0:
-            raise InputError("smoothing", "a number in [0, 1)", "1.0", "use e.g. smoothing=0.9")
-        if (rho_bar is None) != (s_rho is None):
-            raise InputError("rho_bar", "rho_bar and s_rho both given or both None", describe(rho_bar), "pass both")
-        self.rho_bar = None if rho_bar is None else _real(rho_bar, "rho_bar", 0.0)
-        self.s_rho = None if s_rho is None else _real(s_rho, "s_rho", 0.0)
-        self.ref_alpha = _real(ref_alpha, "ref_alpha", 0.0, 1.0)
-        self.r_fail = _real(r_fail, "r_fail")
-        self.batches = 0
-
-    def _init(self, n: int, device: torch.device, **inputs: Any) -> dict[str, Tensor]:
-        super()._init(n, device, **inputs)
-        zeros = torch.zeros(n, device=device)
-        return {"cum": zeros, "smooth": zeros.clone(), "regret_sq_sum": zeros.clone()}
-
-    def _step(self, state: StopState, x: StepInputs) -> tuple[dict[str, Tensor], Tensor, int]:
-        lp = x.need("logp", "ESPOCriticFree")
-        topk = x.need("topk_logp", "ESPOCriticFree")
-        if checks_enabled() and topk.shape[1] == 0:
-            raise InputError("topk_logp", "K >= 1 top-k log-probs per row", describe(topk), "pass k >= 1")
-        rho = torch.where(x.live, _regret(lp, topk), torch.zeros_like(lp))
-        e = state.extra
-        cum = e["cum"] + rho
-        a = self.smoothing
-        smooth = torch.where(x.live, a * e["smooth"] + (1.0 - a) * cum, e["smooth"])
-        extra = {"cum": cum, "smooth": smooth, "regret_sq_sum": e["regret_sq_sum"] + rho * rho}
-        if self.rho_bar is None or self.s_rho is None:
-            return extra, torch.zeros_like(x.live), 1
-        t = (state.steps + 1).to(smooth.dtype)
-        fire = (t >= self.t_min) & (smooth > t * self.rho_bar + self.kappa * t.sqrt() * self.s_rho)
-        return extra, fire, 1
-
-    def update(self, state: StopState, success: BoolB) -> dict[str, Tensor]:
-        """Learn the reference from a finished batch: the pooled per-token regret mean and standard deviation of
-        rows that completed (were not stopped, generated >= 1 token) with ``success`` True (bool ``[N]``).
-
-        Returns detached 0-d metrics ``rho_bar``, ``s_rho``, ``ref_tokens``. A batch without such a row changes
-        nothing.
-        """
-        if not isinstance(state, StopState) or not {"cum", "regret_sq_sum"} <= set(state.extra):
-            raise InputError("state", "a StopState produced by ESPOCriticFree.step", describe(state), "pass its state")
-        dims = Dims()
-        dims.sizes["N"] = (state.batch_size, "state")
-        ok = as_mask(success, "success", dims, "N").to(state.stopped.device)
-        use = ok & ~state.stopped & (state.steps > 0)
-        n = float(torch.where(use, state.steps, torch.zeros_like(state.steps)).sum())
-        if n > 0:
-            s1 = float(torch.where(use, state.extra["cum"], torch.zeros_like(state.extra["cum"])).double().sum())
-            sq = state.extra["regret_sq_sum"]
-            s2 = float(torch.where(use, sq, torch.zeros_like(sq)).double().sum())
-            mean = s1 / n
-            std = math.sqrt(max(s2 / n - mean * mean, 0.0))
-            if self.rho_bar is None or self.s_rho is None:
-                self.rho_bar, self.s_rho = mean, std
-            else:
-                a = self.ref_alpha
-                self.rho_bar = a * self.rho_bar + (1.0 - a) * mean
-                self.s_rho = a * self.s_rho + (1.0 - a) * std
-            self.batches += 1
-        out = {"ref_tokens": n, "rho_bar": self.rho_bar or 0.0, "s_rho": self.s_rho or 0.0}
-        return {k: torch.tensor(v) for k, v in out.items()}
-
-    STATE: ClassVar[dict[str, Field]] = {
-        "rho_bar": Field("any"),  # None before the first reference, else a finite float >= 0: checked on load
-        "s_rho": Field("any"),  # likewise (None exactly when rho_bar is None)
-        "batches": Field("integer", low=0),
-    }
-    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """The reference (``rho_bar``, ``s_rho``; None before any) and the update count."""
-        return dump_state({"rho_bar": self.rho_bar, "s_rho": self.s_rho, "batches": self.batches})
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` exactly, validated field by field (an ``InputError`` names a bad one)."""
-        s = load_state(state, self.STATE, "ESPOCriticFree")
-        if (s["rho_bar"] is None) != (s["s_rho"] is None):
-            raise InputError("state", "rho_bar and s_rho both None or both numbers", describe(s), "pass state_dict()")
-        ref = [None if s[k] is None else _float_state(s, k, "ESPOCriticFree") for k in ("rho_bar", "s_rho")]
-        for key, value in zip(("rho_bar", "s_rho"), ref, strict=True):
-            if value is not None and value < 0.0:
-                raise InputError(f"state[{key!r}]", "a number >= 0", repr(value), "pass ESPOCriticFree.state_dict()")
-        self.rho_bar, self.s_rho = ref
-        self.batches = s["batches"]
-
-
-# -- the loss side ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class AbsorbingFailure:
-    """A batch rewritten by :func:`absorbing_failure`.
-
-    Attributes:
-        token_rewards: float32 ``[N, T]``; a stopped row has 0 everywhere except ``r_fail`` at its stop position.
-        rewards: float32 ``[N]``; ``r_fail`` for stopped rows, the original sequence reward otherwise.
-        done: bool ``[N, T]``; True at the terminal token of each row (the stop position of a stopped row, the
-            last kept token of the others): GAE must not bootstrap past it.
-        mask: bool ``[N, T]``; the loss mask truncated after each stop position (:func:`truncate_mask`).
-        stopped: bool ``[N]``; the rows that became absorbing failures.
-        metrics: detached 0-d tensors: ``stop_frac``, ``tokens_removed`` (masked-in tokens dropped by the stops).
-    """
-
-    token_rewards: FloatBT
-    rewards: FloatB
-    done: BoolBT
-    mask: BoolBT
-    stopped: BoolB
-    metrics: dict[str, Tensor] = field(default_factory=dict)
-
-
-def absorbing_failure(
-    rewards: PerSeqOrToken, mask: BoolBT, result: StopResult, *, r_fail: float = -1.0
-) -> AbsorbingFailure:
-    r"""Turn rollouts a stop rule cut into absorbing failure states: terminal reward, ``done``, truncated mask.
-
-    .. math::
-        r_{i,t} = \begin{cases} r_{fail} & t = T^{stop}_i \\ 0 & t \ne T^{stop}_i \end{cases}
-        \ \text{(stopped rows)}, \qquad r_{i,t} \text{ unchanged (other rows)}, \qquad
-        \text{done}_{i,t} = [t = T^{end}_i]
-
-    Reference: ESPO, arXiv 2605.29860 (``docs/methods/early_stop.md``, "loss-side effect"): no bootstrap beyond
-    the stop, so GAE concentrates the negative TD error near the stop point; PPO/GAE then run unchanged. The
-    terminal reward is **never** added to rows that finished normally. Works for any :class:`StopRule`'s result
-    (e.g. :class:`~rolloutopt.control.abstention.Abstention` with ``r_fail=rule.r_abs``).
-
-    Args:
-        rewards: float ``[N]`` sequence rewards (placed on each row's last masked-in token) or ``[N, T]`` token
-            rewards (kept as they are for rows that did not stop).
-        mask: bool ``[N, T]``, the response mask before the stop rule.
-        result: the rule's :meth:`~rolloutopt.control.StopRule.finalize` output for the same rows; a stopped row's
-            position must be a masked-in token of ``mask``.
-        r_fail: the terminal reward (default -1.0, the ESPO digests' value).
-
-    Edge cases: a row with an empty mask gets zero token rewards and no ``done`` (its sequence reward stays in
-    ``rewards``); with no stopped row the token rewards are the input's (placed, for ``[N]`` rewards); ``N = 0``
-    or ``T = 0`` works.
-    """
-    dims = Dims()
-    m = as_mask(mask, "mask", dims, "N T")
-    fail = _real(r_fail, "r_fail")
-    r = as_float(rewards, "rewards")
-    if checks_enabled():
-        if r.ndim == 1:
-            dims.check(r, "rewards", "N")
-        else:
-            dims.check(r, "rewards", "N T")
-        if not isinstance(result, StopResult):
-            raise InputError("result", "a StopResult from rule.finalize()", describe(result), "pass rule.finalize()")
-        if result.stopped.shape[0] != m.shape[0]:
-            raise InputError(
-                "result", f"a StopResult for N={m.shape[0]} rows", f"one for {result.stopped.shape[0]}", "same batch"
-            )
-    r = r.to(m.device).float()
-    if checks_enabled():
-        finite(r, "rewards", None if r.ndim == 1 else m)
-    n, t_len = m.shape
-    stopped = result.stopped.to(m.device)
-    pos = result.position.to(m.device)
-    cols = torch.arange(t_len, device=m.device)
-    if checks_enabled() and bool(stopped.any()):
-        bad = stopped & ((pos >= t_len) | ~m.gather(1, pos.clamp(0, max(t_len - 1, 0))[:, None]).squeeze(1))
-        if t_len == 0 or bool(bad.any()):
-            raise InputError(
-                "result",
-                "stop positions at masked-in tokens of mask",
-                "a stopped row whose position is outside its mask",
-                "pass the mask of the generation the rule observed",
-            )
-    new_mask = truncate_mask(m, result)
-    # the last masked-in token of each row after truncation, -1 if none
-    if t_len > 0:
-        last = torch.where(new_mask, cols[None, :], torch.full_like(new_mask, -1, dtype=torch.long)).amax(dim=1)
-    else:
-        last = torch.full((n,), -1, dtype=torch.long, device=m.device)
-    at_last = cols[None, :] == last[:, None]
-    if r.ndim == 1:
-        seq = r
-        base = torch.where(at_last, r[:, None], torch.zeros((), device=m.device))
-    else:
-        seq = torch.where(m, r, torch.zeros((), device=m.device)).sum(dim=1)
-        base = torch.where(m, r, torch.zeros((), device=m.device))
-    fail_t = torch.where(at_last, torch.full((), fail, device=m.device), torch.zeros((), device=m.device))
-    token_rewards = torch.where(stopped[:, None], fail_t, base)
-    rewards_out = torch.where(stopped, torch.full_like(seq, fail), seq)
-    done = at_last & (last >= 0)[:, None]
-    removed = (m & ~new_mask).sum()
-    metrics = {"stop_frac": stopped.float().sum() / max(n, 1), "tokens_removed": removed.float()}
-    return AbsorbingFailure(
-        token_rewards=token_rewards,
-        rewards=rewards_out,
-        done=done,
-        mask=new_mask,
-        stopped=stopped.clone(),
-        metrics={k: v.detach() for k, v in metrics.items()},
-    )

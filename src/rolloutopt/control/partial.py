@@ -46,13 +46,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import check_int as _check_int
 from rolloutopt._validation import describe, finite
 from rolloutopt.control._partial_records import (
@@ -64,7 +63,6 @@ from rolloutopt.control._partial_records import (
     _NO_VERSION,
     _PARTIAL,
     _PENDING,
-    _ROLLOUT_FIELDS,
     _RUNNING,
     _TRUNCATED,
     REMOVAL_REASONS,
@@ -72,26 +70,24 @@ from rolloutopt.control._partial_records import (
     Removed,
     Requests,
     RoundResult,
-    _empty_batch,
-    _pad,
+    _assemble,
     _Rollout,
 )
-from rolloutopt.control._partial_state import _int_list, _is_int, _parse_state
+from rolloutopt.control._partial_state import _PartialCheckpoint
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatAny, FloatBT, IntB, IntP
 
 __all__ = ["PartialScheduler"]
 
 
-class PartialScheduler:
+class PartialScheduler(_PartialCheckpoint):
     """The event API shared by :class:`APRILBuffer` and :class:`CoPRISScheduler`; not used on its own.
 
-    It holds the storage, the request bookkeeping, batch assembly, eviction and checkpointing. A subclass
+    It holds the storage, the request bookkeeping, batch assembly, eviction and checkpointing (:meth:`state_dict`
+    and :meth:`load_state_dict`, from ``control/_partial_state.py``). A subclass
     decides which requests start (:meth:`next_requests`), when the round is :attr:`done`, and what
     :meth:`end_round` returns and keeps. Keyword arguments as documented on the subclasses.
     """
-
-    _extra_keys: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -167,12 +163,6 @@ class PartialScheduler:
             "max_staleness": self.max_staleness,
             "eviction": self.eviction,
         }
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {}
-
-    def _load_extra(self, state: dict[str, Any]) -> None:
-        pass
 
     # -- public read-only views -------------------------------------------------------------------------
     @property
@@ -458,7 +448,7 @@ class PartialScheduler:
         self._running.clear()
         batch_groups, unused = self._close()
         batch_rids = [r for g in batch_groups for r in self._groups[g]]
-        batch = self._assemble(batch_rids)
+        batch = _assemble(self._rollouts, batch_rids)
         for g in batch_groups:
             for r in self._groups.pop(g):
                 del self._rollouts[r]
@@ -523,7 +513,7 @@ class PartialScheduler:
             for r, rec in sorted(self._rollouts.items())
             if rec.status != _RUNNING and rec.tokens.numel() > rec.stored.numel()
         ]
-        return self._assemble(rids)
+        return _assemble(self._rollouts, rids)
 
     def record_recompute(self, rollout_ids: IntB, logp: FloatBT, *, policy_version: int) -> dict[str, Tensor]:
         r"""Append a recompute of old log-probs to each rollout's segment-wise buffer (CoPRIS).
@@ -581,114 +571,3 @@ class PartialScheduler:
             "appended_tokens": torch.tensor(float(appended)),
             "version_mismatch_tokens": torch.tensor(float(mismatch)),
         }
-
-    def _assemble(self, rids: list[int]) -> PartialBatch:
-        if not rids:
-            return _empty_batch()
-        recs = [self._rollouts[r] for r in rids]
-        lengths = torch.tensor([rec.tokens.numel() for rec in recs], dtype=torch.long)
-        width = int(lengths.max())
-        tokens = _pad([rec.tokens for rec in recs], width, 0)
-        mask = torch.arange(width)[None, :] < lengths[:, None]
-        stored = _pad([rec.stored for rec in recs], width, 0.0)
-        stored_len = torch.tensor([rec.stored.numel() for rec in recs], dtype=torch.long)
-        engine = _pad([rec.logp for rec in recs], width, 0.0)
-        prefix = torch.arange(width)[None, :] < stored_len[:, None]
-
-        def col(values: Iterable[int]) -> Tensor:
-            return torch.tensor(list(values), dtype=torch.long)
-
-        return PartialBatch(
-            rollout_ids=col(rids),
-            prompt_ids=col(rec.prompt for rec in recs),
-            group=col(rec.group for rec in recs),
-            sample=col(rec.sample for rec in recs),
-            lengths=lengths,
-            rewards=torch.tensor([rec.reward for rec in recs], dtype=torch.float32),
-            truncated=torch.tensor([rec.status == _TRUNCATED for rec in recs], dtype=torch.bool),
-            tokens=tokens,
-            mask=mask,
-            versions=_pad([rec.versions for rec in recs], width, -1),
-            engine_logp=engine,
-            stored_logp=stored,
-            stored_len=stored_len,
-            behav_logp=torch.where(prefix, stored, engine),
-        )
-
-    # -- checkpointing -----------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue identically: tensors and plain Python containers (``torch.save``-able)."""
-        rollouts = {
-            r: {
-                k: (v.clone() if isinstance(v, Tensor) else v)
-                for k, v in ((k, getattr(rec, k)) for k in _ROLLOUT_FIELDS)
-            }
-            for r, rec in self._rollouts.items()
-        }
-        return dump_state(
-            {
-                "kind": type(self).__name__,
-                "config": self._config(),
-                "rollouts": rollouts,
-                "groups": {g: list(rids) for g, rids in self._groups.items()},
-                "running": [[q, r] for q, r in self._running.items()],
-                "aborted": list(self._aborted),
-                "removed": [list(x) for x in self._removed],
-                "counters": [self._next_rollout, self._next_group, self._next_request, self._total_off_policy],
-                "version": self._version,
-                "open": self._open,
-                "extra": self._extra_state(),
-            }
-        )
-
-    STATE: ClassVar[dict[str, Field]] = {
-        "kind": Field("any"),  # the class name: must be this class's
-        "config": Field("any"),  # the constructor's arguments: must equal this scheduler's
-        # the records, id tables and queues below are ragged containers: _parse_state checks each one
-        "rollouts": Field("any"),
-        "groups": Field("any"),
-        "running": Field("any"),
-        "aborted": Field("any"),
-        "removed": Field("any"),
-        "counters": Field("any"),
-        "version": Field("any"),
-        "open": Field("any"),
-        "extra": Field("any"),
-    }
-    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` of a scheduler of the same class and configuration.
-
-        Validated before anything is assigned (an ``InputError`` names the bad field): the keys and the format
-        version, every rollout record (fields, tensor kinds, one length for tokens/logp/versions), the groups
-        (each rollout in exactly the group its record names), the running requests (known rollouts, status
-        running), the counters (past every id) and the subclass's queues.
-        """
-        name = type(self).__name__
-        s = load_state(state, self.STATE, name)
-        if s["kind"] != name or s["config"] != self._config():
-            raise InputError(
-                "state",
-                f"the state of a {name} with config {self._config()}",
-                f"{s['kind']} with config {s['config']}",
-                "construct the scheduler with the same arguments",
-            )
-        parsed = _parse_state(s, self.n_samples_per_prompt, name)
-        rollouts, groups = parsed["rollouts"], parsed["groups"]
-        extra = s["extra"]
-        if not isinstance(extra, dict) or set(extra) != set(self._extra_keys):
-            raise InputError("state['extra']", f"keys {self._extra_keys}", describe(extra), "pass state_dict()")
-        for key, value in extra.items():
-            ok = _int_list(value) is not None if key != "remaining" else _is_int(value) and value >= 0
-            if not ok:
-                raise InputError(f"state['extra'][{key!r}]", "a list of ints", describe(value), "pass state_dict()")
-        self._check_extra(extra, rollouts, groups)
-        self._rollouts, self._groups = rollouts, groups
-        self._running, self._aborted, self._removed = parsed["running"], parsed["aborted"], parsed["removed"]
-        self._next_rollout, self._next_group, self._next_request, self._total_off_policy = parsed["counters"]
-        self._version, self._open = parsed["version"], parsed["open"]
-        self._load_extra(extra)
-
-    def _check_extra(self, extra: dict[str, Any], rollouts: dict[int, _Rollout], groups: dict[int, list[int]]) -> None:
-        """Semantic checks of the subclass's own state (ids that must name held rollouts or groups)."""

@@ -1,14 +1,16 @@
 r"""Prune-OPD (arXiv 2605.07804): truncate a student rollout once its top-k overlap with the teacher drifts.
 
 :class:`PruneOPD` (streaming :class:`~rolloutopt.control.StopRule`): student/teacher top-k overlap, drift
-detection, monotone down-weighting of later teacher rewards (:meth:`PruneOPD.token_weights`) and truncation;
-:class:`PruneOPDWindow` grows the max length while compatibility stays high. Both are reconstructed from the
+detection, monotone down-weighting of later teacher rewards (``token_weight`` of the result of
+:meth:`PruneOPD.finalize`) and truncation; :class:`PruneOPDWindow` grows the max length while compatibility
+stays high. Both are reconstructed from the
 abstract (``experimental=True``). Provenance and worked examples: ``docs/methods/opd_horizon.md``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -31,7 +33,7 @@ from rolloutopt._validation import (
 from rolloutopt.control._base import StepInputs, StopResult, StopRule, StopState
 from rolloutopt.control._opd import _experimental
 from rolloutopt.errors import InputError
-from rolloutopt.typing import FloatB, FloatBT, IntB
+from rolloutopt.typing import FloatB, IntB
 
 __all__ = ["PruneOPD", "PruneOPDWindow"]
 
@@ -54,7 +56,8 @@ class PruneOPD(StopRule):
     ``"low_weight"``) or at a *hard drift*, one token whose raw overlap is below ``tau_hard`` (reason
     ``"hard_drift"``, which wins when both hold). With ``chunk = C > 1`` the teacher scores C tokens at a time, so
     a decision falls only on a row's C-th, 2C-th, ... token; a hard drift inside a chunk stops the row at the end
-    of that chunk. :meth:`token_weights` gives the per-token loss weights ``[N, T]`` of the teacher rewards.
+    of that chunk. :meth:`finalize` adds the per-token loss weights of the teacher rewards to the result
+    (``token_weight``; ``result.loss_weights(mask)``).
 
     Reference: Prune-OPD, arXiv 2605.07804. The abstract gives the idea (top-k overlap, prefix-drift events,
     monotone down-weighting, truncation, window expansion, 37.6–68.0% less training time); the formulas above,
@@ -171,25 +174,30 @@ class PruneOPD(StopRule):
         }
         return extra, fire, torch.where(hard, 2, 1)
 
-    def token_weights(self, state: StopState, length: int) -> FloatBT:
-        r"""Per-token loss weights ``[N, length]`` of the teacher rewards: :math:`w_t` for kept tokens, 0 after a
+    def finalize(self, state: StopState) -> StopResult:
+        r""":meth:`~rolloutopt.control.StopRule.finalize` plus the per-token loss weights of the teacher rewards as
+        ``token_weight`` ``[N, L]`` (``L`` the longest generated row): :math:`w_t` on kept tokens, 0 after a
         row's stop.
 
-        Non-increasing along every row (1 before the drift, :math:`\rho^{t-d+1}` after it, 0 for the tokens a
-        stopped row does not keep). ``t`` indexes the row's generated tokens (``StopState.steps``), the padded
-        layout of a right-padded batch; multiply by the loss mask for padding.
+        .. math::
+            w_{i,t} = \begin{cases} 1 & t < d_i \text{ or no drift} \\ \rho^{\,t-d_i+1} & t \ge d_i \end{cases}
+            \quad (t < \ell^{keep}_i), \qquad w_{i,t} = 0 \quad (t \ge \ell^{keep}_i)
+
+        Non-increasing along every row (Prune-OPD, arXiv 2605.07804: monotone down-weighting after a drift). ``t``
+        indexes the row's generated tokens (``StopState.steps``), the padded layout of a right-padded batch;
+        ``result.loss_weights(mask)`` multiplies them into the mask (1 past ``L``).
         """
         if not isinstance(state, StopState) or "drift_at" not in state.extra:
             raise InputError(
                 "state", "a StopState of PruneOPD", describe(state), "pass the state PruneOPD.step returned"
             )
-        _int(length, "length", 0)
+        res = super().finalize(state)
         d = state.extra["drift_at"][:, None]
+        length = int(state.steps.max()) if state.batch_size else 0
         t = torch.arange(length, device=d.device)[None, :]
         decay = torch.full((1, 1), self.rho, device=d.device).pow((t - d + 1).clamp(min=0).float())
         w = torch.where((d >= 0) & (t >= d), decay, torch.ones_like(decay))
-        keep = StopResult(state.stopped, state.position, state.steps, state.reason, self.reason_names).keep_mask(length)
-        return w * keep
+        return replace(res, token_weight=w * res.keep_mask(length))
 
 
 class PruneOPDWindow:
