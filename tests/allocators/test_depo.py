@@ -5,6 +5,7 @@ DEPO's score oracle is computed by hand following ``txy77/DEPO``
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -13,17 +14,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.allocators.depo import DEPO, depo_group_scores
+from rolloutopt.allocators.table import PromptTable
+from rolloutopt.errors import InputError
 
 from .filters_helpers import (
     _refused,
+    bern,
     check_bad_constructor,
     check_bad_plan_observe_update_load,
     check_budget_caps_determinism,
     check_empty_pool_and_zero_budget,
     check_permutation_permutes_the_plan,
     check_state_dict_round_trip_mid_run,
+    column_name,
+    ents,
     run,
+    same_state,
     table,
+    with_rows,
     zero,
 )
 
@@ -113,8 +121,7 @@ def test_depo_window_is_bounded_and_averages_last_k() -> None:
     for g in groups:
         res, _ = run(d.plan(torch.tensor([7]), 2), table({7: g}), entropy={7: 0.25})
         d.update(res)
-    st_ = d.state_dict()
-    assert st_["scores"].shape == (1, 2) and st_["count"].tolist() == [3]
+    assert d._cols["scores"].shape == (1, 2) and d._cols["count"].tolist() == [3]
     score, _ = d.scores(torch.tensor([7]))
     assert float(score[0]) == 0.0  # window of 2 holds only the last two (zero) scores
     d2 = DEPO(n=2, history_k=3)
@@ -183,21 +190,90 @@ def test_bad_plan_observe_update_load(kind: str) -> None:
     check_bad_plan_observe_update_load(kind)
 
 
+def col(key: str) -> str:
+    return column_name("depo", key)
+
+
 def test_depo_refuses_inf_scores_and_negative_counters_naming_the_field() -> None:
     d = DEPO(history_k=2)
-    good = {
-        **d.state_dict(),
-        "ids": torch.tensor([3, 7]),
-        "scores": torch.tensor([[math.nan, 0.5], [1.0, 0.0]]),
-        "count": torch.tensor([1, 4]),
-        "epoch": 2,
-        "steps": 5,
-    }
+    good = with_rows(
+        {**d.state_dict(), "epoch": 2, "steps": 5},
+        "depo",
+        ids=torch.tensor([3, 7]),
+        scores=torch.tensor([[math.nan, 0.5], [1.0, 0.0]], dtype=torch.float64),
+        count=torch.tensor([1, 4]),
+    )
     d.load_state_dict(good)
     assert d.epoch == 2 and d.steps == 5 and d.scores(torch.tensor([7]))[1].tolist() == [4]
-    _refused(d, {**good, "scores": torch.tensor([[math.nan, math.inf], [1.0, 0.0]])}, "state['scores']")
-    _refused(d, {**good, "count": torch.tensor([1, -1])}, "state['count']")
+    _refused(d, with_rows(good, "depo", scores=torch.tensor([[math.nan, math.inf], [1.0, 0.0]])), col("scores"))
+    _refused(d, with_rows(good, "depo", count=torch.tensor([1, -1])), col("count"))
     _refused(d, {**good, "epoch": -1}, "state['epoch']")
     _refused(d, {**good, "steps": -3}, "state['steps']")
     _refused(d, {**good, "epoch": math.nan}, "state['epoch']")
-    _refused(d, {**good, "scores": torch.zeros(2, 3)}, "state['scores']")  # history_k=3's windows
+    _refused(d, with_rows(good, "depo", scores=torch.zeros(2, 3)), col("scores"))  # history_k=3's windows
+    _refused(d, with_rows(good, "depo", ids=torch.tensor([7, 3])), "state['table']['rows']['prompt_ids']")
+    # a bad table is refused before the epoch is taken
+    _refused(d, with_rows({**good, "epoch": 9}, "depo", count=torch.tensor([1, -1])), col("count"))
+
+
+# -- the prompt table: capacity, sharing, checkpoints -------------------------------------------------------------
+def test_depo_capacity_evicts_the_least_recently_updated_prompt() -> None:
+    d = DEPO(n=2, capacity=2)
+    for p in (1, 2, 3):  # prompt 1, updated first, is evicted when 3 arrives
+        res, _ = run(d.plan(torch.tensor([p]), 2), table({p: [1.0, 0.0]}), entropy={p: 1.0})
+        d.update(res)
+    assert d.table.prompt_ids.tolist() == [2, 3]
+    score, count = d.scores(torch.tensor([1, 2, 3]))
+    assert math.isnan(float(score[0])) and count.tolist() == [0, 1, 1]
+    d.set_epoch(1)  # the evicted prompt is unseen again: kept as "unseen", as a prompt never rolled out
+    res, _ = run(d.plan(torch.tensor([1, 2, 3, 4]), 100), zero, entropy=zero)
+    assert res.reason_of(1) == "unseen" and res.reason_of(4) == "unseen"
+
+
+def _depo_pair(shared: PromptTable | None) -> list[DEPO]:
+    return [DEPO(n=2, decay=0.3, seed=1, table=shared), DEPO(n=3, history_k=2, decay=0.5, seed=2, table=shared)]
+
+
+def _depo_steps(allocs: list[DEPO], steps: range) -> list[tuple[list[int], list[int]]]:
+    out = []
+    for s in steps:
+        pool = torch.randperm(12, generator=torch.Generator().manual_seed(s))[:8]
+        for i, a in enumerate(allocs):
+            a.set_epoch(s // 2)
+            sub = pool[i : i + 6]  # the owners see overlapping, different pools
+            res, _ = run(a.plan(sub, 13), bern(s + 10 * i, 12), entropy=ents(s))
+            a.update(res)
+            out.append((res.counts.tolist(), res.reasons.tolist()))
+    return out
+
+
+def test_depo_shared_table_matches_private_tables_and_reloads() -> None:
+    private, shared_table = _depo_pair(None), PromptTable(capacity=100)
+    shared = _depo_pair(shared_table)
+    assert shared_table.owners == ("depo", "depo#2") and shared[1].table is shared_table
+    assert _depo_steps(private, range(4)) == _depo_steps(shared, range(4))
+    buf = io.BytesIO()
+    torch.save({"table": shared_table.state_dict(), "owners": [a.state_dict() for a in shared]}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    fresh_table = PromptTable(capacity=100)
+    fresh = _depo_pair(fresh_table)
+    fresh_table.load_state_dict(ckpt["table"])
+    for a, st_ in zip(fresh, ckpt["owners"], strict=True):
+        a.load_state_dict(st_)
+    tail = _depo_steps(private, range(4, 7))
+    assert _depo_steps(shared, range(4, 7)) == tail and _depo_steps(fresh, range(4, 7)) == tail
+    assert same_state(fresh_table.state_dict(), shared_table.state_dict())
+
+
+def test_depo_private_and_shared_states_do_not_mix() -> None:
+    private, shared = DEPO(n=2), DEPO(n=2, table=PromptTable())
+    for a in (private, shared):
+        res, _ = run(a.plan(torch.tensor([1, 2]), 4), zero, entropy=zero)
+        a.update(res)
+    with pytest.raises(InputError, match="rows"):
+        shared.load_state_dict(private.state_dict())
+    with pytest.raises(InputError, match="rows"):
+        private.load_state_dict(shared.state_dict())
+    with pytest.raises(InputError, match="capacity"):
+        DEPO(capacity=10, table=PromptTable())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from rolloutopt.allocators._base import Conversation, Request
 from rolloutopt.allocators.dots import DOTS
+from rolloutopt.allocators.table import PromptTable
 from rolloutopt.errors import InputError
 
 from .replay_helpers import F64, Rewards, const, keyed, run
@@ -185,6 +187,18 @@ def test_dots_code_buffer_rule_state_round_trip() -> None:
             DOTS(n=2).load_state_dict(broken)
 
 
+def _rows(state: dict[str, Any], **changes: torch.Tensor) -> dict[str, Any]:
+    """The ``"table"`` entry of a private-table DOTS ``state`` with ``prompt_ids`` or DOTS's columns replaced."""
+    rows = dict(state["table"]["rows"])
+    rows["columns"] = dict(rows["columns"])
+    for key, value in changes.items():
+        if key == "prompt_ids":
+            rows["prompt_ids"] = value
+        else:
+            rows["columns"][f"dots/{key}"] = value
+    return {**state["table"], "rows": rows}
+
+
 def test_dots_load_refuses_nan_and_negative_counters_naming_the_field() -> None:
     """NaN in a finite field, negative counters, a buffer key not below ``next_key``, a count above ``n_max``: an
     ``InputError`` naming the field (nested path for the buffer), and the allocator goes on unchanged."""
@@ -193,11 +207,13 @@ def test_dots_load_refuses_nan_and_negative_counters_naming_the_field() -> None:
     for s in range(3):
         a.update(run(a.plan(torch.arange(20), 16), bernoulli(rate, s))[0])
     good = a.state_dict()
-    nl, g = good["labels"].numel(), good["buffer"]["keys"].numel()
+    rows = good["table"]["rows"]
+    nl, g = rows["prompt_ids"].numel(), good["buffer"]["keys"].numel()
     assert nl >= 2 and g >= 2
     buf = good["buffer"]
+    at = "state['table']['rows']"
     cases: list[tuple[str, Any, str]] = [
-        ("labels", torch.full((nl,), math.nan, dtype=F64), "state['labels']"),
+        ("table", _rows(good, label=torch.full((nl,), math.nan, dtype=F64)), f"{at}['columns']['dots/label']"),
         ("ref_labels", torch.full_like(good["ref_labels"], math.nan), "state['ref_labels']"),
         ("step", -1, "state['step']"),
         ("next_key", -1, "state['next_key']"),
@@ -206,14 +222,17 @@ def test_dots_load_refuses_nan_and_negative_counters_naming_the_field() -> None:
         ("buffer", {**buf, "counts": torch.full((g,), -1)}, "state['buffer']['counts']"),
         ("buffer", {**buf, "counts": torch.full((g,), a.n_max + 1)}, "state['buffer']['counts']"),
         ("buffer", {**buf, "keys": buf["keys"] + good["next_key"]}, "state['buffer']['keys']"),
-        ("label_ids", good["label_ids"].flip(0), "state['label_ids']"),
+        ("table", _rows(good, prompt_ids=rows["prompt_ids"].flip(0)), f"{at}['prompt_ids']"),
+        ("table", {**good["table"], "owner": "dots#2"}, "state['table']['owner']"),
     ]
+    label = rows["columns"]["dots/label"]
     for key, value, argument in cases:
         with pytest.raises(InputError) as err:
             a.load_state_dict({**good, key: value})
         assert err.value.argument == argument
         after = a.state_dict()
-        assert after["step"] == good["step"] and torch.equal(after["labels"], good["labels"])
+        assert after["step"] == good["step"] and torch.equal(after["table"]["rows"]["columns"]["dots/label"], label)
+        assert torch.equal(a.table.prompt_ids, rows["prompt_ids"])
         assert torch.equal(after["buffer"]["keys"], buf["keys"]) and torch.equal(after["generator"], good["generator"])
 
 
@@ -395,7 +414,7 @@ def test_dots_bad_plan_observe_update_load() -> None:
     with pytest.raises(InputError, match="state"):
         dots.load_state_dict({"step": 0})
     bad = dots.state_dict()
-    bad["labels"] = torch.zeros(3)
+    bad["table"]["rows"]["columns"]["dots/label"] = torch.zeros(3)  # no prompt stored yet
     with pytest.raises(InputError, match="state"):
         dots.load_state_dict(bad)
     wrong = DOTS(n=2, n_max=3).state_dict()
@@ -413,3 +432,67 @@ def test_dots_empty_pool_and_small_budget() -> None:
         res, reqs = run(dots.plan(ids, budget), const({}))
         assert reqs == [] and res.rewards.numel() == 0
         dots.update(res)
+
+
+# -- DOTS: the prompt table (capacity, sharing, checkpoints) -------------------------------------------------------
+def test_dots_capacity_evicts_the_least_recently_updated_prompt() -> None:
+    dots = DOTS(n=1, replay=False, capacity=2, seed=0)
+    for p, r in ((1, 0.0), (2, 1.0), (3, 1.0)):  # prompt 1, labelled first, is evicted when 3 arrives
+        dots.update(run(dots.plan(torch.tensor([p]), 1), const({p: [r]}))[0])
+    assert dots.table.prompt_ids.tolist() == [2, 3]
+    # the evicted prompt predicts as an unseen one: the reference mean (0 + 1 + 1) / 3, not its label 0
+    assert dots.predict(torch.tensor([1, 2, 3, 9])).tolist() == [2 / 3, 1.0, 1.0, 2 / 3]
+
+
+def _dots_pair(shared: PromptTable | None) -> list[DOTS]:
+    return [
+        DOTS(n=2, buffer_size=6, seed=1, table=shared),
+        DOTS(n=3, sigma=0.4, buffer_size=5, buffer_rule="paper", tau=0.1, seed=2, table=shared),
+    ]
+
+
+def _dots_steps(allocs: list[DOTS], steps: range) -> list[tuple[list[int], list[int], list[int], list[float]]]:
+    rate = torch.rand(30, generator=torch.Generator().manual_seed(5), dtype=F64)
+    out = []
+    for s in steps:
+        pool = torch.randperm(30, generator=torch.Generator().manual_seed(s))[:16]
+        for i, d in enumerate(allocs):
+            plan = d.plan(pool[4 * i : 4 * i + 12], 12)  # overlapping pools
+            res, _ = run(plan, bernoulli(rate, s + 10 * i))
+            d.update(res)
+            out.append(
+                (res.counts.tolist(), res.reasons.tolist(), plan.replayed().keys.tolist(), plan.predicted.tolist())
+            )
+    return out
+
+
+def test_dots_shared_table_matches_private_tables_and_reloads() -> None:
+    private, shared_table = _dots_pair(None), PromptTable(capacity=100)
+    shared = _dots_pair(shared_table)
+    assert shared_table.owners == ("dots", "dots#2") and shared[1].table is shared_table
+    first = _dots_steps(private, range(4))
+    assert _dots_steps(shared, range(4)) == first
+    assert any(keys for _, _, keys, _ in first)  # replay was exercised
+    buf = io.BytesIO()
+    torch.save({"table": shared_table.state_dict(), "owners": [d.state_dict() for d in shared]}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    fresh_table = PromptTable(capacity=100)
+    fresh = _dots_pair(fresh_table)
+    fresh_table.load_state_dict(ckpt["table"])
+    for d, st_ in zip(fresh, ckpt["owners"], strict=True):
+        d.load_state_dict(st_)
+    tail = _dots_steps(private, range(4, 7))
+    assert _dots_steps(shared, range(4, 7)) == tail and _dots_steps(fresh, range(4, 7)) == tail
+
+
+def test_dots_private_and_shared_states_do_not_mix() -> None:
+    private, shared = DOTS(n=2), DOTS(n=2, table=PromptTable())
+    for d in (private, shared):
+        d.update(run(d.plan(torch.arange(3), 6), const({p: [1.0, 0.0] for p in range(3)}))[0])
+    with pytest.raises(InputError, match="rows"):
+        shared.load_state_dict(private.state_dict())
+    with pytest.raises(InputError, match="rows"):
+        private.load_state_dict(shared.state_dict())
+    with pytest.raises(InputError, match="capacity"):
+        DOTS(capacity=10, table=PromptTable())

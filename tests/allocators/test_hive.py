@@ -4,6 +4,7 @@ HIVE's oracles test the invariants of our reconstruction (see docs/methods/filte
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from rolloutopt.allocators.depo import DEPO
 from rolloutopt.allocators.hive import HIVE
+from rolloutopt.allocators.table import PromptTable
 from rolloutopt.errors import InputError
 
 from .filters_helpers import (
@@ -24,9 +26,12 @@ from .filters_helpers import (
     check_empty_pool_and_zero_budget,
     check_permutation_permutes_the_plan,
     check_state_dict_round_trip_mid_run,
+    column_name,
     ents,
     run,
+    same_state,
     table,
+    with_rows,
     zero,
 )
 
@@ -206,19 +211,96 @@ def test_hive_refuses_inf_values_and_a_foreign_window_naming_the_field() -> None
     """HIVE's windows and prompt entropies mark a missing value with NaN (it has no counter): an inf is refused,
     and so is a window of another width than the constructor's."""
     h = HIVE(window=2, experimental=True)
-    good = {
-        **h.state_dict(),
-        "ids": torch.tensor([3, 7]),
-        "reward": torch.tensor([[math.nan, 0.5], [1.0, 0.0]]),
-        "entropy": torch.full((2, 2), math.nan),
-        "prompt_entropy": torch.tensor([math.nan, 0.3]),
-    }
+    good = with_rows(
+        h.state_dict(),
+        "hive",
+        ids=torch.tensor([3, 7]),
+        reward=torch.tensor([[math.nan, 0.5], [1.0, 0.0]], dtype=torch.float64),
+        entropy=torch.full((2, 2), math.nan, dtype=torch.float64),
+        prompt_entropy=torch.tensor([math.nan, 0.3], dtype=torch.float64),
+    )
     h.load_state_dict(good)  # NaN (missing) loads
     assert h.history(torch.tensor([3, 7]))[0].tolist() == [0.5, 0.5]
     for key in ("reward", "entropy"):
         t = torch.zeros(2, 2)
         t[1, 0] = math.inf
-        _refused(h, {**good, key: t}, f"state[{key!r}]")
-    _refused(h, {**good, "prompt_entropy": torch.tensor([0.1, -math.inf])}, "state['prompt_entropy']")
-    _refused(h, {**good, "reward": torch.zeros(2, 3), "entropy": torch.zeros(2, 3)}, "state['reward']")
-    _refused(h, {**good, "ids": torch.tensor([7, 3])}, "state['ids']")
+        _refused(h, with_rows(good, "hive", **{key: t}), column_name("hive", key))
+    bad_h = torch.tensor([0.1, -math.inf])
+    _refused(h, with_rows(good, "hive", prompt_entropy=bad_h), column_name("hive", "prompt_entropy"))
+    wide = with_rows(good, "hive", reward=torch.zeros(2, 3), entropy=torch.zeros(2, 3))
+    _refused(h, wide, column_name("hive", "reward"))
+    _refused(h, with_rows(good, "hive", ids=torch.tensor([7, 3])), "state['table']['rows']['prompt_ids']")
+
+
+# -- the prompt table: capacity, sharing, checkpoints -------------------------------------------------------------
+def test_hive_capacity_evicts_the_least_recently_updated_prompt() -> None:
+    h = hive(capacity=2, p_lo=0.4, p_hi=0.6)
+    for p in (1, 2, 3):  # all-correct groups: out of the band once seen; 1, the oldest, is evicted by 3
+        res, _ = run(h.plan(torch.tensor([p]), 2), table({p: [1.0, 1.0]}), prompt_entropy={p: 1.0})
+        h.update(res)
+    assert h.table.prompt_ids.tolist() == [2, 3]
+    r, _, h0 = h.history(torch.tensor([1, 2, 3]))
+    assert math.isnan(float(r[0])) and math.isnan(float(h0[0])) and r[1:].tolist() == [1.0, 1.0]
+    res, _ = run(h.plan(torch.tensor([1, 2, 3]), 100), zero, prompt_entropy=dict.fromkeys((1, 2, 3), 1.0))
+    # the evicted prompt passes stage 1 again, as a prompt never rolled out
+    assert [res.reason_of(p) for p in (1, 2, 3)] == ["selected", "out_of_band", "out_of_band"]
+
+
+def _hive_pair(shared: PromptTable | None) -> list[HIVE | DEPO]:
+    return [
+        HIVE(n=3, window=2, p_lo=0.2, p_hi=0.8, experimental=True, seed=3, table=shared),
+        DEPO(n=2, decay=0.3, seed=1, table=shared),
+    ]
+
+
+def _hive_steps(allocs: list[HIVE | DEPO], steps: range) -> list[tuple[list[int], list[int]]]:
+    out = []
+    for s in steps:
+        pool = torch.randperm(12, generator=torch.Generator().manual_seed(s))[:8]
+        plans = []
+        for i, a in enumerate(allocs):
+            if isinstance(a, DEPO):
+                a.set_epoch(s // 2)
+            plans.append((a, a.plan(pool[i : i + 6], 9)))
+        # the plans run interleaved: DEPO inserts rows into the shared table between HIVE's plan and its probe's
+        # answer (HIVE's positions from the plan are stale then, and must be looked up again)
+        for a, plan in plans[::-1]:
+            pe = dict(zip(plan.prompt_ids.tolist(), (plan.prompt_ids * 0.31 + s).sin().abs().tolist(), strict=True))
+            res, _ = run(plan, bern(s, 12), entropy=ents(s), prompt_entropy=pe)
+            a.update(res)
+            out.append((res.counts.tolist(), res.reasons.tolist()))
+    return out
+
+
+def test_hive_shared_table_matches_private_tables_and_reloads() -> None:
+    private, shared_table = _hive_pair(None), PromptTable(capacity=100)
+    shared = _hive_pair(shared_table)
+    assert shared_table.owners == ("hive", "depo") and shared[0].table is shared_table
+    first = _hive_steps(private, range(4))
+    assert _hive_steps(shared, range(4)) == first
+    assert any(r != 0 for _, reasons in first for r in reasons)  # something was filtered or pruned
+    buf = io.BytesIO()
+    torch.save({"table": shared_table.state_dict(), "owners": [a.state_dict() for a in shared]}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    fresh_table = PromptTable(capacity=100)
+    fresh = _hive_pair(fresh_table)
+    fresh_table.load_state_dict(ckpt["table"])
+    for a, st_ in zip(fresh, ckpt["owners"], strict=True):
+        a.load_state_dict(st_)
+    tail = _hive_steps(private, range(4, 7))
+    assert _hive_steps(shared, range(4, 7)) == tail and _hive_steps(fresh, range(4, 7)) == tail
+    assert same_state(fresh_table.state_dict(), shared_table.state_dict())
+
+
+def test_hive_private_and_shared_states_do_not_mix() -> None:
+    private, shared = hive(), hive(table=PromptTable())
+    for a in (private, shared):
+        res, _ = run(a.plan(torch.tensor([1, 2]), 4), zero, prompt_entropy={1: 0.5, 2: 0.5})
+        a.update(res)
+    with pytest.raises(InputError, match="rows"):
+        shared.load_state_dict(private.state_dict())
+    with pytest.raises(InputError, match="rows"):
+        private.load_state_dict(shared.state_dict())
+    with pytest.raises(InputError, match="capacity"):
+        hive(capacity=10, table=PromptTable())

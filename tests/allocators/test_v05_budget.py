@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -13,17 +14,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.advantages.v05 import v05
+from rolloutopt.allocators.table import PromptTable
 from rolloutopt.allocators.v05_budget import V05Budget
 from rolloutopt.errors import InputError
 
 from .adaptive_helpers import (
     FACTORIES,
     _steps,
+    aero,
     check_bad_hyperparameters,
     check_bad_protocol_input,
     check_budget_caps_and_determinism,
     check_experimental_flag_required,
     check_permutation_permutes_the_plan,
+    check_shared_table_equals_private,
     check_state_dict_round_trip_mid_run,
     reasons,
     v05b,
@@ -144,28 +148,67 @@ def test_v05budget_bad_prior_and_output() -> None:
         vb.plan(torch.tensor([1]), 4).consume(torch.zeros(1))
 
 
+def _with_column(state: dict[str, Any], key: str, value: torch.Tensor) -> dict[str, Any]:
+    """A copy of a private-table V05Budget ``state`` with the column ``key`` replaced."""
+    out = copy.deepcopy(state)
+    out["table"]["rows"]["columns"][f"v05_budget/{key}"] = value
+    return out
+
+
 def test_v05budget_state_refuses_nan_and_negative_counts_naming_the_field() -> None:
-    """A NaN reward sum, a negative count, a prior outside [0, 1]: an ``InputError`` naming the field; a NaN prior
-    (none) is valid."""
+    """A NaN reward sum, a negative count, a prior outside [0, 1]: an ``InputError`` naming the field; a prompt
+    without a value-model prior (``has_value`` False) is valid."""
     vb = FACTORIES["v05"](0)
     ids = torch.arange(30) * 7 + 1
     _steps(vb, ids, 150, 0, 2)
     vb.set_prior(ids[:5], torch.full((5,), 0.2))
     good = vb.state_dict()
-    assert bool(torch.isnan(good["value"]).any())  # prompts without a value-model prior
-    nan_sum = good["sum"].clone()
+    cols = {k.removeprefix("v05_budget/"): v for k, v in good["table"]["rows"]["columns"].items()}
+    assert not bool(cols["has_value"].all()) and bool(cols["has_value"].any())  # some prompts without a prior
+    nan_sum = cols["sum"].clone()
     nan_sum[0] = math.nan
+    at = "state['table']['rows']['columns']['v05_budget/{}']"
     cases = [
-        ({**good, "sum": nan_sum}, "state['sum']"),
-        ({**good, "count": good["count"] - 1e6}, "state['count']"),
-        ({**good, "value": torch.where(torch.isnan(good["value"]), 1.5, good["value"])}, "state['value']"),
-        ({**good, "value": torch.full_like(good["value"], math.inf)}, "state['value']"),
+        (_with_column(good, "sum", nan_sum), at.format("sum")),
+        (_with_column(good, "count", cols["count"] - 1e6), at.format("count")),
+        (_with_column(good, "value", torch.where(cols["has_value"], cols["value"], 1.5)), at.format("value")),
+        (_with_column(good, "value", torch.full_like(cols["value"], math.inf)), at.format("value")),
+        (_with_column(good, "has_value", cols["has_value"].double()), at.format("has_value")),
     ]
     for bad, arg in cases:
         with pytest.raises(InputError) as err:
             vb.load_state_dict(bad)
         assert err.value.argument == arg
-    assert torch.equal(vb.state_dict()["sum"], good["sum"])
+    assert torch.equal(vb.table.state_dict()["columns"]["v05_budget/sum"], cols["sum"])
     fresh = FACTORIES["v05"](0)
     fresh.load_state_dict(good)
     assert torch.equal(fresh.prior(ids), vb.prior(ids))
+
+
+# -- the prompt table: capacity, sharing, checkpoints -------------------------------------------------------------
+def test_v05budget_capacity_evicts_the_least_recently_updated_prompt() -> None:
+    vb = v05b(capacity=2, unseen_prior=0.5)
+    vb.set_prior(torch.tensor([1]), torch.tensor([0.9], dtype=torch.float64))
+    res, _ = run(vb.plan(torch.tensor([2]), 4), table({2: [1.0]}))
+    vb.update(res)
+    assert vb.prior(torch.tensor([1, 2])).tolist() == [0.9, 1.0]
+    vb.set_prior(torch.tensor([3]), torch.tensor([0.2], dtype=torch.float64))  # prompt 1, the least recent, is evicted
+    assert vb.table.prompt_ids.tolist() == [2, 3]
+    assert vb.prior(torch.tensor([1, 2, 3])).tolist() == [0.5, 1.0, 0.2]  # 1 is unseen again: unseen_prior
+
+
+def test_v05budget_shared_table_equals_private_tables() -> None:
+    """Two V05Budgets ("v05_budget", "v05_budget#2", one with value-model priors) and an AERO on one table; the
+    pools overlap, so each sees rows the others added (unseen for it)."""
+
+    def with_priors(t: PromptTable | None) -> V05Budget:
+        vb = v05b(n=3, max_extra=2, n_max=6, unseen_prior=0.3, table=t)
+        vb.set_prior(torch.arange(0, 40, 4), torch.linspace(0.1, 0.9, 10))
+        return vb
+
+    check_shared_table_equals_private(
+        [lambda t: v05b(n_max=9, rounds=2, table=t), lambda t: aero(n_max=10, seed=1, table=t), with_priors],
+        [torch.arange(30) * 7 + 1, torch.arange(25) * 5, torch.arange(20) * 2],
+    )
+    with pytest.raises(InputError, match="capacity"):
+        v05b(capacity=5, table=PromptTable())

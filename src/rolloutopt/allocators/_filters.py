@@ -1,6 +1,6 @@
 """Pieces HIVE and DEPO share (``docs/methods/filters.md``): seeded tie-break keys and orders over sorted prompt
-ids, the per-rollout ``entropy`` signal check, and the bounded per-prompt history rows both keep
-(and the check of a loaded window's width against the constructor's).
+ids, the per-rollout ``entropy`` signal check, and the shift of a value into the bounded per-prompt history
+windows both keep (in their :class:`~rolloutopt.allocators.table.PromptTable` columns).
 """
 
 from __future__ import annotations
@@ -59,15 +59,3 @@ def _shift_in(buf: Tensor, pos: Tensor, new: Tensor) -> Tensor:
     """Append ``new[i]`` to the window row ``buf[pos[i]]`` (oldest value dropped); ``pos`` distinct."""
     rows = torch.cat([buf.index_select(0, pos)[:, 1:], new.unsqueeze(1).to(buf.dtype)], dim=1)
     return buf.index_copy_(0, pos, rows)
-
-
-def _check_window(t: Tensor, key: str, window: int, owner: str, knob: str) -> None:
-    """Raise unless the loaded window ``t`` ``[M, W]`` has the constructor's ``W = window`` columns (a semantic
-    check after :func:`~rolloutopt._state.load_state`, which binds ``W`` only across the state's own fields)."""
-    if int(t.shape[1]) != window:
-        raise InputError(
-            f"state[{key!r}]",
-            f"{window} columns ({knob}={window})",
-            describe(t),
-            f"pass the state_dict() of a {owner} with {knob}={window}",
-        )

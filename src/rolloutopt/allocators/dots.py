@@ -6,8 +6,9 @@ Difficulty-targeted Online daTa Selection with Rollout Replay, arXiv 2506.05316 
 ``rl_training/verl/verl/trainer/ppo/ray_trainer_teacher_replay.py``, ``teacher_utils.py``,
 ``rl_training/run_bash/final_ds_teacher_replay.sh``); ``docs/methods/replay.md``.
 
-Per-prompt state lives in sorted int64 id tensors looked up with ``torch.searchsorted``; the replay buffer and the
-reference set are bounded. No Python loop over prompts or rollouts.
+Per-prompt labels live in a bounded :class:`~rolloutopt.allocators.table.PromptTable` column (sorted int64 prompt
+ids looked up with ``torch.searchsorted``); the replay buffer and the reference set are bounded too. No Python loop
+over prompts or rollouts.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ from rolloutopt.allocators._base import (
     as_prompt_ids,
     check_budget,
 )
-from rolloutopt.allocators._ids import _by_group, _insert, _lookup
+from rolloutopt.allocators._ids import _by_group, _lookup
 from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.allocators._tracked import _rank
+from rolloutopt.allocators._units import TokenBudget
+from rolloutopt.allocators.table import Column, PromptTable, TableColumns, TableOwner, open_table
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, FloatP, IntB, IntP
 
@@ -123,7 +126,7 @@ def _tail_by_id(ids: Tensor, k: int) -> Tensor:
     return ids.argsort()
 
 
-class DOTS:
+class DOTS(TableOwner):
     r"""DOTS + Rollout Replay: pick prompts whose predicted success rate is near 1/2; reuse recent groups.
 
     **Selection.** Each candidate gets a predicted success probability :math:`\hat p` and a score
@@ -197,6 +200,11 @@ class DOTS:
         predictor: optional callable replacing the built-in predictors.
         seed: seed of the generator behind the draws.
         experimental: must be True when ``embeddings`` are given.
+        capacity: prompts whose last label is kept, in a private table (default None: 1,000,000; least recently
+            updated evicted: an evicted prompt predicts as an unseen one).
+        table: a shared :class:`~rolloutopt.allocators.PromptTable` (default None: a private one); DOTS registers
+            ``label`` (each prompt's last group success rate) as owner ``"dots"``, and the caller saves a shared
+            table once. The embeddings are configuration, not table state: they stay with the allocator.
 
     Budget: one request of at most ``budget`` rollouts; it spends ``(B - k) n`` with the defaults (all of it
     when no group is replayed and ``n`` divides the budget). Every fresh rollout is kept (weight 1).
@@ -234,6 +242,8 @@ class DOTS:
         predictor: Callable[[IntP], FloatP] | None = None,
         seed: int = 0,
         experimental: bool = False,
+        capacity: int | None = None,
+        table: PromptTable | None = None,
     ) -> None:
         self.n, self.n_min, self.n_max = _group_sizes(n, n_min, n_max)
         self.alpha = _check_float(alpha, "alpha", 0.0, 1.0, "pass alpha=0.5 (the code)")
@@ -277,8 +287,9 @@ class DOTS:
         self._gen = torch.Generator().manual_seed(self.seed)
         self._step = 0
         self._next_key = 0
-        self._label_ids = torch.zeros(0, dtype=torch.long)
-        self._labels = torch.zeros(0, dtype=_F64)
+        # the last group success rate of each prompt (0 where this owner has not seen the prompt: read it through
+        # the seen mask of find, never as a label)
+        self._cols = open_table(table, capacity, "dots", {"label": Column("float", (), 0.0, ("finite",))})
         self._ref_ids = torch.zeros(0, dtype=torch.long)
         self._ref_labels = torch.zeros(0, dtype=_F64)
         self._buf = _empty_replay(self.n_max)
@@ -286,8 +297,7 @@ class DOTS:
         self.STATE = {
             "step": Field("integer", low=0),
             "next_key": Field("integer", low=0),
-            "label_ids": Field("int", ("L",), ("ids",)),
-            "labels": Field("float", ("L",), ("finite",)),  # group mean rewards (success rates with a threshold)
+            "table": TableColumns.FIELD,  # labels: group mean rewards (success rates with a threshold)
             "ref_ids": Field("int", ("R",)),  # a FIFO: unsorted, a prompt may repeat
             "ref_labels": Field("float", ("R",), ("finite",)),
             # G stored groups, oldest first; keys < next_key and counts <= n_max, checked after load_state
@@ -362,12 +372,13 @@ class DOTS:
                 pred = slope * pred + (ym - slope * xm)
             return pred.clamp(0.0, 1.0)
         fallback = self._ref_labels.mean() if k else torch.tensor(self.prior, dtype=_F64)
-        pos, found = _lookup(self._label_ids, ids)
-        known = self._labels[pos] if self._label_ids.numel() else torch.zeros(ids.shape, dtype=_F64)
-        return torch.where(found, known, fallback)
+        if self._cols.empty:
+            return fallback.expand(ids.shape).clone()
+        pos, seen = self._cols.find(ids)
+        return torch.where(seen, self._cols["label"].index_select(0, pos), fallback)
 
     # -- the protocol ---------------------------------------------------------------------------------------------
-    def plan(self, prompt_ids: IntP, budget: int) -> DOTSPlan:
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> DOTSPlan:
         """Draw fresh prompts near ``alpha`` and replayed groups from the buffer (see the class docstring)."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
@@ -426,15 +437,11 @@ class DOTS:
         values = values.to(_F64)
         rate = torch.bincount(result.group, weights=values, minlength=p).to(_F64) / counts.clamp(min=1)
         played = counts > 0
-        # labels: sorted store, overwritten by the newest rate; reference FIFO in prompt-id order
+        # labels: a table column, overwritten by the newest rate; reference FIFO in prompt-id order
         ids_played = result.plan_prompt_ids[played]
         rate_played = rate[played]
-        self._label_ids, (labels,), pos, order = _insert(
-            self._label_ids, ids_played, [(self._labels, torch.zeros((), dtype=_F64))]
-        )
-        labels = labels.clone()
-        labels[pos] = rate_played[order]
-        self._labels = labels
+        pos, order = self._cols.add(ids_played)
+        self._cols["label"].index_copy_(0, pos, rate_played[order])
         tail = _tail_by_id(ids_played, self.ref_size)
         self._ref_ids = torch.cat([self._ref_ids, ids_played[tail]])[-self.ref_size :]
         self._ref_labels = torch.cat([self._ref_labels, rate_played[tail]])[-self.ref_size :]
@@ -502,14 +509,14 @@ class DOTS:
         return {k: v.clone() for k, v in self._buf.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        """Labels, reference set, replay buffer, counters (``planned_groups``: :math:`B` of the last plan, which the
-        ``"code"`` buffer rule truncates with) and the generator state (copies; embeddings are config)."""
+        """The table (labels; the rows only when the table is private), reference set, replay buffer, counters
+        (``planned_groups``: :math:`B` of the last plan, which the ``"code"`` buffer rule truncates with) and the
+        generator state (copies; embeddings are config)."""
         return dump_state(
             {
                 "step": self._step,
                 "next_key": self._next_key,
-                "label_ids": self._label_ids.clone(),
-                "labels": self._labels.clone(),
+                "table": self._cols.state(),
                 "ref_ids": self._ref_ids.clone(),
                 "ref_labels": self._ref_labels.clone(),
                 "buffer": self.replay_buffer(),
@@ -530,10 +537,9 @@ class DOTS:
             raise InputError(
                 "state['buffer']['counts']", f"counts <= n_max={self.n_max}", "a larger count", "pass state_dict()"
             )
+        self._cols.load(s["table"])
         self._step = s["step"]
         self._next_key = s["next_key"]
-        self._label_ids = s["label_ids"]
-        self._labels = s["labels"]
         self._ref_ids = s["ref_ids"]
         self._ref_labels = s["ref_labels"]
         self._buf = buf

@@ -1,11 +1,12 @@
 r"""HIVE's pre-rollout prompt filter from history (arXiv 2603.25184): :class:`HIVE`.
 
 Picks, before rollout, which candidate prompts of a step get a group of ``n`` rollouts, from per-prompt history
-kept in bounded, checkpointable tensors aligned with sorted int64 prompt ids (one ``torch.searchsorted`` per
-lookup, no Python loop over prompts or rollouts). Stage 1 keeps prompts whose recent mean reward is in a band,
-ranked by their historical response entropy; stage 2 prunes survivors whose *prompt entropy* (measured now by the
-caller, a prefill-only forward pass) fell against the value stored with their history. No public code; every rule
-and default is **[reconstructed]**, hence ``experimental=True``. See ``docs/methods/filters.md``.
+kept in the columns of a bounded, checkpointable :class:`~rolloutopt.allocators.table.PromptTable` (one
+``torch.searchsorted`` per lookup, no Python loop over prompts or rollouts). Stage 1 keeps prompts whose recent
+mean reward is in a band, ranked by their historical response entropy; stage 2 prunes survivors whose *prompt
+entropy* (measured now by the caller, a prefill-only forward pass) fell against the value stored with their
+history. No public code; every rule and default is **[reconstructed]**, hence ``experimental=True``. See
+``docs/methods/filters.md``.
 
 HIVE accepts the per-rollout *response entropies* (the ``entropy`` signal: ``plan.observe(request, rewards,
 entropy=...)``, float ``[n]`` aligned with the rewards; ``update`` reads ``result.signals["entropy"]``). Its prompt
@@ -35,9 +36,10 @@ from rolloutopt.allocators._base import (
     as_prompt_ids,
     check_budget,
 )
-from rolloutopt.allocators._filters import _check_entropy, _check_window, _keyed, _order, _shift_in
-from rolloutopt.allocators._ids import _insert, _lookup
+from rolloutopt.allocators._filters import _check_entropy, _keyed, _order, _shift_in
 from rolloutopt.allocators._result_check import _check_result
+from rolloutopt.allocators._units import TokenBudget
+from rolloutopt.allocators.table import Column, PromptTable, TableColumns, TableOwner, open_table
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatP, IntP
 
@@ -90,7 +92,7 @@ class _HIVEPlan(Conversation):
 
 
 # -- HIVE -------------------------------------------------------------------------------------------------------
-class HIVE:
+class HIVE(TableOwner):
     r"""HIVE: history-informed pre-filter plus online prompt-entropy pruning (arXiv 2603.25184). **[reconstructed]**
 
     Every rule below is the project's reconstruction from the abstract and summaries (``docs/methods/filters.md``);
@@ -125,6 +127,10 @@ class HIVE:
         stage2: ``"drop"`` (default) or ``"top"``.
         seed: seed of the tie-break generator.
         experimental: must be True (every rule is reconstructed).
+        capacity: prompts kept in a private table (default None: 1,000,000; least recently updated evicted).
+        table: a shared :class:`~rolloutopt.allocators.PromptTable` (default None: a private one); HIVE registers
+            ``reward``, ``entropy`` (windows of ``window``) and ``prompt_entropy`` as owner ``"hive"``, and the
+            caller saves a shared table once.
 
     Budget: never more than ``budget``; all of it only when enough prompts survive. Response entropies are
     optional: ``plan.observe(request, rewards, entropy=...)`` (without them the entropy ranking falls back to
@@ -151,6 +157,8 @@ class HIVE:
         stage2: Literal["drop", "top"] = "drop",
         seed: int = 0,
         experimental: bool = False,
+        capacity: int | None = None,
+        table: PromptTable | None = None,
     ) -> None:
         require_experimental(experimental, "HIVE (band filter, entropy ranking, prompt-entropy pruning)", _DOCS)
         self.n, self.n_min, self.n_max = _group_sizes(n, n_min, n_max)
@@ -162,15 +170,17 @@ class HIVE:
         self.stage2 = stage2
         self.seed = _check_int(seed, "seed", 0, "pass a non-negative int")
         self._gen = torch.Generator().manual_seed(self.seed)
-        self._ids = torch.zeros(0, dtype=torch.long)
-        self._reward = torch.zeros(0, self.window, dtype=torch.float64)
-        self._entropy = torch.zeros(0, self.window, dtype=torch.float64)
-        self._prompt_entropy = torch.zeros(0, dtype=torch.float64)
-
-    def _fields(self) -> list[tuple[Tensor, Tensor]]:
-        nan_row = torch.full((self.window,), math.nan, dtype=torch.float64)
-        nan = torch.tensor(math.nan, dtype=torch.float64)
-        return [(self._reward, nan_row), (self._entropy, nan_row), (self._prompt_entropy, nan)]
+        window_col = Column("float", (self.window,), math.nan, ("finite_or_nan",))  # NaN: an empty slot
+        self._cols = open_table(
+            table,
+            capacity,
+            "hive",
+            {
+                "reward": window_col,
+                "entropy": window_col,  # NaN also where the trainer did not observe the response entropies
+                "prompt_entropy": Column("float", (), math.nan, ("finite_or_nan",)),  # NaN: none stored
+            },
+        )
 
     def history(self, prompt_ids: IntP) -> tuple[FloatP, FloatP, FloatP]:
         """Per prompt, float64 ``[P]``: window-mean reward, window-mean response entropy, stored prompt entropy
@@ -178,21 +188,23 @@ class HIVE:
         return self._history(as_prompt_ids(prompt_ids))
 
     def _history(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        if self._ids.numel() == 0:
+        if self._cols.empty:
             nan = torch.full(ids.shape, math.nan, dtype=torch.float64)
             return nan, nan.clone(), nan.clone()
-        pos, found = _lookup(self._ids, ids)
+        pos, found = self._cols.find(ids)
         return self._history_at(pos, found)
 
     def _history_at(self, pos: Tensor, found: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        if self._ids.numel() == 0:
+        if self._cols.empty:
             nan = torch.full(pos.shape, math.nan, dtype=torch.float64)
             return nan, nan.clone(), nan.clone()
-        r = torch.where(found, torch.nanmean(self._reward[pos], dim=1), math.nan)
-        h = torch.where(found, torch.nanmean(self._entropy[pos], dim=1), math.nan)
-        return r, h, torch.where(found, self._prompt_entropy[pos], math.nan)
+        # a row another owner of a shared table added holds the fills (NaN): no history, as unseen
+        c = self._cols
+        r = torch.where(found, torch.nanmean(c["reward"][pos], dim=1), math.nan)
+        h = torch.where(found, torch.nanmean(c["entropy"][pos], dim=1), math.nan)
+        return r, h, torch.where(found, c["prompt_entropy"][pos], math.nan)
 
-    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> Conversation:
         """Stage 1; a probe request for the survivors' prompt entropy (stage 2); then one request of ``n`` per
         survivor (see the class docstring)."""
         return _HIVEPlan(self, as_prompt_ids(prompt_ids), check_budget(budget))
@@ -202,7 +214,9 @@ class HIVE:
     ) -> tuple[Tensor, Tensor]:
         """Stage 2 and the counts, once the probe is answered (``h_now``: float64 ``[P]`` or None)."""
         p = ids.numel()
-        seq, at, found = keyed
+        seq, at, found, store = keyed
+        if self._cols.table.prompt_ids is not store and not self._cols.empty:
+            at, found = self._cols.find(ids)  # rows were inserted or evicted since the plan: look up again
         r, h_hist, h_stored = self._history_at(at, found)
         seen = ~torch.isnan(r)
         reasons = torch.where(stage1, 0, 1)
@@ -219,18 +233,18 @@ class HIVE:
         reasons = torch.where((reasons == 0) & (counts == 0), 3, reasons)
         if h_now is not None:
             chosen = counts > 0
-            self._ids, (self._reward, self._entropy, self._prompt_entropy), pos, srt = _insert(
-                self._ids, ids[chosen], self._fields()
-            )
-            self._prompt_entropy[pos] = h_now[chosen][srt]
+            pos, srt = self._cols.add(ids[chosen])
+            self._cols["prompt_entropy"][pos] = h_now[chosen][srt]
         return counts, reasons
 
     def _stage1(self, ids: Tensor) -> tuple[Tensor, Any]:
-        """The stage-1 survivors ``[P]`` bool and the candidates' tie order and history positions."""
-        keyed = _keyed(ids, self._gen, self._ids)
-        r = self._history_at(keyed[1], keyed[2])[0]
+        """The stage-1 survivors ``[P]`` bool and the candidates' tie order, history positions, and the table's
+        ids they index (the positions go stale when another owner of a shared table inserts rows)."""
+        store = self._cols.table.prompt_ids
+        seq, at, found = _keyed(ids, self._gen, store)
+        r = self._history_at(at, found)[0]
         seen = ~torch.isnan(r)
-        return ~seen | ((r >= self.p_lo) & (r <= self.p_hi)), keyed
+        return ~seen | ((r >= self.p_lo) & (r <= self.p_hi)), (seq, at, found, store)
 
     def update(self, result: AllocationResult) -> None:
         """Append each rolled-out prompt's group mean reward (and mean response entropy, from
@@ -246,39 +260,25 @@ class HIVE:
             e = _check_entropy(entropy, result.rewards.numel(), "entropy")
             mean_h = torch.bincount(result.group, weights=e, minlength=p) / cnt
         rolled = result.counts > 0
-        self._ids, (self._reward, self._entropy, self._prompt_entropy), pos, order = _insert(
-            self._ids, result.plan_prompt_ids[rolled], self._fields()
-        )
-        self._reward = _shift_in(self._reward, pos, mean_r[rolled][order])
-        self._entropy = _shift_in(self._entropy, pos, mean_h[rolled][order])
+        pos, order = self._cols.add(result.plan_prompt_ids[rolled])
+        self._cols["reward"] = _shift_in(self._cols["reward"], pos, mean_r[rolled][order])
+        self._cols["entropy"] = _shift_in(self._cols["entropy"], pos, mean_h[rolled][order])
 
     STATE: ClassVar[dict[str, Field]] = {
-        "ids": Field("int", ("M",), ("ids",)),
-        "reward": Field("float", ("M", "W"), ("finite_or_nan",)),
-        "entropy": Field("float", ("M", "W"), ("finite_or_nan",)),
-        "prompt_entropy": Field("float", ("M",), ("finite_or_nan",)),
+        "table": TableColumns.FIELD,
         "generator": Field("generator"),
     }
-    """The declared fields of :meth:`state_dict` (NaN marks an empty window slot or a missing entropy; ``W`` must
-    equal ``window``, checked by :meth:`load_state_dict`)."""
+    """The declared fields of :meth:`state_dict` (the table's columns are validated by the table: NaN marks an
+    empty window slot or a missing entropy; the windows' width must equal ``window``)."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Sorted ids, reward and entropy windows ``[M, window]``, stored prompt entropies, the generator; copies."""
-        return dump_state(
-            {
-                "ids": self._ids.clone(),
-                "reward": self._reward.clone(),
-                "entropy": self._entropy.clone(),
-                "prompt_entropy": self._prompt_entropy.clone(),
-                "generator": self._gen.get_state(),
-            }
-        )
+        """The table (reward and entropy windows ``[M, window]``, stored prompt entropies; the rows only when the
+        table is private) and the generator; copies."""
+        return dump_state({"table": self._cols.state(), "generator": self._gen.get_state()})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one),
         with windows of this allocator's ``window``."""
         s = load_state(state, self.STATE, "HIVE")
-        _check_window(s["reward"], "reward", self.window, "HIVE", "window")
-        self._ids, self._reward, self._entropy = s["ids"], s["reward"], s["entropy"]
-        self._prompt_entropy = s["prompt_entropy"]
+        self._cols.load(s["table"])
         self._gen.set_state(s["generator"])

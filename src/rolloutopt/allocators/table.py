@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from jaxtyping import Bool
 from torch import Tensor
 
 from rolloutopt._state import Field, dump_state, load_state
@@ -245,14 +246,14 @@ class TableColumns:
         """True while the table has no row at all (every lookup is then unseen)."""
         return self.table._ids.numel() == 0
 
-    def find(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+    def find(self, ids: IntP) -> tuple[IntP, Bool[Tensor, " P"]]:
         """``(pos, seen)`` for ``ids`` (int64 ``[P]``) in the given order: rows, and whether this owner has seen
         the prompt (rows of unseen prompts are junk; mask them with ``seen``). The table must not be
         :attr:`empty`."""
         pos, found = _lookup(self.table._ids, ids)
         return pos, found & self["seen"].index_select(0, pos)
 
-    def add(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+    def add(self, ids: IntP) -> tuple[IntP, IntP]:
         """Make rows for ``ids`` (int64 ``[P]``, repeats allowed), seen by this owner (new rows hold every
         column's fill); returns ``(pos, order)``: the increasing rows of ``ids[order]``."""
         return self.table._add(ids, self.owner)

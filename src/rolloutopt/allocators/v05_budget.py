@@ -1,8 +1,9 @@
 r"""V_{0.5}'s extra-budget request, the allocator side (:class:`V05Budget`).
 
 Speaks the protocol of :mod:`rolloutopt.allocators._base` (``plan`` -> ``next``/``observe`` -> ``finish`` ->
-``update``), keeps its per-prompt state in sorted int64 id tables (``torch.searchsorted`` look-ups, no Python loop
-over prompts or rollouts) and checkpoints it with ``state_dict``/``load_state_dict``.
+``update``), keeps its per-prompt state in the columns of a bounded
+:class:`~rolloutopt.allocators.table.PromptTable` (``torch.searchsorted`` look-ups, no Python loop over prompts or
+rollouts) and checkpoints it with ``state_dict``/``load_state_dict``.
 
 Provenance (``docs/methods/adaptive_alloc.md``): the paper has no public code; only its abstract and public
 summaries were available. Every stage size, threshold and default below is **[reconstructed]** by this project and
@@ -12,7 +13,6 @@ is a keyword. Following the project rule (as :mod:`rolloutopt.allocators.gdro` r
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar
 
 import torch
@@ -29,9 +29,10 @@ from rolloutopt.allocators._base import (
     as_prompt_ids,
     check_budget,
 )
-from rolloutopt.allocators._ids import _insert, _lookup
 from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.allocators._tracked import _budget_prefix
+from rolloutopt.allocators._units import TokenBudget
+from rolloutopt.allocators.table import Column, PromptTable, TableColumns, TableOwner, open_table
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, FloatP, IntP
 
@@ -103,7 +104,7 @@ class _V05Plan(Conversation):
         return torch.ones(self.spent_observed, dtype=torch.float64), reasons
 
 
-class V05Budget:
+class V05Budget(TableOwner):
     r"""The allocator side of V_{0.5} (arXiv 2603.10848): ``n`` rollouts, then the extra rollouts ``v05`` asks for.
 
     ("Sequential OSLA budget allocation"; ``docs/methods/adaptive_alloc.md``). Round 0 gives every prompt ``n`` rollouts
@@ -133,6 +134,11 @@ class V05Budget:
         unseen_prior: prior for a prompt with neither a value-model prediction nor history.
         v05_kwargs: further keywords of ``v05`` (``cost``, ``variance``, ``threshold``, ``fallback``, ...).
         experimental: must be True.
+        capacity: prompts kept in a private table (default None: 1,000,000; least recently updated or given a
+            prior evicted: an evicted prompt falls back to ``unseen_prior``).
+        table: a shared :class:`~rolloutopt.allocators.PromptTable` (default None: a private one); V05Budget
+            registers ``value`` and ``has_value`` (the value-model prior and whether one was given), ``sum`` and
+            ``count`` (past rewards) as owner ``"v05_budget"``, and the caller saves a shared table once.
 
     Edge cases: a budget below ``n * P`` gives round 0 to the lowest ids (the rest ``"no_budget"``) and leaves
     nothing for top-ups; ``rounds=0`` or ``max_extra=0`` is a fixed group of ``n``; rewards outside [0, 1] need
@@ -153,6 +159,8 @@ class V05Budget:
         unseen_prior: float = 0.5,
         v05_kwargs: dict[str, Any] | None = None,
         experimental: bool = False,
+        capacity: int | None = None,
+        table: PromptTable | None = None,
     ) -> None:
         require_experimental(experimental, "V_{0.5}'s sequential extra-budget rule", "docs/methods/adaptive_alloc.md")
         _int(n, "n", 1)
@@ -173,18 +181,17 @@ class V05Budget:
         self.n, self.max_extra, self.rounds, self.n_min, self.n_max = n, max_extra, rounds, n_min, n_max
         self.unseen_prior, self.v05_kwargs = float(unseen_prior), kw
         self._cap = n_max if n_max is not None else 1 << 62
-        self._ids = torch.zeros(0, dtype=torch.long)
-        self._vm = torch.zeros(0, dtype=torch.float64)  # value-model prior, NaN where none
-        self._sum = torch.zeros(0, dtype=torch.float64)
-        self._cnt = torch.zeros(0, dtype=torch.float64)
-
-    def _grow(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        nan = torch.tensor(math.nan, dtype=torch.float64)
-        zero = torch.tensor(0.0, dtype=torch.float64)
-        self._ids, (self._vm, self._sum, self._cnt), pos, order = _insert(
-            self._ids, ids, [(self._vm, nan), (self._sum, zero), (self._cnt, zero)]
+        self._cols = open_table(
+            table,
+            capacity,
+            "v05_budget",
+            {
+                "value": Column("float", (), 0.0, ("prob",)),  # the value-model prior, where has_value
+                "has_value": Column("bool", (), False),
+                "sum": Column("float", (), 0.0, ("finite",)),  # past rewards' sum and count
+                "count": Column("float", (), 0.0, ("nonneg",)),
+            },
         )
-        return pos, order
 
     def set_prior(self, prompt_ids: IntP, prior: FloatP) -> None:
         """Store value-model predictions :math:`\\hat b_0` (float ``[P]``, clipped to [0, 1]) for ``prompt_ids``."""
@@ -194,22 +201,22 @@ class V05Budget:
         p = prior.detach().cpu().double()
         if not bool(torch.isfinite(p).all()):
             raise InputError("prior", "finite values", describe(prior), "fix the value model's output")
-        pos, order = self._grow(ids)
-        vm = self._vm.clone()
-        vm[pos] = p[order].clamp(0.0, 1.0)
-        self._vm = vm
+        pos, order = self._cols.add(ids)
+        self._cols["value"].index_copy_(0, pos, p[order].clamp(0.0, 1.0))
+        self._cols["has_value"].index_fill_(0, pos, True)
 
     def prior(self, prompt_ids: IntP) -> FloatP:
         """The prior used for each prompt (float64 ``[P]``): value model, else past mean reward, else unseen."""
         ids = as_prompt_ids(prompt_ids)
-        if self._ids.numel() == 0:
+        if self._cols.empty:
             return torch.full((ids.numel(),), self.unseen_prior, dtype=torch.float64)
-        pos, found = _lookup(self._ids, ids)
-        vm, s, c = self._vm[pos], self._sum[pos], self._cnt[pos]
+        pos, seen = self._cols.find(ids)
+        t = self._cols
+        vm, has, s, c = t["value"][pos], t["has_value"][pos], t["sum"][pos], t["count"][pos]
         mean = torch.where(c > 0, (s / c.clamp(min=1)).clamp(0.0, 1.0), self.unseen_prior)
-        return torch.where(found, torch.where(torch.isnan(vm), mean, vm), self.unseen_prior)
+        return torch.where(seen, torch.where(has, vm, mean), self.unseen_prior)
 
-    def plan(self, prompt_ids: IntP, budget: int) -> _V05Plan:
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> _V05Plan:
         """``n`` rollouts each, then ``rounds`` top-ups from the ``v05`` request (class docstring)."""
         ids = as_prompt_ids(prompt_ids)
         return _V05Plan(ids, check_budget(budget), self, self.prior(ids))
@@ -220,35 +227,20 @@ class V05Budget:
         p = result.plan_prompt_ids.numel()
         s = torch.zeros(p, dtype=torch.float64).index_add_(0, result.group, result.rewards.double())
         seen = result.counts > 0
-        pos, order = self._grow(result.plan_prompt_ids[seen])
-        total, cnt = self._sum.clone(), self._cnt.clone()
-        total[pos] += s[seen][order]
-        cnt[pos] += result.counts[seen][order].double()
-        self._sum, self._cnt = total, cnt
+        pos, order = self._cols.add(result.plan_prompt_ids[seen])
+        self._cols["sum"].index_add_(0, pos, s[seen][order])
+        self._cols["count"].index_add_(0, pos, result.counts[seen][order].double())
 
-    STATE: ClassVar[dict[str, Field]] = {
-        "ids": Field("int", ("M",), ("ids",)),
-        "value": Field("float", ("M",), ("finite_or_nan",)),  # NaN: no value-model prior; else in [0, 1]
-        "sum": Field("float", ("M",), ("finite",)),
-        "count": Field("float", ("M",), ("nonneg",)),
-    }
-    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
+    STATE: ClassVar[dict[str, Field]] = {"table": TableColumns.FIELD}
+    """The declared fields of :meth:`state_dict` (the table's columns are validated by the table: priors in
+    [0, 1], finite sums, non-negative counts)."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Sorted ids with their value-model prior (NaN: none), reward sum and count (copies)."""
-        return dump_state(
-            {"ids": self._ids.clone(), "value": self._vm.clone(), "sum": self._sum.clone(), "count": self._cnt.clone()}
-        )
+        """The table (value-model priors and whether each prompt has one, reward sums and counts; the rows only when
+        the table is private); copies."""
+        return dump_state({"table": self._cols.state()})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one)."""
         s = load_state(state, self.STATE, "V05Budget")
-        vm = s["value"]
-        if bool(((vm < 0) | (vm > 1)).any()):  # NaN compares false: a missing prior passes
-            raise InputError(
-                "state['value']",
-                "priors in [0, 1] or NaN (none)",
-                describe(state["value"]),
-                "pass V05Budget.state_dict()",
-            )
-        self._ids, self._vm, self._sum, self._cnt = s["ids"], vm, s["sum"], s["count"]
+        self._cols.load(s["table"])
