@@ -59,7 +59,7 @@ def group_result(succ: list[int], tot: list[int], first: int = 0) -> AllocationR
 def seed_history(alloc: CoBA | Knapsack, succ: list[int], tot: list[int]) -> torch.Tensor:
     """Write one group per prompt (ids 0..P-1; tot 0 = unseen) into the allocator's history; return the ids.
 
-    Knapsack keeps its own reward store next to the history, so it is seeded through ``update``."""
+    Knapsack has no history (its reward store is its own table columns), so it is seeded through ``update``."""
     if isinstance(alloc, Knapsack):
         alloc.update(group_result(succ, tot))
         return torch.arange(len(succ))

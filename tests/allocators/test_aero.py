@@ -13,14 +13,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.allocators.aero import AERO, _beyond_limit, _cut_beyond_limit, dead_zone_probability
+from rolloutopt.allocators.table import PromptTable
+from rolloutopt.errors import InputError
 
 from .adaptive_helpers import (
     aero,
+    ar3po,
     check_bad_hyperparameters,
     check_bad_protocol_input,
     check_budget_caps_and_determinism,
     check_experimental_flag_required,
     check_permutation_permutes_the_plan,
+    check_shared_table_equals_private,
     check_state_dict_round_trip_mid_run,
     reasons,
 )
@@ -222,7 +226,9 @@ def test_aero_plan_sizes_equal_the_lgamma_rule() -> None:
     ids = torch.arange(200)
     a = torch.rand(200, generator=g, dtype=torch.float64) * 30 + 0.1
     b = torch.rand(200, generator=g, dtype=torch.float64) * 30 + 0.1
-    e.load_state_dict({"ids": ids, "a": a, "b": b, "generator": torch.Generator().get_state()})
+    pos, order = e._cols.add(ids)  # write the posteriors into AERO's table columns
+    e._cols["a"].index_copy_(0, pos, a[order])
+    e._cols["b"].index_copy_(0, pos, b[order])
     res, _ = run(e.plan(ids, 10**6), hashed(0))
     ns = torch.arange(3, 13)
     p0 = dead_zone_probability(a[:, None], b[:, None], ns[None, :])
@@ -230,3 +236,49 @@ def test_aero_plan_sizes_equal_the_lgamma_rule() -> None:
     want = torch.where(below.any(1), ns[below.to(torch.int8).argmax(1)], 12)
     want = torch.where(p0[:, -1] > 0.7, 0, want)
     assert torch.equal(res.counts, want) and bool((want == 0).any()) and bool((want > 3).any())
+
+
+# -- the prompt table ------------------------------------------------------------------------------------------------
+def test_aero_capacity_evicts_the_least_recently_updated() -> None:
+    e = aero(capacity=2)
+    e.update(run(e.plan(torch.tensor([7, 8]), 100), table({7: [1], 8: [1, 0]}))[0])
+    e.update(run(e.plan(torch.tensor([9]), 100), table({9: [0]}))[0])
+    # 7 and 8 were updated together: the tie evicts the smaller id, 7, which is back to the prior
+    assert e.table.prompt_ids.tolist() == [8, 9]
+    a, b = e.posterior(torch.tensor([7, 8, 9]))
+    assert a.tolist() == [1.0, 6.0, 1.0] and b.tolist() == [1.0, 5.0, 10.0]
+    res, _ = run(e.plan(torch.tensor([7]), 100), table({7: [1]}))
+    assert res.counts.tolist() == [9]  # a never-seen prompt's group
+
+
+def test_aero_shared_table_equals_private_tables() -> None:
+    """Two AEROs ("aero", "aero#2") and an AR3PO on one table; the pools overlap, so each sees rows the others
+    added (unseen for it: the prior)."""
+    check_shared_table_equals_private(
+        [
+            lambda t: aero(n_max=10, seed=1, table=t),
+            lambda t: ar3po(k=2, stages=3, table=t),
+            lambda t: aero(n_min=3, prior=(0.5, 2.0), forget=0.8, seed=2, table=t),
+        ],
+        [torch.arange(30) * 7 + 1, torch.arange(25) * 5, torch.arange(20) * 3],
+    )
+
+
+def test_aero_capacity_with_a_shared_table_is_refused() -> None:
+    with pytest.raises(InputError, match="capacity"):
+        aero(capacity=5, table=PromptTable())
+
+
+def test_aero_refuses_a_shared_table_of_another_prior() -> None:
+    """Rows another owner added hold the saving AERO's prior: an AERO with another prior refuses that table."""
+    t = PromptTable()
+    e, other = aero(table=t), ar3po(k=1, stages=1, table=t)
+    e.update(run(e.plan(torch.tensor([1]), 100), table({1: [1, 0]}))[0])
+    other.update(run(other.plan(torch.tensor([2]), 10), table({2: [1]}))[0])  # row 2: unseen by AERO
+    ckpt = {"table": t.state_dict(), "aero": e.state_dict(), "ar3po": other.state_dict()}
+    fresh = PromptTable()
+    e2, other2 = aero(prior=(2.0, 1.0), table=fresh), ar3po(k=1, stages=1, table=fresh)
+    fresh.load_state_dict(ckpt["table"])
+    with pytest.raises(InputError, match=r"aero/a"):
+        e2.load_state_dict(ckpt["aero"])
+    other2.load_state_dict(ckpt["ar3po"])

@@ -13,20 +13,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.allocators.ar3po import AR3PO, response_key
+from rolloutopt.allocators.table import PromptTable
 from rolloutopt.errors import InputError
 
 from .adaptive_helpers import (
     FACTORIES,
     _steps,
+    aero,
     ar3po,
     check_bad_hyperparameters,
     check_bad_protocol_input,
     check_budget_caps_and_determinism,
     check_experimental_flag_required,
     check_permutation_permutes_the_plan,
+    check_shared_table_equals_private,
     check_state_dict_round_trip_mid_run,
     per_prompt,
     reasons,
+    same_state,
 )
 from .helpers import hashed, run, table
 
@@ -165,25 +169,61 @@ def test_ar3po_reused_before_finish() -> None:
 
 
 def test_ar3po_state_refuses_nan_and_negative_counters_naming_the_field() -> None:
-    """A NaN buffered reward, a negative step counter, buffer steps not before it and keys of another step: an
+    """An infinite buffered reward, a negative key, a negative step counter and keys of a step not before it: an
     ``InputError`` naming the field, and the allocator keeps its own state."""
     a = FACTORIES["ar3po_latest"](0)
     _steps(a, torch.arange(30) * 7 + 1, 150, 0, 3)
     good = a.state_dict()
-    m = good["buffer_ids"].numel()
-    assert m >= 1
-    nan_r = good["buffer_rewards"].clone()
-    nan_r[-1] = math.nan
+    cols = good["table"]["rows"]["columns"]
+    entry = ~torch.isnan(cols["ar3po/reward"])
+    assert int(entry.sum()) >= 1
+    inf_r = cols["ar3po/reward"].clone()
+    inf_r[entry.nonzero()[-1]] = math.inf
+    late = torch.where(entry, cols["ar3po/key"] + (1 << 32), cols["ar3po/key"])  # entries of the last step: step 3
+
+    def with_col(name: str, value: torch.Tensor) -> dict[str, Any]:
+        rows = good["table"]["rows"]
+        table = {**good["table"], "rows": {**rows, "columns": {**rows["columns"], name: value}}}
+        return {**good, "table": table}
+
+    at = "state['table']['rows']['columns']"
     cases = [
-        ({**good, "buffer_rewards": nan_r}, "state['buffer_rewards']"),
+        (with_col("ar3po/reward", inf_r), f"{at}['ar3po/reward']"),
+        (with_col("ar3po/key", torch.full_like(late, -1)), f"{at}['ar3po/key']"),
         ({**good, "step": -1}, "state['step']"),
-        ({**good, "buffer_steps": good["buffer_steps"] - 10}, "state['buffer_steps']"),
-        ({**good, "buffer_steps": torch.full((m,), good["step"])}, "state['buffer_steps']"),
-        ({**good, "buffer_keys": good["buffer_keys"] + (1 << 32)}, "state['buffer_keys']"),
+        (with_col("ar3po/key", late), f"{at}['ar3po/key']"),
+        ({**good, "step": good["step"] - 1}, f"{at}['ar3po/key']"),  # entries of step 2 under step counter 2
     ]
     for bad, arg in cases:
         with pytest.raises(InputError) as err:
             a.load_state_dict(bad)
         assert err.value.argument == arg
-    after = a.state_dict()
-    assert after["step"] == good["step"] and torch.equal(after["buffer_rewards"], good["buffer_rewards"])
+        assert same_state(a.state_dict(), good)
+
+
+# -- the prompt table ------------------------------------------------------------------------------------------------
+def test_ar3po_capacity_evicts_the_least_recently_stored() -> None:
+    a = ar3po(k=1, stages=1, capacity=2)
+    for ids in ([1, 2], [3]):
+        a.update(run(a.plan(torch.tensor(ids), 10), table({i: [1] for i in ids}))[0])
+    # 1 and 2 were stored together: the tie evicts the smaller id, 1, whose entry is gone
+    assert a.replay()[0].tolist() == [2, 3] and a.table.prompt_ids.tolist() == [2, 3]
+    res, _ = run(a.plan(torch.tensor([1, 2]), 10), table({1: [0], 2: [0]}))
+    assert reasons(res) == {1: "unsolved_dropped", 2: "unsolved_reused"}  # 1 as a never-seen prompt
+
+
+def test_ar3po_shared_table_equals_private_tables() -> None:
+    """Two AR3POs ("ar3po", "ar3po#2", one with a bounded buffer and a maximum age) and an AERO on one table."""
+    check_shared_table_equals_private(
+        [
+            lambda t: ar3po(k=3, stages=3, buffer="random", seed=1, n_max=8, table=t),
+            lambda t: aero(n_max=10, seed=1, table=t),
+            lambda t: ar3po(k=2, stages=2, buffer_size=6, max_age=1, table=t),
+        ],
+        [torch.arange(30) * 7 + 1, torch.arange(25) * 5, torch.arange(20) * 3],
+    )
+
+
+def test_ar3po_capacity_with_a_shared_table_is_refused() -> None:
+    with pytest.raises(InputError, match="capacity"):
+        ar3po(capacity=5, table=PromptTable())

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.allocators._budget import _top_units, _top_units_lazy
+from rolloutopt.allocators.coba import CoBA
 from rolloutopt.allocators.knapsack import Knapsack, knapsack_value
+from rolloutopt.allocators.table import PromptTable
 from rolloutopt.errors import InputError
 
 from .budget_helpers import (
@@ -19,6 +23,7 @@ from .budget_helpers import (
     _refused,
     _saved,
     _with,
+    bernoulli,
     check_bad_input,
     check_budget_caps_determinism_permutation,
     check_empty_pool_and_zero_budget,
@@ -204,20 +209,24 @@ def test_knapsack_reward_store_round_trip_and_bad_state() -> None:
     assert [t.tolist() for t in a.estimates(ids)] == [t.tolist() for t in b.estimates(ids)]
     a.update(group_result([5, 0, 2], [5, 2, 7]))
     b.update(group_result([5, 0, 2], [5, 2, 7]))
-    for key, value in a.state_dict()["rewards"].items():
-        assert torch.equal(value, b.state_dict()["rewards"][key])
+    assert torch.equal(a.table.prompt_ids, b.table.prompt_ids)
+    for key in ("tail", "filled", "total", "rate"):
+        assert torch.equal(a._cols[key], b._cols[key])
+    rows = state["table"]["rows"]
     cases = [
-        ({"tail": torch.zeros(3, 4, dtype=torch.bool)}, "tail"),
-        ({"rate": [0.0, 0.0, 0.0]}, "rate"),
-        ({"prompt_ids": torch.tensor([0, 1, 7])}, "prompt_ids"),
-        ({"filled": torch.tensor([0, 17, 0])}, "filled"),
+        ({"knapsack/tail": torch.zeros(3, 4, dtype=torch.bool)}, "knapsack/tail"),
+        ({"knapsack/rate": [0.0, 0.0, 0.0]}, "knapsack/rate"),
+        ({"knapsack/filled": torch.tensor([0, 17, 0])}, "knapsack/filled"),
     ]
     for change, field in cases:
-        broken = dict(state, rewards={**state["rewards"], **change})
+        broken = dict(state, table={**state["table"], "rows": {**rows, "columns": {**rows["columns"], **change}}})
         with pytest.raises(InputError, match=field):
             Knapsack(n=4, n_min=2, n_max=12).load_state_dict(broken)
-    with pytest.raises(InputError, match="rewards"):
-        Knapsack(n=4, n_min=2, n_max=12).load_state_dict(dict(state, rewards={"tail": 1}))
+    unsorted = dict(state, table={**state["table"], "rows": {**rows, "prompt_ids": torch.tensor([1, 0, 2])}})
+    with pytest.raises(InputError, match="prompt_ids"):
+        Knapsack(n=4, n_min=2, n_max=12).load_state_dict(unsorted)
+    with pytest.raises(InputError, match="rows"):
+        Knapsack(n=4, n_min=2, n_max=12).load_state_dict(dict(state, table={"owner": "knapsack", "rows": {"tail": 1}}))
     with pytest.raises(InputError, match="reward_window"):
         Knapsack(reward_window=0)
     with pytest.raises(InputError, match="min_rewards"):
@@ -244,18 +253,22 @@ def test_state_round_trip_mid_run(kind: str) -> None:
 
 
 def test_knapsack_load_refuses_nan_and_negative_counters_naming_the_field() -> None:
-    """NaN in a finite field, negative counters (the reward store's and the history's): an ``InputError`` naming
-    the field (nested path); nothing changes."""
+    """NaN in a finite field, negative counters, more filled than the window or the total, repeated ids: an
+    ``InputError`` naming the field (nested path); nothing changes."""
     _, good = _saved("knapsack")
-    m = good["rewards"]["prompt_ids"].numel()
+    ids = good["table"]["rows"]["prompt_ids"]
+    m = ids.numel()
+    at = ("table", "rows", "columns")
+    name = "state['table']['rows']['columns']"
+    total = good["table"]["rows"]["columns"]["knapsack/total"]
     cases = [
-        (("rewards", "rate"), torch.full((m,), math.nan, dtype=F64), "state['rewards']['rate']"),
-        (("rewards", "total"), torch.full((m,), -1), "state['rewards']['total']"),
-        (("rewards", "filled"), torch.full((m,), -1), "state['rewards']['filled']"),
-        (("history", "ema"), torch.full((m,), math.nan, dtype=F64), "state['history']['ema']"),
-        (("history", "successes"), torch.full((m,), -3), "state['history']['successes']"),
+        ((*at, "knapsack/rate"), torch.full((m,), math.nan, dtype=F64), f"{name}['knapsack/rate']"),
+        ((*at, "knapsack/rate"), torch.full((m,), 1.5, dtype=F64), f"{name}['knapsack/rate']"),
+        ((*at, "knapsack/total"), torch.full((m,), -1), f"{name}['knapsack/total']"),
+        ((*at, "knapsack/filled"), torch.full((m,), -1), f"{name}['knapsack/filled']"),
+        ((*at, "knapsack/filled"), total + 1, f"{name}['knapsack/filled']"),  # more filled than seen
         (("step",), -2, "state['step']"),
-        (("rewards", "prompt_ids"), good["rewards"]["prompt_ids"][:-1], "state['rewards']['prompt_ids']"),
+        (("table", "rows", "prompt_ids"), torch.cat([ids[:-1], ids[:1]]), "state['table']['rows']['prompt_ids']"),
     ]
     for path, value, argument in cases:
         _refused("knapsack", _with(good, path, value), argument)
@@ -289,3 +302,68 @@ def test_lazy_columns_equal_the_full_table(rows: int, length: int, r: int, first
 )
 def test_spends_everything_when_caps_do_not_bind(kind: str, groups: list[tuple[int, int]], budget: int) -> None:
     check_spends_everything_when_caps_do_not_bind(kind, groups, budget)
+
+
+# -- the prompt table -------------------------------------------------------------------------------------------------
+def test_knapsack_capacity_evicts_the_least_recently_updated() -> None:
+    k = Knapsack(n=8, n_min=2, n_max=128, min_rewards=1, capacity=2)
+    k.update(group_result([1, 0], [2, 2]))  # ids 0 (p = 1/2) and 1 (p = 0)
+    k.update(group_result([2], [2], first=2))  # id 2 (p = 1): the tie of 0 and 1 evicts the smaller id, 0
+    assert k.table.prompt_ids.tolist() == [1, 2]
+    valid, p = k.estimates(torch.arange(3))
+    assert valid.tolist() == [False, True, True] and p.tolist() == [0.0, 0.0, 1.0]
+    fresh = Knapsack(n=8, n_min=2, n_max=128, min_rewards=1)
+    fresh.update(group_result([2], [2], first=2))
+    fresh.update(group_result([0], [2], first=1))
+    assert k.plan(torch.arange(3), 40).counts.tolist() == fresh.plan(torch.arange(3), 40).counts.tolist()
+
+
+def test_knapsack_shared_table_equals_private_tables() -> None:
+    """Two Knapsacks ("knapsack", "knapsack#2") and a CoBA on one table, on overlapping pools, plan and learn as
+    with private tables; the table's and the allocators' states restore them on a fresh table (through
+    torch.save/torch.load(weights_only=True)); a private state does not load on a shared table, nor the reverse."""
+    makes = [
+        lambda t: Knapsack(n=4, n_min=2, n_max=12, table=t),
+        lambda t: CoBA(n_min=2, n_max=12, table=t),
+        lambda t: Knapsack(n=4, n_min=2, n_max=12, reward_window=4, min_rewards=2, table=t),
+    ]
+    pools = [torch.arange(30), torch.arange(10, 40), torch.arange(0, 60, 2)]
+    rate = torch.rand(60, generator=torch.Generator().manual_seed(3), dtype=F64)
+
+    def steps(allocs: list[Any], first: int) -> list[Any]:
+        out = []
+        for s in range(first, first + 3):
+            for a, pool in zip(allocs, pools, strict=True):
+                res = run(a.plan(pool, 150), bernoulli(rate, s))
+                a.update(res)
+                out.append(res)
+        return out
+
+    def same(xs: list[Any], ys: list[Any]) -> None:
+        for x, y in zip(xs, ys, strict=True):
+            assert torch.equal(x.counts, y.counts) and torch.equal(x.reasons, y.reasons)
+            assert torch.equal(x.rewards, y.rewards)
+
+    private = [m(None) for m in makes]
+    table = PromptTable()
+    shared = [m(table) for m in makes]
+    assert table.owners == ("knapsack", "coba", "knapsack#2")
+    same(steps(private, 0), steps(shared, 0))
+    buf = io.BytesIO()
+    torch.save({"table": table.state_dict(), "allocs": [a.state_dict() for a in shared]}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    fresh = PromptTable()
+    restored = [m(fresh) for m in makes]
+    fresh.load_state_dict(ckpt["table"])
+    for a, state in zip(restored, ckpt["allocs"], strict=True):
+        a.load_state_dict(state)
+    later = steps(private, 3)
+    same(later, steps(shared, 3))
+    same(later, steps(restored, 3))
+    with pytest.raises(InputError, match="rows"):
+        makes[0](None).load_state_dict(shared[0].state_dict())
+    with pytest.raises(InputError, match="rows"):
+        makes[0](PromptTable()).load_state_dict(private[0].state_dict())
+    with pytest.raises(InputError, match="capacity"):
+        Knapsack(capacity=5, table=PromptTable())

@@ -1,8 +1,8 @@
 r"""AERO: Beta posterior, selective rejection (:class:`AERO`, :func:`dead_zone_probability`).
 
 Speaks the protocol of :mod:`rolloutopt.allocators._base` (``plan`` -> ``next``/``observe`` -> ``finish`` ->
-``update``), keeps its per-prompt state in sorted int64 id tables (``torch.searchsorted`` look-ups, no Python loop
-over prompts or rollouts) and checkpoints it with ``state_dict``/``load_state_dict``.
+``update``), keeps its per-prompt state in a :class:`~rolloutopt.allocators.PromptTable` (``torch.searchsorted``
+look-ups, no Python loop over prompts or rollouts) and checkpoints it with ``state_dict``/``load_state_dict``.
 
 Provenance (``docs/methods/adaptive_alloc.md``): the paper has no public code; only its abstract and public
 summaries were available. Every stage size, threshold, buffer policy and default below is **[reconstructed]** by
@@ -31,9 +31,12 @@ from rolloutopt.allocators._base import (
     as_prompt_ids,
     check_budget,
 )
-from rolloutopt.allocators._ids import _argsort_stable, _insert, _lookup, _sort_ids
+from rolloutopt.allocators._ids import _argsort_stable, _sort_ids
 from rolloutopt.allocators._result_check import _check_result
+from rolloutopt.allocators._table_checks import incoming_columns
 from rolloutopt.allocators._tracked import _success, _Tracked
+from rolloutopt.allocators._units import TokenBudget
+from rolloutopt.allocators.table import Column, PromptTable, TableColumns, TableOwner, open_table
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatAny, FloatB, FloatP, IntP
 
@@ -231,7 +234,7 @@ class _AEROPlan(_Tracked):
         return weight, reasons
 
 
-class AERO:
+class AERO(TableOwner):
     r"""AERO: a Beta posterior per prompt sizes each group to avoid zero-advantage dead zones (arXiv 2602.14338).
 
     See ``docs/methods/adaptive_alloc.md``. Verified (abstract, summary): an adaptive rollout strategy, *selective
@@ -271,6 +274,11 @@ class AERO:
         success: reward threshold of a success.
         seed: seeds the generator used by rejection.
         experimental: must be True (see the module docstring).
+        capacity: prompts kept in a private table (default None: 1,000,000; least recently updated evicted, and
+            then back to the prior).
+        table: a shared :class:`~rolloutopt.allocators.PromptTable` (default None: a private one); AERO registers
+            ``a`` and ``b`` (the posteriors, the prior for a prompt it has not seen) as owner ``"aero"``, and the
+            caller saves a shared table once.
 
     Reasons: ``"allocated"``, ``"rejected_surplus"`` (some majority rollouts got weight 0), ``"flat_dropped"``,
     ``"partial"``, ``"skipped"`` (posterior says flat), ``"no_budget"``.
@@ -295,6 +303,8 @@ class AERO:
         success: float = 1.0,
         seed: int = 0,
         experimental: bool = False,
+        capacity: int | None = None,
+        table: PromptTable | None = None,
     ) -> None:
         require_experimental(
             experimental, "AERO's posterior rule, thresholds and rejection", "docs/methods/adaptive_alloc.md"
@@ -319,21 +329,29 @@ class AERO:
         self.forget, self.drop_flat, self.seed = float(forget), drop_flat, seed
         self.reject_ratio = None if reject_ratio is None else float(reject_ratio)
         self._gen = torch.Generator().manual_seed(seed)
-        self._ids = torch.zeros(0, dtype=torch.long)
-        self._a = torch.zeros(0, dtype=torch.float64)
-        self._b = torch.zeros(0, dtype=torch.float64)
+        # the fill of a row is the prior: a prompt this owner has not seen (or that a shared table's other owner
+        # added) reads as never seen, with no seen mask needed
+        self._cols = open_table(
+            table,
+            capacity,
+            "aero",
+            {
+                "a": Column("float", fill=self.prior[0], checks=("nonneg",)),
+                "b": Column("float", fill=self.prior[1], checks=("nonneg",)),
+            },
+        )
 
     def posterior(self, prompt_ids: IntP) -> tuple[FloatP, FloatP]:
         """The Beta ``(a, b)`` of each prompt (float64 ``[P]``; the prior for unseen ones)."""
         ids = as_prompt_ids(prompt_ids)
-        if self._ids.numel() == 0:
+        if self._cols.empty:
             return (
                 torch.full((ids.numel(),), self.prior[0], dtype=torch.float64),
                 torch.full((ids.numel(),), self.prior[1], dtype=torch.float64),
             )
-        pos, found = _lookup(self._ids, ids)
-        a, b = self._a.index_select(0, pos), self._b.index_select(0, pos)
-        return torch.where(found, a, self.prior[0]), torch.where(found, b, self.prior[1])
+        pos, seen = self._cols.find(ids)
+        a, b = self._cols["a"].index_select(0, pos), self._cols["b"].index_select(0, pos)
+        return torch.where(seen, a, self.prior[0]), torch.where(seen, b, self.prior[1])
 
     def _group_sizes(self, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Per posterior ``(a, b)``: the group size wanted, its dead-zone probability (``inf`` when skipped), and
@@ -351,7 +369,7 @@ class AERO:
         pri = torch.where(skip, math.inf, p0.gather(1, first[:, None]).squeeze(1))
         return want, pri, skip
 
-    def plan(self, prompt_ids: IntP, budget: int) -> _AEROPlan:
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> _AEROPlan:
         """Size each prompt's group from its posterior (class docstring), one request."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
@@ -359,14 +377,16 @@ class AERO:
         # everything per prompt in increasing-id order (the order that breaks priority ties): the posterior look-up
         # of sorted ids needs no scatter back, and one scatter at the end places counts and reasons
         q, by_id = _sort_ids(ids)
-        if self._ids.numel() == 0:
+        if self._cols.empty:
             a = torch.full((p,), self.prior[0], dtype=torch.float64)
             b = torch.full((p,), self.prior[1], dtype=torch.float64)
         else:
-            at = torch.searchsorted(self._ids, q).clamp_(max=self._ids.numel() - 1)
-            found = self._ids.index_select(0, at) == q
-            a = torch.where(found, self._a.index_select(0, at), self.prior[0])
-            b = torch.where(found, self._b.index_select(0, at), self.prior[1])
+            # a stored row this owner has not seen holds the prior (the fill): only the row's existence matters
+            t_ids = self._cols.table.prompt_ids
+            at = torch.searchsorted(t_ids, q).clamp_(max=t_ids.numel() - 1)
+            found = t_ids.index_select(0, at) == q
+            a = torch.where(found, self._cols["a"].index_select(0, at), self.prior[0])
+            b = torch.where(found, self._cols["b"].index_select(0, at), self.prior[1])
         # The rule is a function of (a, b) alone, and posteriors take few distinct values (counts): evaluate it on
         # the grid of distinct a x distinct b (the same elementwise floats) and gather, unless the grid is large.
         # (a, b > 0: equal bit patterns are equal values, and an int64 unique is the faster one)
@@ -405,33 +425,36 @@ class AERO:
         n = result.counts.double()
         seen = result.counts > 0
         ids = result.plan_prompt_ids[seen]
-        self._ids, (a, b), pos, order = _insert(
-            self._ids,
-            ids,
-            [(self._a, torch.tensor(self.prior[0])), (self._b, torch.tensor(self.prior[1]))],
-        )
+        pos, order = self._cols.add(ids)  # new rows hold the prior
         cs, ns = c[seen][order], n[seen][order]
-        a, b = a.clone(), b.clone()
-        a[pos] = self.forget * a[pos] + cs
-        b[pos] = self.forget * b[pos] + ns - cs
-        self._a, self._b = a, b
+        a, b = self._cols["a"], self._cols["b"]
+        a.index_copy_(0, pos, self.forget * a.index_select(0, pos) + cs)
+        b.index_copy_(0, pos, self.forget * b.index_select(0, pos) + ns - cs)
 
     STATE: ClassVar[dict[str, Field]] = {
-        "ids": Field("int", ("M",), ("ids",)),
-        "a": Field("float", ("M",), ("nonneg",)),
-        "b": Field("float", ("M",), ("nonneg",)),
+        "table": TableColumns.FIELD,
         "generator": Field("generator"),
     }
-    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`; the table validates its
+    columns: the posteriors ``a`` and ``b`` are non-negative)."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Per-prompt posteriors (sorted ids, a, b) and the generator state (copies)."""
-        return dump_state(
-            {"ids": self._ids.clone(), "a": self._a.clone(), "b": self._b.clone(), "generator": self._gen.get_state()}
-        )
+        """The table (per-prompt posteriors ``a``, ``b``; the rows only when the table is private) and the generator
+        state (copies)."""
+        return dump_state({"table": self._cols.state(), "generator": self._gen.get_state()})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one)."""
         s = load_state(state, self.STATE, "AERO")
-        self._ids, self._a, self._b = s["ids"], s["a"], s["b"]
+        cols, at = incoming_columns(self._cols, s["table"])
+        for name, prior in zip(("a", "b"), self.prior, strict=True):
+            # a row this AERO has not seen must read as its prior (the plan reads rows without the seen mask)
+            if bool((~cols["seen"] & (cols[name] != prior)).any()):
+                raise InputError(
+                    f"{at}[{self._cols.owner + '/' + name!r}]",
+                    f"the prior {prior} for every prompt the allocator has not seen",
+                    "other values",
+                    "pass the state_dict() of an AERO with this prior",
+                )
+        self._cols.load(s["table"])
         self._gen.set_state(s["generator"])

@@ -1,8 +1,8 @@
 r"""AR3PO: staged rollout with response reuse (:class:`AR3PO`, :class:`ReusedResponses`, :func:`response_key`).
 
 Speaks the protocol of :mod:`rolloutopt.allocators._base` (``plan`` -> ``next``/``observe`` -> ``finish`` ->
-``update``), keeps its per-prompt state in sorted int64 id tables (``torch.searchsorted`` look-ups, no Python loop
-over prompts or rollouts) and checkpoints it with ``state_dict``/``load_state_dict``.
+``update``), keeps its per-prompt state in a :class:`~rolloutopt.allocators.PromptTable` (``torch.searchsorted``
+look-ups, no Python loop over prompts or rollouts) and checkpoints it with ``state_dict``/``load_state_dict``.
 
 Provenance (``docs/methods/adaptive_alloc.md``): the paper has no public code; only its abstract and public
 summaries were available. Every stage size, threshold, buffer policy and default below is **[reconstructed]** by
@@ -35,7 +35,10 @@ from rolloutopt.allocators._base import (
 )
 from rolloutopt.allocators._ids import _argsort_stable, _lookup
 from rolloutopt.allocators._result_check import _check_result
+from rolloutopt.allocators._table_checks import incoming_columns
 from rolloutopt.allocators._tracked import _budget_prefix, _success, _Tracked
+from rolloutopt.allocators._units import TokenBudget
+from rolloutopt.allocators.table import Column, PromptTable, TableColumns, TableOwner, open_table
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatB, FloatP, IntB, IntP
 
@@ -89,7 +92,9 @@ class _AR3POPlan(_Tracked):
         self.stage = 0
         self.active = torch.ones(p, dtype=torch.bool)
         self.cut = torch.zeros(p, dtype=torch.bool)
-        self._buf_pos, self._buf_found = _lookup(owner._buf_ids, prompt_ids)
+        # the buffer entries of the plan's prompts, read now (another owner of a shared table may move the rows
+        # before this plan finishes)
+        self._buf_key, self._buf_reward, self._buf_found = owner._entries(prompt_ids)
         self._reuse = torch.zeros(p, dtype=torch.bool)
         self._reused: ReusedResponses | None = None
 
@@ -134,9 +139,7 @@ class _AR3POPlan(_Tracked):
         res = super().finish()
         o = self.o
         rpos = self._reuse.nonzero().squeeze(1)
-        bpos = self._buf_pos[rpos]
-        keys = o._buf_key[bpos] if rpos.numel() else torch.zeros(0, dtype=torch.long)
-        rew = o._buf_reward[bpos] if rpos.numel() else torch.zeros(0, dtype=torch.float64)
+        keys, rew = self._buf_key[rpos], self._buf_reward[rpos]
         n_gen = res.rewards.numel()
         self._reused = ReusedResponses(torch.arange(n_gen, n_gen + rpos.numel()), self.prompt_ids[rpos], keys)
         played = self._n > 0
@@ -162,7 +165,7 @@ class _AR3POPlan(_Tracked):
         return self._reused
 
 
-class AR3PO:
+class AR3PO(TableOwner):
     r"""AR3PO: adaptive multi-stage rollout plus reuse of a buffered correct response (arXiv 2509.25808).
 
     See ``docs/methods/adaptive_alloc.md``. Verified (abstract, summaries): rollout is multi-stage, a prompt stops
@@ -212,6 +215,11 @@ class AR3PO:
             (``n_max=None``: ``k * stages``; the last stage is shortened to fit ``n_max``).
         seed: seeds the generator of ``buffer="random"``.
         experimental: must be True (see the module docstring).
+        capacity: prompts kept in a private table (default None: 1,000,000; the least recently stored are
+            evicted first, their entries lost).
+        table: a shared :class:`~rolloutopt.allocators.PromptTable` (default None: a private one); AR3PO registers
+            the buffer's ``key`` and ``reward`` (NaN: no entry) as owner ``"ar3po"``, and the caller saves a shared
+            table once.
 
     Edge cases: an empty plan or a zero budget requests nothing (every prompt ``"no_budget"``); rewards need not
     be binary (correct means ``reward >= success``).
@@ -238,6 +246,8 @@ class AR3PO:
         n_max: int | None = None,
         seed: int = 0,
         experimental: bool = False,
+        capacity: int | None = None,
+        table: PromptTable | None = None,
     ) -> None:
         require_experimental(
             experimental, "AR3PO's stages, budget rule and replay buffer", "docs/methods/adaptive_alloc.md"
@@ -264,18 +274,42 @@ class AR3PO:
         self._cap = k * stages if n_max is None else min(n_max, k * stages)
         self._gen = torch.Generator().manual_seed(seed)
         self._step = 0
-        self._buf_ids = torch.zeros(0, dtype=torch.long)
-        self._buf_key = torch.zeros(0, dtype=torch.long)
-        self._buf_reward = torch.zeros(0, dtype=torch.float64)
-        self._buf_step = torch.zeros(0, dtype=torch.long)
+        # the buffer, one entry per prompt: the stored response's key (its step is key >> 32) and reward; a NaN
+        # reward (the fill) marks a prompt without an entry
+        self._cols = open_table(
+            table,
+            capacity,
+            "ar3po",
+            {
+                "key": Column("int", checks=("nonneg",)),
+                "reward": Column("float", fill=math.nan, checks=("finite_or_nan",)),
+            },
+        )
 
-    def plan(self, prompt_ids: IntP, budget: int) -> _AR3POPlan:
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> _AR3POPlan:
         """Stages of ``k`` rollouts over ``prompt_ids`` until each is solved or out of stages (class docstring)."""
         return _AR3POPlan(as_prompt_ids(prompt_ids), check_budget(budget), self)
 
+    def _entries(self, prompt_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(keys, rewards, has)`` of ``prompt_ids``: their buffer entries and whether each has one (the keys and
+        rewards of the others are junk)."""
+        p = prompt_ids.numel()
+        if self._cols.empty:
+            empty = torch.zeros(p, dtype=torch.bool)
+            return torch.zeros(p, dtype=torch.long), torch.zeros(p, dtype=torch.float64), empty
+        # a row this owner has not seen holds a NaN reward (the fill), as a prompt without an entry: no seen mask
+        pos, found = _lookup(self._cols.table.prompt_ids, prompt_ids)
+        rew = self._cols["reward"].index_select(0, pos)
+        return self._cols["key"].index_select(0, pos), rew, found & ~torch.isnan(rew)
+
+    def _has(self) -> Tensor:
+        """bool ``[M]``: the table rows holding a buffer entry."""
+        return self._cols["seen"] & ~torch.isnan(self._cols["reward"])
+
     def replay(self) -> tuple[IntP, IntP, FloatP]:
         """The buffer, sorted by prompt id: ``(prompt_ids, keys, rewards)`` (copies; keys: :func:`response_key`)."""
-        return self._buf_ids.clone(), self._buf_key.clone(), self._buf_reward.clone()
+        has = self._has()
+        return self._cols.table.prompt_ids[has], self._cols["key"][has], self._cols["reward"][has]
 
     def update(self, result: AllocationResult) -> None:
         """Store, per prompt with a correct generated rollout, one of them (``buffer``); bound the buffer."""
@@ -292,70 +326,54 @@ class AR3PO:
         hit = ok & (score == best[g])
         row_of = torch.full((p,), -1, dtype=torch.long).scatter_reduce(0, g[hit], rows[hit], "amax")
         has = row_of >= 0
-        new_ids = result.plan_prompt_ids[has]
         new_rows = row_of[has]
-        keep = ~torch.isin(self._buf_ids, new_ids)
-        ids = torch.cat([self._buf_ids[keep], new_ids])
-        key = torch.cat([self._buf_key[keep], response_key(step, new_rows)])
-        rew = torch.cat([self._buf_reward[keep], result.rewards[new_rows].double()])
-        stp = torch.cat([self._buf_step[keep], torch.full((new_ids.numel(),), step, dtype=torch.long)])
-        if self.max_age is not None:
-            fresh = step - stp <= self.max_age
-            ids, key, rew, stp = ids[fresh], key[fresh], rew[fresh], stp[fresh]
-        if ids.numel() > self.buffer_size:  # keep the most recently stored, ties to the lower id
-            o = torch.sort(ids).indices
-            o = o[_argsort_stable(stp[o], descending=True)][: self.buffer_size]
-            ids, key, rew, stp = ids[o], key[o], rew[o], stp[o]
-        o = torch.sort(ids).indices
-        self._buf_ids, self._buf_key, self._buf_reward, self._buf_step = ids[o], key[o], rew[o], stp[o]
+        if bool(has.any()):
+            pos, order = self._cols.add(result.plan_prompt_ids[has])  # an entry replaces the prompt's old one
+            self._cols["key"].index_copy_(0, pos, response_key(step, new_rows[order]))
+            self._cols["reward"].index_copy_(0, pos, result.rewards[new_rows[order]].double())
+        if not self._cols.empty and (self.max_age is not None or self.buffer_size < len(self._cols.table)):
+            entry = self._has()
+            drop = torch.zeros_like(entry)
+            stp = self._cols["key"] >> _SHIFT
+            if self.max_age is not None:
+                drop = entry & (step - stp > self.max_age)
+                entry = entry & ~drop
+            rows = entry.nonzero().squeeze(1)  # increasing ids
+            if rows.numel() > self.buffer_size:  # keep the most recently stored, ties to the lower id
+                o = _argsort_stable(stp[rows], descending=True)
+                drop[rows[o[self.buffer_size :]]] = True
+            if bool(drop.any()):
+                self._cols["reward"].masked_fill_(drop, math.nan)
+                self._cols["key"].masked_fill_(drop, 0)
         self._step = max(self._step, step + 1)
 
     STATE: ClassVar[dict[str, Field]] = {
         "step": Field("integer", low=0),
-        "buffer_ids": Field("int", ("M",), ("ids",)),
-        "buffer_keys": Field("int", ("M",), ("nonneg",)),
-        "buffer_rewards": Field("float", ("M",), ("finite",)),
-        "buffer_steps": Field("int", ("M",), ("nonneg",)),
+        "table": TableColumns.FIELD,
         "generator": Field("generator"),
     }
-    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`)."""
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`; the table validates its
+    columns, and each entry's key must name a step before ``step``)."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Step counter, buffer (ids, keys, rewards, steps stored) and generator state (copies)."""
-        return dump_state(
-            {
-                "step": self._step,
-                "buffer_ids": self._buf_ids.clone(),
-                "buffer_keys": self._buf_key.clone(),
-                "buffer_rewards": self._buf_reward.clone(),
-                "buffer_steps": self._buf_step.clone(),
-                "generator": self._gen.get_state(),
-            }
-        )
+        """Step counter, the table (the buffer's keys and rewards; the rows only when the table is private) and
+        the generator state (copies)."""
+        return dump_state({"step": self._step, "table": self._cols.state(), "generator": self._gen.get_state()})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one)."""
         s = load_state(state, self.STATE, "AR3PO")
-        keys, steps = s["buffer_keys"], s["buffer_steps"]
+        cols, at = incoming_columns(self._cols, s["table"])
+        entry = cols["seen"] & ~torch.isnan(cols["reward"])
+        steps = cols["key"][entry] >> _SHIFT
         if steps.numel() and int(steps.max()) >= s["step"]:
             raise InputError(
-                "state['buffer_steps']",
-                f"steps before the state's step counter {s['step']} (entries are stored by a finished step)",
+                f"{at}[{self._cols.owner + '/key'!r}]",
+                f"response keys of steps before the state's step counter {s['step']} (entries are stored by a "
+                "finished step)",
                 f"a step up to {int(steps.max())}",
                 "pass AR3PO.state_dict()",
             )
-        if not torch.equal(keys >> _SHIFT, steps):
-            raise InputError(
-                "state['buffer_keys']",
-                "response_key(step, row) of each entry's stored step (keys >> 32 == buffer_steps)",
-                "keys of other steps",
-                "pass AR3PO.state_dict()",
-            )
+        self._cols.load(s["table"])
         self._step = s["step"]
-        self._buf_ids, self._buf_key, self._buf_reward, self._buf_step = (
-            s["buffer_ids"],
-            keys,
-            s["buffer_rewards"],
-            steps,
-        )
         self._gen.set_state(s["generator"])

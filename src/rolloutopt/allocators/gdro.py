@@ -17,14 +17,13 @@ saying how to acknowledge the reconstruction.
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar, Literal
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from rolloutopt._state import Check, Field, dump_state, load_state
+from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import check_int as _int
 from rolloutopt._validation import choice, describe, positive, require_experimental
 from rolloutopt.allocators._base import (
@@ -34,138 +33,33 @@ from rolloutopt.allocators._base import (
     as_prompt_ids,
     check_budget,
 )
+from rolloutopt.allocators._gdro_ema import (
+    _bin_ema_fields,
+    _BinEMA,
+    _check_bins,
+    _classifier,
+    _common,
+    _hardness,
+    _id_keys,
+    _mw_probs,
+    _visit_stats,
+)
 from rolloutopt.allocators._ids import _sort_ids
-from rolloutopt.allocators._result_check import _check_result
+from rolloutopt.allocators._units import TokenBudget
 from rolloutopt.allocators.gdro_bins import (
     _DOCS,
     _F64,
     DifficultyClassifier,
     _arms,
     _arms_of,
-    _float_tensor,
     _unit,
     shadow_price_update,
 )
+from rolloutopt.allocators.table import PromptTable, TableOwner
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatP, IntP
 
 __all__ = ["PromptGDRO", "RolloutGDRO"]
-
-
-def _id_keys(order: Tensor, generator: torch.Generator) -> Tensor:
-    """One uniform in (0, 1) per prompt, assigned by the rank of its id (``order = ids.argsort()``), so that
-    permuting the prompts permutes the draws with them (the plan depends on the set of prompts, not their order)."""
-    u = torch.rand(order.numel(), generator=generator, dtype=_F64).clamp_(1e-12, 1 - 1e-12)
-    return torch.empty_like(u).scatter_(0, order, u)
-
-
-# ------------------------------------------------------------------------------------------ shared bin state
-
-
-class _BinEMA:
-    """Per-bin EMAs with Adam-style debiasing: ``s_hat = s / (1 - beta**t)`` (``t`` updates of that bin)."""
-
-    def __init__(self, num_bins: int, beta: float) -> None:
-        self.beta = beta
-        self.s = torch.zeros(num_bins, dtype=_F64)
-        self.t = torch.zeros(num_bins, dtype=torch.long)
-
-    def update(self, bins: Tensor, values: Tensor) -> None:
-        """Each bin that holds at least one value takes one EMA step towards the mean of its values."""
-        k = self.s.numel()
-        cnt = torch.bincount(bins, minlength=k).to(_F64)
-        tot = torch.zeros(k, dtype=_F64).index_add_(0, bins, values)
-        hit = cnt > 0
-        mean = tot / cnt.clamp(min=1)
-        self.s = torch.where(hit, self.beta * self.s + (1 - self.beta) * mean, self.s)
-        self.t = self.t + hit.long()
-
-    def debiased(self) -> Tensor:
-        """``s_hat`` per bin (NaN where a bin has had no update)."""
-        denom = 1 - torch.pow(torch.full_like(self.s, self.beta), self.t.to(_F64))
-        return torch.where(self.t > 0, self.s / denom.clamp(min=1e-300), torch.full_like(self.s, math.nan))
-
-    def state(self) -> dict[str, Tensor]:
-        return {"s": self.s.clone(), "t": self.t.clone()}
-
-    def load(self, s: dict[str, Tensor]) -> None:
-        """Take a state validated against :func:`_bin_ema_fields` (fresh copies from ``load_state``)."""
-        self.s, self.t = s["s"], s["t"]
-
-
-def _bin_ema_fields(check: Check) -> dict[str, Field]:
-    """The nested fields of a :class:`_BinEMA` state: ``s`` (with ``check``) and the update counts ``t``, one per
-    bin (``K``, shared by every bin EMA of the allocator; it must equal the classifier's ``num_bins``)."""
-    return {"s": Field("float", ("K",), (check,)), "t": Field("int", ("K",), ("nonneg",))}
-
-
-def _check_bins(s: dict[str, Any], keys: tuple[str, ...], classifier: DifficultyClassifier) -> None:
-    """The semantic checks of a GDRO state that passed its ``STATE``: bin EMAs over the classifier's bins, and
-    the classifier's own check."""
-    k = classifier.num_bins
-    for key in keys:
-        t = s[key]["s"]
-        if t.numel() != k:
-            raise InputError(
-                f"state[{key!r}]['s']",
-                f"{k} bins (the classifier's num_bins)",
-                describe(t),
-                "pass the state_dict() of an allocator whose classifier has the same edges",
-            )
-    classifier._check_loaded(s["classifier"], "state['classifier']")
-
-
-def _mw_probs(scores: _BinEMA, present: Tensor, eta: float, gamma: float) -> Tensor:
-    r"""EMA-debiased exponential weights over the present bins: :math:`q \propto e^{\eta \hat s}`, mixed with
-    uniform. A bin without updates scores like the best scored bin (0 when none is scored), so it is explored."""
-    if not bool(present.any()):
-        return torch.zeros(present.shape, dtype=_F64)
-    s_hat = scores.debiased()
-    seen = ~torch.isnan(s_hat)
-    best = s_hat[seen & present].max() if bool((seen & present).any()) else torch.tensor(0.0, dtype=_F64)
-    s_hat = torch.where(seen, s_hat, best)
-    logits = torch.where(present, eta * s_hat, torch.full_like(s_hat, -math.inf))
-    q = torch.softmax(logits, dim=0)
-    num_present = present.sum().clamp(min=1).to(_F64)
-    return torch.where(present, (1 - gamma) * q + gamma / num_present, torch.zeros_like(q))
-
-
-def _visit_stats(result: AllocationResult, threshold: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Per planned prompt: rollouts observed, successes, and whether it was visited (n >= 1)."""
-    _check_result(result)
-    p = result.plan_prompt_ids.numel()
-    n = result.counts.long()
-    succ = (result.rewards >= threshold).long()
-    c = torch.zeros(p, dtype=torch.long).index_add_(0, result.group.long(), succ)
-    return n, c, n > 0
-
-
-def _hardness(kind: str, n: Tensor, c: Tensor, visited: Tensor, override: Any, p: int) -> Tensor:
-    if override is not None:  # the observed hardness signal [P]: NaN for prompts not requested, so only the
-        if not isinstance(override, Tensor) or override.shape != (p,):  # visited ones must be finite
-            raise InputError(
-                "hardness", f"a float tensor [P] = ({p},)", describe(override), "one value per result.plan_prompt_ids"
-            )
-        return _float_tensor(override[visited], "hardness")
-    rate = c[visited].to(_F64) / n[visited].to(_F64)
-    return 1 - rate if kind == "fail_rate" else rate * (1 - rate)
-
-
-def _common(beta: Any, eta: Any, gamma: Any, hardness: Any, seed: Any) -> tuple[float, float, float, int]:
-    b = _unit(beta, "beta", closed_low=True, closed_high=False)
-    positive(eta, "eta", strict=False)
-    g = _unit(gamma, "gamma", closed_low=True, closed_high=True)
-    choice(hardness, "hardness", ("fail_rate", "variance"))
-    s = _int(seed, "seed", 0)
-    return b, float(eta), g, s
-
-
-def _classifier(classifier: Any) -> DifficultyClassifier:
-    if classifier is None:
-        return DifficultyClassifier(experimental=True)
-    if not isinstance(classifier, DifficultyClassifier):
-        raise InputError("classifier", "a DifficultyClassifier or None", describe(classifier), "leave it None")
-    return classifier
 
 
 # ------------------------------------------------------------------------------------------------ Prompt-GDRO
@@ -175,7 +69,7 @@ class _PromptPlan(OneShotPlan):
     reason_names = ("selected", "not_selected", "no_budget")
 
 
-class PromptGDRO:
+class PromptGDRO(TableOwner):
     r"""Prompt-GDRO: an EMA-debiased multiplicative-weights adversary over difficulty bins picks the prompts.
 
     Per bin :math:`b` the allocator keeps an EMA of the *mean* per-prompt hardness :math:`h` of the bin's prompts
@@ -220,6 +114,11 @@ class PromptGDRO:
             defaults). Do not share one instance between two allocators: both would update it.
         seed: seed of the allocator's own ``torch.Generator`` (default 0).
         experimental: must be True (see above).
+        capacity: prompts the default classifier keeps in a private table (default None: 1,000,000; the least
+            recently visited are forgotten first); None when ``classifier`` is given.
+        table: a shared :class:`~rolloutopt.allocators.PromptTable` for the default classifier (default None: a
+            private one), which registers ``ema``, ``bin`` and ``streak`` as owner ``"promptgdro"``; the caller
+            saves a shared table once. None when ``classifier`` is given (construct it with ``table=``).
     """
 
     accepts: ClassVar[tuple[str, ...]] = ("hardness",)
@@ -241,6 +140,8 @@ class PromptGDRO:
         classifier: DifficultyClassifier | None = None,
         seed: int = 0,
         experimental: bool = False,
+        capacity: int | None = None,
+        table: PromptTable | None = None,
     ) -> None:
         require_experimental(experimental, "Prompt-GDRO (EMA-debiased MW over difficulty bins)", _DOCS)
         self.n = _int(n, "n", 1)
@@ -252,7 +153,8 @@ class PromptGDRO:
             raise InputError("n_max", f"n_max >= n = {self.n}", describe(n_max), "raise n_max")
         self.beta, self.eta, self.gamma, self.seed = _common(beta, eta, gamma, hardness, seed)
         self.hardness = hardness
-        self.classifier = _classifier(classifier)
+        self.classifier = _classifier(classifier, capacity, table, "promptgdro")
+        self._cols = self.classifier._cols  # the per-prompt state is the classifier's
         self._scores = _BinEMA(self.classifier.num_bins, self.beta)
         self._gen = torch.Generator().manual_seed(self.seed)
 
@@ -276,7 +178,7 @@ class PromptGDRO:
         q = _mw_probs(self._scores, m > 0, self.eta, self.gamma)
         return q[bins] / (m[bins] / max(bins.numel(), 1))
 
-    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> Conversation:
         """Select prompts by the bin adversary and give each ``n`` rollouts, in one request (class docstring)."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
@@ -294,7 +196,7 @@ class PromptGDRO:
         else:
             return _PromptPlan(ids, budget, counts, torch.full((p,), 2, dtype=torch.long), accepts=self.accepts)
         sort = _sort_ids(ids)
-        bins = self.classifier._bins_at(*self.classifier._find(ids, sort))
+        bins = self.classifier._bins_at(*self.classifier._find(ids))  # the sort of ids is remembered
         k = self.classifier.num_bins
         mass = torch.bincount(bins, minlength=k).to(_F64)
         q = _mw_probs(self._scores, mass > 0, self.eta, self.gamma)
@@ -316,9 +218,8 @@ class PromptGDRO:
         n, c, visited = _visit_stats(result, self.classifier.success_threshold)
         h = _hardness(self.hardness, n, c, visited, result.signals.get("hardness"), n.numel())
         ids = result.plan_prompt_ids[visited]
-        pos, found = self.classifier._find(ids)
-        self._scores.update(self.classifier._bins_at(pos, found), h)
-        self.classifier._visit(ids, n[visited], c[visited], pos, found)
+        bins = self.classifier._visit(ids, n[visited], c[visited])  # the bins before the visit: as planned
+        self._scores.update(bins, h)
 
     STATE: ClassVar[dict[str, Field]] = {
         "scores": Field("nested", fields=_bin_ema_fields("finite")),
@@ -343,8 +244,8 @@ class PromptGDRO:
         allocator then continues exactly as the saved one would."""
         s = load_state(state, self.STATE, "PromptGDRO")
         _check_bins(s, ("scores",), self.classifier)
+        self.classifier._assign(s["classifier"], "state['classifier']")
         self._scores.load(s["scores"])
-        self.classifier._assign(s["classifier"])
         self._gen.set_state(s["generator"])
 
 
@@ -415,7 +316,7 @@ def _fit_budget(bins: Tensor, a: Tensor, arms: Tensor, keys: Tensor, budget: int
     return x
 
 
-class RolloutGDRO:
+class RolloutGDRO(TableOwner):
     r"""Rollout-GDRO: a shadow-price controller spreads rollouts across difficulty bins at a fixed mean budget.
 
     Per bin :math:`b` a variance proxy :math:`v_b` and an adversarial weight :math:`w_b` give :math:`a_b = w_b
@@ -467,6 +368,7 @@ class RolloutGDRO:
         classifier: the :class:`DifficultyClassifier` this allocator owns (default: one with its defaults).
         seed: seed of the allocator's own ``torch.Generator`` (tie-breaks of the budget cut; default 0).
         experimental: must be True (see above).
+        capacity, table: the default classifier's table, as :class:`PromptGDRO` (owner ``"rolloutgdro"``).
     """
 
     accepts: ClassVar[tuple[str, ...]] = ("hardness",)
@@ -492,6 +394,8 @@ class RolloutGDRO:
         classifier: DifficultyClassifier | None = None,
         seed: int = 0,
         experimental: bool = False,
+        capacity: int | None = None,
+        table: PromptTable | None = None,
     ) -> None:
         require_experimental(experimental, "Rollout-GDRO (shadow-price controller over rollout arms)", _DOCS)
         self.n_min, self.n_max = _arms(n_min, n_max)
@@ -518,7 +422,8 @@ class RolloutGDRO:
         choice(variance, "variance", ("pbar", "mean"))
         self.weights, self.variance = weights, variance
         self.unseen_variance = _unit(unseen_variance, "unseen_variance", closed_low=True, closed_high=True)
-        self.classifier = _classifier(classifier)
+        self.classifier = _classifier(classifier, capacity, table, "rolloutgdro")
+        self._cols = self.classifier._cols  # the per-prompt state is the classifier's
         k = self.classifier.num_bins
         self.mu = float(mu_init)
         self._scores = _BinEMA(k, self.beta)
@@ -547,13 +452,13 @@ class RolloutGDRO:
         pi = m / m.sum().clamp(min=1)
         return a, pi, _arms_of(a, self.mu, self.n_min, self.n_max)
 
-    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> Conversation:
         """The controller's arm for each prompt's bin, cut to ``budget`` if needed, in one request."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
         p = ids.numel()
         sort = _sort_ids(ids)
-        bins = self.classifier._bins_at(*self.classifier._find(ids, sort))
+        bins = self.classifier._bins_at(*self.classifier._find(ids))  # the sort of ids is remembered
         a, pi, arms = self._values(bins)
         n_bar = self.n_bar if self.n_bar is not None else min(max(budget / max(p, 1), self.n_min), self.n_max)
         keys = _id_keys(sort[1], self._gen)
@@ -585,8 +490,7 @@ class RolloutGDRO:
             )
         h = _hardness(self.hardness, n, c, visited, result.signals.get("hardness"), n.numel())
         ids = result.plan_prompt_ids[visited]
-        pos, found = self.classifier._find(ids)
-        bins = self.classifier._bins_at(pos, found)
+        bins = self.classifier._visit(ids, n[visited], c[visited])  # the bins before the visit: as planned
         rate = c[visited].to(_F64) / n[visited].to(_F64)
         self._rate.update(bins, rate if self.variance == "pbar" else rate * (1 - rate))
         self._scores.update(bins, h)
@@ -598,7 +502,6 @@ class RolloutGDRO:
                 eta_mu=self.eta_mu,
                 scale=float(result.metrics["price_scale"]),
             )
-        self.classifier._visit(ids, n[visited], c[visited], pos, found)
 
     STATE: ClassVar[dict[str, Field]] = {
         "mu": Field("real", low=0.0),
@@ -627,8 +530,8 @@ class RolloutGDRO:
         allocator then continues exactly as the saved one would."""
         s = load_state(state, self.STATE, "RolloutGDRO")
         _check_bins(s, ("scores", "rate"), self.classifier)
+        self.classifier._assign(s["classifier"], "state['classifier']")
         self._scores.load(s["scores"])
         self._rate.load(s["rate"])
-        self.classifier._assign(s["classifier"])
         self._gen.set_state(s["generator"])
         self.mu = float(s["mu"])

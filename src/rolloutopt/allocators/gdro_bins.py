@@ -28,7 +28,8 @@ from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import check_int as _int
 from rolloutopt._validation import choice, describe, positive, require_experimental
 from rolloutopt.allocators._base import as_prompt_ids
-from rolloutopt.allocators._ids import _sort_ids
+from rolloutopt.allocators._table_checks import incoming_columns
+from rolloutopt.allocators.table import Column, PromptTable, TableColumns, TableOwner, open_table
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatP, IntP
 
@@ -213,7 +214,7 @@ def shadow_price_update(mu: float, mean_n: float, n_bar: float, *, eta_mu: float
 # -------------------------------------------------------------------------------------------- the classifier
 
 
-class DifficultyClassifier:
+class DifficultyClassifier(TableOwner):
     r"""Online difficulty bins from each prompt's recent pass@k, with hysteresis [reconstructed].
 
     Per visit (a prompt's group in one step, ``c`` successes of ``n``), :math:`e = \widehat{\mathrm{pass@}k}(n, c)`
@@ -231,10 +232,10 @@ class DifficultyClassifier:
     EMA, the edges, ``k``, the margin/patience rule and the unseen-prompt policy are **[reconstructed]**
     (``docs/methods/gdro.md``), hence ``experimental=True``.
 
-    State (bounded, vectorised, keyed by int64 prompt ids kept sorted): per prompt the EMA, the bin, the streak of
-    visits across an edge and the step of the last visit — four numbers per prompt. ``capacity`` bounds the
-    number of prompts: beyond it the least recently visited are forgotten (ties: larger id first) and become
-    unseen again.
+    State (bounded, vectorised, in a :class:`~rolloutopt.allocators.PromptTable` keyed by int64 prompt ids): per
+    prompt the EMA, the bin and the streak of visits across an edge — three numbers per prompt. The table's
+    ``capacity`` bounds the number of prompts: beyond it the least recently visited are forgotten (ties: the
+    smaller id first) and become unseen again.
 
     Args:
         k: the k of pass@k (default 4, [reconstructed]: unbiased from groups of >= 4, not saturated at 8).
@@ -247,8 +248,13 @@ class DifficultyClassifier:
         success_threshold: a reward counts as a success when ``reward >= success_threshold`` (default 1.0:
             binary 0/1 and DAPO's ±1 rewards both work).
         small_group: forwarded to :func:`pass_at_k` for groups smaller than ``k``.
-        capacity: most prompts remembered (None: no limit other than the dataset).
         experimental: must be True (see above).
+        capacity: prompts kept in a private table (default None: 1,000,000; the least recently visited are
+            forgotten first).
+        table: a shared :class:`~rolloutopt.allocators.PromptTable` (default None: a private one); the classifier
+            registers ``ema``, ``bin`` and ``streak`` as owner ``name``, and the caller saves a shared table once.
+        name: the classifier's owner name in its table (default ``"difficulty"``; the GDRO allocators name the
+            classifier they build ``"promptgdro"`` / ``"rolloutgdro"``).
     """
 
     def __init__(
@@ -262,8 +268,10 @@ class DifficultyClassifier:
         unseen: Literal["separate", "middle"] = "separate",
         success_threshold: float = 1.0,
         small_group: Literal["plugin", "clip"] = "plugin",
-        capacity: int | None = None,
         experimental: bool = False,
+        capacity: int | None = None,
+        table: PromptTable | None = None,
+        name: str = "difficulty",
     ) -> None:
         require_experimental(experimental, "the GDRO difficulty classifier (EMA of pass@k, edges, hysteresis)", _DOCS)
         self.k = _int(k, "k", 1)
@@ -289,47 +297,54 @@ class DifficultyClassifier:
         self.success_threshold = float(success_threshold)
         choice(small_group, "small_group", ("plugin", "clip"))
         self.small_group = small_group
-        if capacity is not None:
-            _int(capacity, "capacity", 1)
-        self.capacity = capacity
         self._edges = torch.tensor(self.edges, dtype=_F64)
         known = len(self.edges) + 1
         self.num_bins = known + 1 if unseen == "separate" else known
         self.unseen_bin = known if unseen == "separate" else known // 2
-        self._ids = torch.zeros(0, dtype=torch.long)
-        self._ema = torch.zeros(0, dtype=_F64)
-        self._bin = torch.zeros(0, dtype=torch.long)
-        self._streak = torch.zeros(0, dtype=torch.long)
-        self._last = torch.zeros(0, dtype=torch.long)
-        self._step = 0
+        # the fills are an unseen prompt's: no EMA yet (NaN, exactly where the row is not seen), the unseen bin,
+        # no streak
+        self._cols = open_table(
+            table,
+            capacity,
+            name,
+            {
+                "ema": Column("float", fill=math.nan, checks=("finite_or_nan",)),  # in [0, 1]: _check_loaded
+                "bin": Column("int", fill=self.unseen_bin, checks=("nonneg",)),  # < num_bins: _check_loaded
+                "streak": Column("int", checks=("nonneg",)),
+            },
+        )
+
+    @property
+    def capacity(self) -> int:
+        """The table's capacity (at most this many prompts are remembered)."""
+        return self._cols.table.capacity
 
     def __len__(self) -> int:
-        return int(self._ids.numel())
+        """Number of prompts the classifier remembers (visited and not forgotten)."""
+        return 0 if self._cols.empty else int(self._cols["seen"].sum())
 
-    def _find(self, ids: Tensor, sort: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
-        s = self._ids.numel()
-        sorted_ids, order = _sort_ids(ids) if sort is None else sort  # sorted queries search faster (cache)
-        pos = torch.empty_like(order).scatter_(0, order, torch.searchsorted(self._ids, sorted_ids))
-        pos = pos.clamp(max=max(s - 1, 0))
-        found = self._ids[pos] == ids if s else torch.zeros(ids.shape, dtype=torch.bool)
-        return pos, found
+    def _find(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Rows of ``ids`` and whether the classifier has visited each (rows of the others are junk)."""
+        if self._cols.empty:
+            return torch.zeros_like(ids), torch.zeros(ids.shape, dtype=torch.bool)
+        return self._cols.find(ids)
 
     def bins(self, prompt_ids: IntP) -> IntP:
         """Current bin of each prompt, int64 ``[P]`` (never-seen prompts: ``unseen_bin``)."""
         return self._bins_at(*self._find(as_prompt_ids(prompt_ids)))
 
     def _bins_at(self, pos: Tensor, found: Tensor) -> Tensor:
-        if not self._ids.numel():
+        if self._cols.empty:
             return torch.full(pos.shape, self.unseen_bin, dtype=torch.long)
-        return torch.where(found, self._bin[pos], torch.full_like(pos, self.unseen_bin))
+        return torch.where(found, self._cols["bin"].index_select(0, pos), self.unseen_bin)
 
     def ema(self, prompt_ids: IntP) -> FloatP:
         """The pass@k EMA of each prompt, float64 ``[P]`` (NaN for never-seen prompts)."""
         ids = as_prompt_ids(prompt_ids)
-        pos, found = self._find(ids)
-        if not self._ids.numel():
+        if self._cols.empty:
             return torch.full(ids.shape, math.nan, dtype=_F64)
-        return torch.where(found, self._ema[pos], torch.full_like(self._ema[pos], math.nan))
+        pos, found = self._find(ids)
+        return torch.where(found, self._cols["ema"].index_select(0, pos), math.nan)  # (NaN where not seen anyway)
 
     def update(self, prompt_ids: IntP, n: IntP, c: IntP) -> None:
         """One visit per prompt: ``c`` successes out of ``n`` rollouts (distinct ids ``[M]``, ``n >= 1``)."""
@@ -337,86 +352,69 @@ class DifficultyClassifier:
         nn, cc = _int_tensor(n, "n"), _int_tensor(c, "c")
         if nn.shape != ids.shape or cc.shape != ids.shape:
             raise InputError("n", f"counts shaped like prompt_ids {tuple(ids.shape)}", describe(n), "one per prompt")
-        self._visit(ids, nn, cc, *self._find(ids))
+        self._visit(ids, nn, cc)
 
-    def _visit(self, ids: Tensor, nn: Tensor, cc: Tensor, pos: Tensor, found: Tensor) -> None:
-        self._step += 1
+    def _visit(self, ids: Tensor, nn: Tensor, cc: Tensor) -> Tensor:
+        """One visit of the distinct ``ids``; returns their bins before it (int64, in the order of ``ids``)."""
         est = pass_at_k(nn, cc, self.k, small_group=self.small_group)
-        # known prompts: EMA and hysteresis, in place
-        kp = pos[found]
+        rows, order = self._cols.add(ids)  # the increasing rows of ids[order]; new rows hold the fills
+        est = est.index_select(0, order)
+        ema, bin_, streak = self._cols["ema"], self._cols["bin"], self._cols["streak"]
+        old = ema.index_select(0, rows)
+        known = ~torch.isnan(old)  # visited before (a row this classifier has not visited holds a NaN EMA)
+        cur = torch.where(known, bin_.index_select(0, rows), self.unseen_bin)
+        # known prompts: EMA and hysteresis; new prompts: the first visit sets the EMA and the bin
         lam = self.smoothing
-        new = lam * self._ema[kp] + (1 - lam) * est[found]
+        new = torch.where(known, lam * old + (1 - lam) * est, est)
         cand = torch.bucketize(new, self._edges, right=True)
-        cur = self._bin[kp]
         inf = torch.tensor([math.inf], dtype=_F64)
         lo_edges = torch.cat([-inf, self._edges])
         hi_edges = torch.cat([self._edges, inf])
         known_cur = cur.clamp(max=len(self.edges))  # a "middle" unseen bin is a real bin; "separate" never stored
         outside = (new < lo_edges[known_cur] - self.margin) | (new >= hi_edges[known_cur] + self.margin)
         across = cand != cur
-        streak = torch.where(across, self._streak[kp] + 1, torch.zeros_like(cur))
-        move = across & (outside | (streak >= self.patience))
-        self._ema[kp] = new
-        self._bin[kp] = torch.where(move, cand, cur)
-        self._streak[kp] = torch.where(move, torch.zeros_like(streak), streak)
-        self._last[kp] = self._step
-        # new prompts: first visit sets the EMA and the bin
-        fresh = ~found
-        if bool(fresh.any()):
-            fe = est[fresh]
-            ids_all = torch.cat([self._ids, ids[fresh]])
-            order = ids_all.argsort()
-            self._ids = ids_all[order]
-            self._ema = torch.cat([self._ema, fe])[order]
-            self._bin = torch.cat([self._bin, torch.bucketize(fe, self._edges, right=True)])[order]
-            self._streak = torch.cat([self._streak, torch.zeros(fe.shape, dtype=torch.long)])[order]
-            self._last = torch.cat([self._last, torch.full(fe.shape, self._step, dtype=torch.long)])[order]
-        if self.capacity is not None and self._ids.numel() > self.capacity:
-            # keep the most recently visited; among equals the smaller ids (ids are sorted, argsort is stable)
-            keep = (-self._last).argsort(stable=True)[: self.capacity].sort().values
-            self._ids, self._ema, self._bin = self._ids[keep], self._ema[keep], self._bin[keep]
-            self._streak, self._last = self._streak[keep], self._last[keep]
+        run = torch.where(across, streak.index_select(0, rows) + 1, 0)
+        move = ~known | (across & (outside | (run >= self.patience)))
+        ema.index_copy_(0, rows, new)
+        bin_.index_copy_(0, rows, torch.where(move, cand, cur))
+        streak.index_copy_(0, rows, torch.where(move, 0, run))
+        return torch.empty_like(cur).scatter_(0, order, cur)
 
-    STATE: ClassVar[dict[str, Field]] = {
-        "ids": Field("int", ("M",), ("ids",)),
-        "ema": Field("float", ("M",), ("prob",)),
-        "bin": Field("int", ("M",), ("nonneg",)),
-        "streak": Field("int", ("M",), ("nonneg",)),
-        "last": Field("int", ("M",), ("nonneg",)),
-        "step": Field("integer", low=0),
-    }
-    """The declared fields of :meth:`state_dict` (bins must also be below ``num_bins``, checked by
-    :meth:`load_state_dict`); the GDRO allocators nest it under ``"classifier"``."""
+    STATE: ClassVar[dict[str, Field]] = {"table": TableColumns.FIELD}
+    """The declared fields of :meth:`state_dict` (the table validates the columns; bins must also be below
+    ``num_bins``, checked by :meth:`load_state_dict`); the GDRO allocators nest it under ``"classifier"``."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Copies of the per-prompt state (sorted ids, EMA, bin, streak, last visit) and the step counter."""
+        """The table (per prompt the EMA, bin and streak; the rows only when the table is private), copies."""
         return dump_state(self._state())
 
     def _state(self) -> dict[str, Any]:
         """The fields of :meth:`state_dict` without the format version (what the GDRO allocators nest)."""
-        return {
-            "ids": self._ids.clone(),
-            "ema": self._ema.clone(),
-            "bin": self._bin.clone(),
-            "streak": self._streak.clone(),
-            "last": self._last.clone(),
-            "step": self._step,
-        }
+        return {"table": self._cols.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one),
         with bins of this classifier's edges."""
         s = load_state(state, self.STATE, "DifficultyClassifier")
         self._check_loaded(s, "state")
-        self._assign(s)
+        self._assign(s, "state")
 
     def _check_loaded(self, s: dict[str, Any], name: str) -> None:
         """The semantic check of a state that passed :data:`STATE` (``name``: its path, for the error)."""
-        b = s["bin"]
+        cols, at = incoming_columns(self._cols, s["table"], f"{name}['table']")
+        b, e = cols["bin"], cols["ema"]
         if b.numel() and not bool((b < self.num_bins).all()):
-            raise InputError(f"{name}['bin']", f"bins in [0, {self.num_bins})", describe(b), "same edges")
+            key = f"{self._cols.owner}/bin"
+            raise InputError(f"{at}[{key!r}]", f"bins in [0, {self.num_bins})", describe(b), "same edges")
+        if not torch.equal(~torch.isnan(e), cols["seen"]) or bool(((e < 0) | (e > 1)).any()):
+            key = f"{self._cols.owner}/ema"
+            raise InputError(
+                f"{at}[{key!r}]",
+                "a pass@k EMA in [0, 1] for each visited prompt, NaN for the others",
+                describe(e),
+                "pass the classifier's state_dict()",
+            )
 
-    def _assign(self, s: dict[str, Any]) -> None:
-        """Take the fields of a validated state (fresh copies from ``load_state``)."""
-        self._ids, self._ema, self._bin, self._streak, self._last = s["ids"], s["ema"], s["bin"], s["streak"], s["last"]
-        self._step = s["step"]
+    def _assign(self, s: dict[str, Any], name: str) -> None:
+        """Load the table of a checked state (the last step that can fail)."""
+        self._cols.load(s["table"], f"{name}['table']")

@@ -1,8 +1,8 @@
 """Knapsack-RL's history-based per-prompt budget (:class:`Knapsack`, :func:`knapsack_value`).
 
-Reads each prompt's past success rate from a :class:`~rolloutopt.allocators.PromptHistory` and gives every prompt
-of the batch its own number of rollouts, in one request, before any rollout of the step. Knapsack-RL, arXiv
-2509.25849, code ``liziniu/KnapsackRL`` (read at ``ca5d5f5b7e933378d916d05d1aeb4ae9de929ee5``):
+Keeps each prompt's recent successes in its columns of a :class:`~rolloutopt.allocators.PromptTable` and gives
+every prompt of the batch its own number of rollouts, in one request, before any rollout of the step.
+Knapsack-RL, arXiv 2509.25849, code ``liziniu/KnapsackRL`` (read at ``ca5d5f5b7e933378d916d05d1aeb4ae9de929ee5``):
 ``verl/trainer/ppo/exploration_utils.py`` (``sampling_budget_by_knapsack``, ``solve_by_dp``) and the per-prompt
 estimate of ``verl/utils/dataset/rl_dataset.py`` (``update_sample_state``, ``get_sample_state``). See
 ``docs/methods/budget.md``.
@@ -23,9 +23,11 @@ from rolloutopt._validation import check_real as _float
 from rolloutopt._validation import describe
 from rolloutopt.allocators._base import AllocationResult, Conversation, as_prompt_ids, check_budget
 from rolloutopt.allocators._budget import _F64, _OneShot, _short, _spread, _top_units_by_key, _top_units_lazy, _unsort
-from rolloutopt.allocators._ids import _by_group, _lookup, _sort_ids
+from rolloutopt.allocators._ids import _by_group, _sort_ids
 from rolloutopt.allocators._result_check import _check_result
-from rolloutopt.allocators.history import PromptHistory
+from rolloutopt.allocators._table_checks import incoming_columns
+from rolloutopt.allocators._units import TokenBudget
+from rolloutopt.allocators.table import Column, PromptTable, TableColumns, TableOwner, open_table
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatAny, FloatP, IntP
 
@@ -44,7 +46,22 @@ def knapsack_value(n: Real[Tensor, " ..."], p: FloatAny) -> FloatAny:
     return (1.0 - pp**nn - (1.0 - pp) ** nn) * pp * (1.0 - pp) ** 2
 
 
-class Knapsack:
+def _row_counts(t: Tensor) -> Tensor:
+    """The number of True per row of a bool matrix ``[k, W]`` (int64 ``[k]``).
+
+    ``t.sum(1)`` widens every element to int64 first; for ``W % 8 == 0`` the bytes of each 8-wide chunk, each 0 or
+    1, are added inside one int64 word instead (the chunk's value is below ``2**57``: no sign, no overflow, and
+    each partial byte sum stays below 256)."""
+    if t.shape[1] % 8 or not t.is_contiguous() or t.storage_offset() % 8:
+        return t.sum(1)
+    x = t.view(torch.int64)  # [k, W / 8]
+    x = x + (x >> 32)
+    x = x + (x >> 16)
+    x = x + (x >> 8)
+    return (x & 0xFF).sum(1)
+
+
+class Knapsack(TableOwner):
     r"""Knapsack-RL: per-prompt rollout counts maximising :math:`\sum_i V(N_i, p_i)` under the step's budget.
 
     **Per-prompt estimate** (the code's ``update_sample_state`` with its defaults ``epoch_estimation`` and
@@ -112,7 +129,12 @@ class Knapsack:
         reward_window: the code's ``reward_buffer_length`` (16): a group smaller than it is pooled with the
             prompt's previous rewards up to this many; >= 1.
         min_rewards: the code's ``min_buffer_length`` (8): rewards a prompt needs before its ``p`` is used; >= 0.
-        capacity: prompts kept in the history (and in the reward store aligned with it).
+        capacity: prompts kept in a private table (default None: 1,000,000; the least recently updated are
+            evicted first and are then never seen again).
+        table: a shared :class:`~rolloutopt.allocators.PromptTable` (default None: a private one); Knapsack
+            registers its reward store as owner ``"knapsack"``: ``tail`` (the last ``reward_window`` successes,
+            newest first), ``filled`` (how many of them are filled), ``total`` (rewards seen) and ``rate`` (the
+            estimate ``p`` of the last update); the caller saves a shared table once.
 
     Edge cases: an empty batch or a zero budget requests nothing; ``update`` ignores prompts with no rollouts.
     """
@@ -137,7 +159,8 @@ class Knapsack:
         success_threshold: float = 1.0,
         reward_window: int = 16,
         min_rewards: int = 8,
-        capacity: int = 1_000_000,
+        capacity: int | None = None,
+        table: PromptTable | None = None,
     ) -> None:
         self.n_min = _int(n_min, "n_min", 1)
         self.n_max = _int(n_max, "n_max", 1)
@@ -161,33 +184,28 @@ class Knapsack:
         if no_extra not in ("value", "zero"):
             raise InputError("no_extra", "'value' (fix) or 'zero' (the code)", repr(no_extra), "pick one of them")
         self.no_extra = no_extra
-        st = _float(success_threshold, "success_threshold", -1e300, 1e300)
-        self.history = PromptHistory(window=1, success_threshold=st, capacity=_int(capacity, "capacity", 1))
+        self.success_threshold = _float(success_threshold, "success_threshold", -1e300, 1e300)
         self.reward_window = _int(reward_window, "reward_window", 1)
         self.min_rewards = _int(min_rewards, "min_rewards", 0)
         self._step = 0
-        # the reward store, aligned with the history's sorted ids: the last reward_window successes (newest first),
-        # how many of them are filled, the total rewards seen and the estimate p of the last update
-        self._rewards = _empty_rewards(self.reward_window)
-        self.STATE = {
-            "history": Field("nested", fields=self.history.STATE),
-            # aligned with the history's prompts (M); filled <= reward_window and <= total, checked after load_state
-            "rewards": Field(
-                "nested",
-                fields={
-                    "prompt_ids": Field("int", ("M",), ("ids",)),
-                    "tail": Field("bool", ("M", self.reward_window)),
-                    "filled": Field("int", ("M",), ("nonneg",)),
-                    "total": Field("int", ("M",), ("nonneg",)),
-                    "rate": Field("float", ("M",), ("prob",)),
-                },
-            ),
-            "step": Field("integer", low=0),
-        }
+        # the reward store: the last reward_window successes (newest first), how many of them are filled, the total
+        # rewards seen and the estimate p of the last update. The fills (nothing filled, total 0, p = 0) are a
+        # never-seen prompt's, so a row this owner has not seen needs no seen mask
+        self._cols = open_table(
+            table,
+            capacity,
+            "knapsack",
+            {
+                "tail": Column("bool", (self.reward_window,), False),
+                "filled": Column("int", checks=("nonneg",)),  # <= reward_window and <= total: load_state_dict
+                "total": Column("int", checks=("nonneg",)),
+                "rate": Column("float", fill=0.0, checks=("prob",)),
+            },
+        )
 
-    STATE: dict[str, Field]
-    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`; built per instance: the
-    reward store's width is ``reward_window``)."""
+    STATE: ClassVar[dict[str, Field]] = {"table": TableColumns.FIELD, "step": Field("integer", low=0)}
+    """The declared fields of :meth:`state_dict` (validated by :meth:`load_state_dict`; the table validates the
+    reward store's columns, its window width included)."""
 
     def gains(self, p: FloatP, cols: int | None = None) -> Float[Tensor, "P cols"]:
         """Marginal gains ``[E, cols]`` of the effective items (column ``k``: the ``(k+1)``-th extra unit; ``cols``
@@ -211,14 +229,16 @@ class Knapsack:
         """``(valid, p)`` per prompt ``[P]``: valid once ``min_rewards`` rewards were seen; ``p`` the code's estimate
         (0 where not valid; see the class docstring)."""
         ids = as_prompt_ids(prompt_ids)
-        store = self._rewards
-        if store["prompt_ids"].numel() == 0:
+        if self._cols.empty:
             total = torch.zeros(ids.shape, dtype=torch.long)
             rate = torch.zeros(ids.shape, dtype=_F64)
         else:
-            pos, found = _lookup(store["prompt_ids"], ids)
-            total = torch.where(found, store["total"][pos], 0)
-            rate = torch.where(found, store["rate"][pos], 0.0)
+            # a stored row this owner has not seen holds the fills (total 0, p = 0): only its existence matters
+            t_ids = self._cols.table.prompt_ids
+            pos = torch.searchsorted(t_ids, ids).clamp_(max=t_ids.numel() - 1)
+            found = t_ids.index_select(0, pos) == ids
+            total = torch.where(found, self._cols["total"].index_select(0, pos), 0)
+            rate = torch.where(found, self._cols["rate"].index_select(0, pos), 0.0)
         valid = total >= self.min_rewards
         return valid, torch.where(valid, rate, 0.0)
 
@@ -262,7 +282,7 @@ class Knapsack:
         counts[eff] += extra
         return counts, torch.where(surplus_to, 4, reasons)
 
-    def plan(self, prompt_ids: IntP, budget: int) -> Conversation:
+    def plan(self, prompt_ids: IntP, budget: int | TokenBudget) -> Conversation:
         """One request: the Knapsack-RL counts of ``prompt_ids`` under ``budget`` rollouts (class docstring)."""
         ids = as_prompt_ids(prompt_ids)
         budget = check_budget(budget)
@@ -272,95 +292,93 @@ class Knapsack:
         return _OneShot(ids, budget, _unsort(counts, order), _unsort(reasons, order), self.reason_names)
 
     def update(self, result: AllocationResult) -> None:
-        """Record each rolled-out prompt's group: the history, then the last ``reward_window`` successes, the total
-        and the estimate ``p`` of each prompt (the code's ``update_sample_state``, once per prompt and step)."""
+        """Record each rolled-out prompt's group: the last ``reward_window`` successes, the total and the estimate
+        ``p`` of each prompt (the code's ``update_sample_state``, once per prompt and step)."""
         result = _check_result(result)
-        self.history.update_from_result(result, step=self._step)
-        self._step += 1
-        ids = self.history.prompt_ids  # sorted; the prompts of this result are never evicted
-        old = self._rewards
+        if not result.rewards.numel():
+            self._step += 1
+            return
         width = self.reward_window
-        if torch.equal(old["prompt_ids"], ids):  # no prompt entered or left the history: update in place
-            store = old
-        elif old["prompt_ids"].numel():
-            pos, found = _lookup(old["prompt_ids"], ids)
-            keep = found.view(-1, 1)
-            store = {
-                key: torch.where(keep if v.ndim == 2 else found, v[pos], torch.zeros((), dtype=v.dtype))
-                for key, v in old.items()
-            }
-        else:
-            store = _empty_rewards(width, ids.numel())
-        store["prompt_ids"] = ids
-        if result.rewards.numel():
-            p = result.plan_prompt_ids.numel()
-            n = torch.bincount(result.group, minlength=p)
-            played = (n > 0).nonzero().squeeze(1)
-            slot = torch.full((p,), -1, dtype=torch.long)
-            slot[played] = torch.arange(played.numel())
-            success = self.history._success(result.rewards.detach().cpu().to(_F64))
-            gs = slot[result.group]
-            gs_sorted, perm = _by_group(gs)  # rollouts by group, in observation order within one
-            ordered = success if perm is None else success[perm]
-            ng = n[played]
-            starts = torch.cumsum(ng, 0) - ng
-            newest_first = ng[gs_sorted] - 1 - (torch.arange(gs.numel()) - starts[gs_sorted])
-            fresh = torch.zeros(played.numel() * width, dtype=torch.bool)
-            fits = newest_first < width
-            flat = gs_sorted * width + newest_first
-            if bool(fits.all()):  # every group no larger than the window (the usual case): no compaction
-                fresh[flat] = ordered
-            else:
-                fresh[flat[fits]] = ordered[fits]
-            fresh = fresh.view(played.numel(), width)
-            rows = _lookup(ids, result.plan_prompt_ids[played])[0]
-            col = torch.arange(width)[None, :]
-            shift = col - ng[:, None]
-            tail = torch.where(shift >= 0, store["tail"][rows].gather(1, shift.clamp(min=0)), fresh)
-            filled = torch.clamp(store["filled"][rows] + ng, max=width)
-            pooled = (tail & (col < filled[:, None])).sum(1).to(_F64) / filled.to(_F64)
-            own = torch.zeros(played.numel(), dtype=_F64).index_add_(0, gs, success.to(_F64)) / ng.to(_F64)
-            store["tail"][rows] = tail
-            store["filled"][rows] = filled
-            store["total"][rows] += ng
-            store["rate"][rows] = torch.where(ng >= width, own, pooled)
-        self._rewards = store
+        p = result.plan_prompt_ids.numel()
+        group = result.group.long()
+        n = torch.bincount(group, minlength=p)
+        played = (n > 0).nonzero().squeeze(1)
+        k, m = played.numel(), group.numel()
+        success = result.rewards.detach().cpu().to(_F64) >= self.success_threshold
+        # the rollouts by plan position (observation order within a group): the played prompts' groups follow one
+        # another in increasing position, group j ending (exclusive) at end[j]; the i-th rollout of that order is
+        # the (end[j] - 1 - i)-th newest of its group j
+        g_sorted, perm = _by_group(group)
+        ordered = success if perm is None else success.index_select(0, perm)
+        ng = n.index_select(0, played)
+        take = ng.clamp(max=width)  # the group's rollouts that enter the window: its newest
+        end = torch.cumsum(ng, 0)
+        step = torch.arange(m)
+        # new rows: nothing filled, total 0 (every planned prompt played: its ids as they are, their sort is known)
+        pos, order = self._cols.add(result.plan_prompt_ids if k == p else result.plan_prompt_ids[played])
+        rows = torch.empty_like(pos).scatter_(0, order, pos)  # the row of each played prompt
+        self._step += 1
+        tail_col, filled_col = self._cols["tail"], self._cols["filled"]
+        # buf row j: columns width - take[j] .. width - 1 hold group j's newest successes, newest first, columns
+        # width .. 2 width - 1 the prompt's old window (newest first), so that its new window is the slice
+        # buf[j, width - take[j] : 2 width - take[j]]; the last element takes the rollouts that do not enter
+        w2 = 2 * width
+        start = torch.arange(k) * w2 + width - take
+        at = torch.empty(p, dtype=torch.long).index_copy_(0, played, start + end - 1)
+        dest = at.index_select(0, g_sorted).sub_(step)
+        big = (ng > width).nonzero().squeeze(1)  # groups larger than the window: only their newest width count
+        if big.numel():
+            # their older rollouts (the first ng - width of each, in the order above) go to the spare element
+            cut = ng.index_select(0, big) - width
+            total_cut = int(cut.sum())
+            off = torch.cumsum(cut, 0) - cut
+            older = torch.repeat_interleave(
+                end.index_select(0, big) - ng.index_select(0, big) - off, cut, output_size=total_cut
+            )
+            older.add_(torch.arange(total_cut))
+            dest.index_fill_(0, older, k * w2)
+        buf = torch.zeros(k * w2 + 1, dtype=torch.bool).scatter_(0, dest, ordered)
+        grid = buf[:-1].view(k, w2)
+        grid[:, width:] = tail_col.index_select(0, rows)
+        tail = grid.unfold(1, width, 1)[torch.arange(k), width - take]  # [k, width]
+        filled = torch.clamp(filled_col.index_select(0, rows) + ng, max=width)
+        # a window holds no success beyond its filled slots (new rows are empty, a loaded state is checked, and
+        # each update keeps it so): the count of the filled ones is the row's
+        hits = _row_counts(tail)
+        # a group of at least width rollouts has its own rate (of exactly width: the pooled one, the same number)
+        rate = hits.to(_F64) / filled.to(_F64)
+        if big.numel():  # its successes: those in the window plus the older ones
+            seg = torch.repeat_interleave(torch.arange(big.numel()), cut, output_size=total_cut)
+            older_hits = torch.zeros(big.numel(), dtype=torch.long).index_add_(
+                0, seg, ordered.index_select(0, older).long()
+            )
+            own = (hits.index_select(0, big) + older_hits).to(_F64) / ng.index_select(0, big).to(_F64)
+            rate.index_copy_(0, big, own)
+        tail_col.index_copy_(0, rows, tail)
+        filled_col.index_copy_(0, rows, filled)
+        self._cols["total"].index_add_(0, rows, ng)
+        self._cols["rate"].index_copy_(0, rows, rate)
 
     def state_dict(self) -> dict[str, Any]:
-        """The history, the reward store (``rewards``: ``prompt_ids [N]``, ``tail [N, reward_window]`` bool,
-        ``filled``, ``total`` ``[N]`` int64, ``rate [N]`` float64) and the step counter (copies)."""
-        return dump_state(
-            {
-                "history": self.history.state_dict(),
-                "rewards": {key: v.clone() for key, v in self._rewards.items()},
-                "step": self._step,
-            }
-        )
+        """The table (the reward store: ``tail [M, reward_window]`` bool, ``filled``, ``total`` ``[M]`` int64,
+        ``rate [M]`` float64; the rows only when the table is private) and the step counter (copies)."""
+        return dump_state({"table": self._cols.state(), "step": self._step})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`, validated field by field (an ``InputError`` names a bad one)."""
         s = load_state(state, self.STATE, "Knapsack")
-        rewards = s["rewards"]
-        filled = rewards["filled"]
-        if bool(((filled > self.reward_window) | (rewards["total"] < filled)).any()):
+        cols, at = incoming_columns(self._cols, s["table"])
+        filled, fix = cols["filled"], "pass the state_dict() of a Knapsack with this reward_window"
+        if bool(((filled > self.reward_window) | (cols["total"] < filled)).any()):
             raise InputError(
-                "state['rewards']['filled']", f"counts in 0..{self.reward_window}, <= total", "other", "pass state"
+                f"{at}[{self._cols.owner + '/filled'!r}]",
+                f"counts in 0..{self.reward_window} (reward_window), <= total",
+                "other counts",
+                fix,
             )
-        self.history._check_loaded(s["history"], "state['history']")
-        if not torch.equal(s["history"]["prompt_ids"], rewards["prompt_ids"]):
+        if filled.numel() and bool((cols["tail"] & (torch.arange(self.reward_window) >= filled[:, None])).any()):
             raise InputError(
-                "state['rewards']['prompt_ids']", "the history's prompt ids", "other ids", "pass state_dict()"
+                f"{at}[{self._cols.owner + '/tail'!r}]", "no success beyond a window's filled slots", "some", fix
             )
-        self.history._assign(s["history"])
-        self._rewards = rewards
+        self._cols.load(s["table"])
         self._step = s["step"]
-
-
-def _empty_rewards(width: int, size: int = 0) -> dict[str, Tensor]:
-    return {
-        "prompt_ids": torch.zeros(size, dtype=torch.long),
-        "tail": torch.zeros(size, width, dtype=torch.bool),
-        "filled": torch.zeros(size, dtype=torch.long),
-        "total": torch.zeros(size, dtype=torch.long),
-        "rate": torch.zeros(size, dtype=_F64),
-    }
