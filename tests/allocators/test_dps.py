@@ -609,4 +609,4 @@ def test_private_and_shared_states_do_not_mix() -> None:
     table.load_state_dict(saved)
     with pytest.raises(InputError) as err:
         first.load_state_dict(first.state_dict())
-    assert err.value.argument == "table['columns']['dps/alpha']"
+    assert err.value.argument == "table.state_dict()['columns']['dps/alpha']"

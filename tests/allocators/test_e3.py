@@ -464,4 +464,4 @@ def test_e3_private_and_shared_states_do_not_mix() -> None:
     shared.load_state_dict(saved)
     with pytest.raises(InputError) as err:
         first.load_state_dict(first.state_dict())
-    assert err.value.argument == "table['columns']['e3_budget/rank']"
+    assert err.value.argument == "table.state_dict()['columns']['e3_budget/rank']"

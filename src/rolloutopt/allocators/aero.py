@@ -33,7 +33,6 @@ from rolloutopt.allocators._base import (
 )
 from rolloutopt.allocators._ids import _argsort_stable, _sort_ids
 from rolloutopt.allocators._result_check import _check_result
-from rolloutopt.allocators._table_checks import incoming_columns
 from rolloutopt.allocators._tracked import _success, _Tracked
 from rolloutopt.allocators._units import TokenBudget
 from rolloutopt.allocators.table import Column, PromptTable, TableColumns, TableOwner, open_table
@@ -446,7 +445,7 @@ class AERO(TableOwner):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one)."""
         s = load_state(state, self.STATE, "AERO")
-        cols, at = incoming_columns(self._cols, s["table"])
+        cols, at = self._cols.incoming(s["table"])
         for name, prior in zip(("a", "b"), self.prior, strict=True):
             # a row this AERO has not seen must read as its prior (the plan reads rows without the seen mask)
             if bool((~cols["seen"] & (cols[name] != prior)).any()):

@@ -35,7 +35,6 @@ from rolloutopt.allocators._base import (
 )
 from rolloutopt.allocators._ids import _argsort_stable, _lookup
 from rolloutopt.allocators._result_check import _check_result
-from rolloutopt.allocators._table_checks import incoming_columns
 from rolloutopt.allocators._tracked import _budget_prefix, _success, _Tracked
 from rolloutopt.allocators._units import TokenBudget
 from rolloutopt.allocators.table import Column, PromptTable, TableColumns, TableOwner, open_table
@@ -363,7 +362,7 @@ class AR3PO(TableOwner):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved, validated field by field (an ``InputError`` names a bad one)."""
         s = load_state(state, self.STATE, "AR3PO")
-        cols, at = incoming_columns(self._cols, s["table"])
+        cols, at = self._cols.incoming(s["table"])
         entry = cols["seen"] & ~torch.isnan(cols["reward"])
         steps = cols["key"][entry] >> _SHIFT
         if steps.numel() and int(steps.max()) >= s["step"]:

@@ -58,23 +58,6 @@ _NAMED_PI: dict[str, list[float]] = {
 
 
 # -- helpers shared with rolloutopt.allocators.greso and .e3 (private) -----------------------------------------
-def _incoming_columns(view: TableColumns, value: Any, names: tuple[str, ...]) -> tuple[dict[str, Tensor], str]:
-    """The owner's columns ``names`` that loading ``value`` (the owner's saved ``"table"`` entry) puts in effect,
-    validated, for the checks a column's declaration cannot express; and the path that names them in an error.
-
-    A private table: its saved rows (validated as ``view.load`` will, nothing assigned). A shared table (the
-    caller restores it first): its live columns. Empty when ``value`` is malformed: ``view.load`` then raises,
-    naming the fault."""
-    if not view.private:
-        return {c: view[c] for c in names}, "table['columns']"
-    rows = value.get("rows") if isinstance(value, dict) else None
-    if not isinstance(rows, dict):
-        return {}, ""
-    at = "state['table']['rows']"
-    cols = load_state(rows, view.table.STATE, "PromptTable", name=at)["columns"]
-    return {c: cols[f"{view.owner}/{c}"] for c in names}, f"{at}['columns']"
-
-
 def _sum3(x: Tensor, dim: int) -> Tensor:
     """Sum over an axis of size 3, written out (torch's reduction over a tiny axis is several times slower)."""
     return x.select(dim, 0) + x.select(dim, 1) + x.select(dim, 2)
@@ -415,15 +398,14 @@ class DPS(TableOwner):
         with every column of a registered prompt's ``alpha`` summing to a positive count (the transition matrix
         divides by it; for a shared table, the table loaded by the caller is checked)."""
         s = load_state(state, self.STATE, "DPS")
-        cols, at = _incoming_columns(self._cols, s["table"], ("alpha", "seen"))
-        if cols:
-            alpha, known = cols["alpha"], cols["seen"]
-            if bool(((alpha.sum(1) <= 0) & known[:, None]).any()):
-                raise InputError(
-                    f"{at}[{self._cols.owner + '/alpha'!r}]",
-                    "finite non-negative counts, every column sum positive for a registered prompt",
-                    "a column summing to 0",
-                    "pass DPS.state_dict()",
-                )
+        cols, at = self._cols.incoming(s["table"])
+        alpha, known = cols["alpha"], cols["seen"]
+        if bool(((alpha.sum(1) <= 0) & known[:, None]).any()):
+            raise InputError(
+                f"{at}[{self._cols.owner + '/alpha'!r}]",
+                "finite non-negative counts, every column sum positive for a registered prompt",
+                "a column summing to 0",
+                "pass DPS.state_dict()",
+            )
         self._cols.load(s["table"])
         self._gen.set_state(s["generator"])

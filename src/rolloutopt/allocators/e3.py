@@ -29,7 +29,6 @@ from rolloutopt.allocators._base import (
 from rolloutopt.allocators._ids import _sort_ids
 from rolloutopt.allocators._result_check import _check_result
 from rolloutopt.allocators._units import TokenBudget
-from rolloutopt.allocators.dps import _incoming_columns
 from rolloutopt.allocators.table import Column, PromptTable, TableColumns, TableOwner, open_table
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatAny, FloatB, FloatP, IntP
@@ -378,16 +377,15 @@ class E3Budget(TableOwner):
         the caps must lie in this allocator's ``[n_low, n_high]`` and the ranks in ``[0, 1)`` or be -100 (for a
         shared table, the table loaded by the caller is checked)."""
         s = load_state(state, self.STATE, "E3Budget")
-        cols, at = _incoming_columns(self._cols, s["table"], ("rank",))
-        if cols:
-            rank = cols["rank"]
-            if bool(((rank != _UNSEEN_RANK) & ((rank < 0) | (rank >= 1))).any()):
-                raise InputError(
-                    f"{at}[{self._cols.owner + '/rank'!r}]",
-                    f"ranks in [0, 1) or {_UNSEEN_RANK} (none)",
-                    describe(rank),
-                    "pass state_dict()",
-                )
+        cols, at = self._cols.incoming(s["table"])
+        rank = cols["rank"]
+        if bool(((rank != _UNSEEN_RANK) & ((rank < 0) | (rank >= 1))).any()):
+            raise InputError(
+                f"{at}[{self._cols.owner + '/rank'!r}]",
+                f"ranks in [0, 1) or {_UNSEEN_RANK} (none)",
+                describe(rank),
+                "pass state_dict()",
+            )
         if not self.n_low <= s["n_min"] <= self.n_high:
             raise InputError(
                 "state['n_min']",

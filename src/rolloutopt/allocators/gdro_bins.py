@@ -28,7 +28,6 @@ from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import check_int as _int
 from rolloutopt._validation import choice, describe, positive, require_experimental
 from rolloutopt.allocators._base import as_prompt_ids
-from rolloutopt.allocators._table_checks import incoming_columns
 from rolloutopt.allocators.table import Column, PromptTable, TableColumns, TableOwner, open_table
 from rolloutopt.errors import InputError
 from rolloutopt.typing import FloatP, IntP
@@ -401,7 +400,7 @@ class DifficultyClassifier(TableOwner):
 
     def _check_loaded(self, s: dict[str, Any], name: str) -> None:
         """The semantic check of a state that passed :data:`STATE` (``name``: its path, for the error)."""
-        cols, at = incoming_columns(self._cols, s["table"], f"{name}['table']")
+        cols, at = self._cols.incoming(s["table"], f"{name}['table']")
         b, e = cols["bin"], cols["ema"]
         if b.numel() and not bool((b < self.num_bins).all()):
             key = f"{self._cols.owner}/bin"

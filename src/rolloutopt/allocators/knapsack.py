@@ -25,7 +25,6 @@ from rolloutopt.allocators._base import AllocationResult, Conversation, as_promp
 from rolloutopt.allocators._budget import _F64, _OneShot, _short, _spread, _top_units_by_key, _top_units_lazy, _unsort
 from rolloutopt.allocators._ids import _by_group, _sort_ids
 from rolloutopt.allocators._result_check import _check_result
-from rolloutopt.allocators._table_checks import incoming_columns
 from rolloutopt.allocators._units import TokenBudget
 from rolloutopt.allocators.table import Column, PromptTable, TableColumns, TableOwner, open_table
 from rolloutopt.errors import InputError
@@ -367,7 +366,7 @@ class Knapsack(TableOwner):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`, validated field by field (an ``InputError`` names a bad one)."""
         s = load_state(state, self.STATE, "Knapsack")
-        cols, at = incoming_columns(self._cols, s["table"])
+        cols, at = self._cols.incoming(s["table"])
         filled, fix = cols["filled"], "pass the state_dict() of a Knapsack with this reward_window"
         if bool(((filled > self.reward_window) | (cols["total"] < filled)).any()):
             raise InputError(

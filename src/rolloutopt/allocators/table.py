@@ -295,6 +295,23 @@ class TableColumns:
                 "construct the allocator without table= to load a state saved with a private table",
             )
 
+    def incoming(self, value: Any, name: str = "state['table']") -> tuple[dict[str, Tensor], str]:
+        """The owner's columns (by short name, ``"seen"`` included) that :meth:`load` of ``value`` would put in
+        effect, for the checks across columns a :class:`Column` cannot state (a bin below ``num_bins``, a count
+        at most a window, ...), made before anything is assigned; and the path that names them in an error
+        (``f"{path}[{'owner/col'!r}]"``).
+
+        A private table: its saved rows, validated as :meth:`load` validates them (a malformed ``value`` raises
+        that ``InputError``). A shared table is restored by the caller first: its live columns.
+        """
+        if not self.private:
+            return _owned(self, self.table._cols), "table.state_dict()['columns']"
+        rows = value.get("rows") if isinstance(value, dict) and set(value) == {"owner", "rows"} else None
+        if not isinstance(rows, dict) or value.get("owner") != self.owner:
+            self.load(value, name)  # raises the InputError that names what is wrong
+        s = load_state(rows, self.table.STATE, "PromptTable", name=f"{name}['rows']")
+        return _owned(self, s["columns"]), f"{name}['rows']['columns']"
+
 
 class TableOwner:
     """Mixin of the allocators that keep per-prompt state in a :class:`PromptTable` (as ``self._cols``)."""
@@ -306,6 +323,11 @@ class TableOwner:
         """The :class:`PromptTable` holding this allocator's per-prompt columns (private, or shared via
         ``table=``)."""
         return self._cols.table
+
+
+def _owned(view: TableColumns, columns: dict[str, Tensor]) -> dict[str, Tensor]:
+    prefix = f"{view.owner}/"
+    return {key[len(prefix) :]: t for key, t in columns.items() if key.startswith(prefix)}
 
 
 def open_table(table: Any, capacity: Any, owner: str, columns: dict[str, Column]) -> TableColumns:
