@@ -195,6 +195,13 @@ def test_response_lengths_refuse_bad_input_and_corrupted_state() -> None:
             lambda r: {"rewards": torch.zeros(r.total), "tokens": torch.full((r.total,), 9.0)},
         )
     )
+    negative = run_step(
+        Uniform(n=2), torch.tensor([1]), TokenBudget(40, torch.tensor([10.0])),
+        lambda r: {"rewards": torch.zeros(r.total), "tokens": torch.full((r.total,), -1.0)},
+    )  # fmt: skip
+    with pytest.raises(InputError, match="non-negative") as err:
+        good.update(negative)
+    assert err.value.argument == "result.signals['tokens']"
     state = good.state_dict()
     state["table"]["rows"]["columns"]["lengths/mean"][0] = -1.0
     with pytest.raises(InputError) as err:

@@ -123,12 +123,15 @@ class ResponseLengths(TableOwner):
                 "plan with a TokenBudget (it requires tokens), or observe tokens=... with every request",
             )
         t = tokens.detach().cpu().double()
-        ok = ~torch.isnan(t)
-        if bool((t[ok] < 0).any()):
+        group = result.group
+        if bool(torch.isnan(t).any()):  # reused responses (AR3PO) have no length: skip them
+            ok = ~torch.isnan(t)
+            t, group = t[ok], group[ok]
+        if t.numel() and float(t.min()) < 0:
             raise InputError("result.signals['tokens']", "non-negative lengths", describe(tokens), "fix the lengths")
         p = result.plan_prompt_ids.numel()
-        n = torch.zeros(p, dtype=torch.float64).index_add_(0, result.group[ok], torch.ones_like(t[ok]))
-        s = torch.zeros(p, dtype=torch.float64).index_add_(0, result.group[ok], t[ok])
+        n = torch.bincount(group, minlength=p)
+        s = torch.bincount(group, weights=t, minlength=p)
         got = n > 0
         if not bool(got.any()):
             return
