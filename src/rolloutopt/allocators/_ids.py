@@ -58,10 +58,31 @@ def _locate(sorted_ids: Tensor, query: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return pos, sorted_ids[pos] == q, order
 
 
+_last_lookup: tuple[weakref.ref[Tensor], int, weakref.ref[Tensor], int, Tensor, Tensor] | None = None
+
+
 def _lookup(sorted_ids: Tensor, query: Tensor) -> tuple[Tensor, Tensor]:
-    """Positions of ``query`` in ``sorted_ids`` and whether each is there (positions of absent ids are junk)."""
+    """Positions of ``query`` in ``sorted_ids`` and whether each is there (positions of absent ids are junk).
+
+    Remembered for the last pair of tensors looked up (by identity and in-place version, as :func:`_sort_ids`):
+    the owners of a shared :class:`~rolloutopt.allocators.PromptTable` (and a token budget's expected lengths)
+    look the same candidates up in the same table in one step, and pay for one binary search. The caller gets
+    its own copies."""
+    global _last_lookup
+    memo = _last_lookup
+    if (
+        memo is not None
+        and memo[0]() is sorted_ids
+        and memo[1] == sorted_ids._version
+        and memo[2]() is query
+        and memo[3] == query._version
+    ):
+        return memo[4].clone(), memo[5].clone()
     pos_s, found_s, order = _locate(sorted_ids, query)
-    return torch.empty_like(pos_s).scatter_(0, order, pos_s), torch.empty_like(found_s).scatter_(0, order, found_s)
+    pos = torch.empty_like(pos_s).scatter_(0, order, pos_s)
+    found = torch.empty_like(found_s).scatter_(0, order, found_s)
+    _last_lookup = (weakref.ref(sorted_ids), sorted_ids._version, weakref.ref(query), query._version, pos, found)
+    return pos.clone(), found.clone()
 
 
 def _insert(
