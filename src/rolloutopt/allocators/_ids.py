@@ -28,20 +28,26 @@ def _argsort_stable(x: Tensor, *, descending: bool = False) -> Tensor:
     return torch.sort(x, descending=descending, stable=True).indices
 
 
-_last_sort: tuple[weakref.ref[Tensor], int, Tensor, Tensor] | None = None
+_sorts: list[tuple[weakref.ref[Tensor], int, Tensor, Tensor]] = []  # the last few sorts, most recent last
+_SORTS_KEPT = 4
 
 
 def _sort_ids(ids: Tensor) -> tuple[Tensor, Tensor]:
-    """``ids.sort()`` (values, indices), remembered for the last tensor sorted: validating a plan's prompt ids,
-    looking them up in a sorted table and the conversation's id order all need the same sort. The memo is keyed
-    by the tensor's identity and its in-place version counter, so a modified or new tensor is sorted afresh.
-    The returned tensors are shared: read them, never modify them in place."""
-    global _last_sort
-    memo = _last_sort
-    if memo is not None and memo[0]() is ids and memo[1] == ids._version:
-        return memo[2], memo[3]
-    values, order = ids.sort()
-    _last_sort = (weakref.ref(ids), ids._version, values, order)
+    """``ids.sort()`` (values, indices), remembered for the last few tensors sorted: validating a plan's prompt
+    ids, looking them up in a sorted table and the conversation's id order all need the same sort (and a plan
+    that also looks up its sorted ids must not evict the sort of the ids it was given). The memo is keyed by the
+    tensor's identity and its in-place version counter, so a modified or new tensor is sorted afresh. An
+    already sorted tensor costs one comparison pass. The returned tensors are shared: read them, never modify
+    them in place."""
+    for entry in reversed(_sorts):
+        if entry[0]() is ids and entry[1] == ids._version:
+            return entry[2], entry[3]
+    if ids.numel() < 2 or bool((ids[1:] >= ids[:-1]).all()):
+        values, order = ids, torch.arange(ids.numel(), device=ids.device)
+    else:
+        values, order = ids.sort()
+    _sorts.append((weakref.ref(ids), ids._version, values, order))
+    del _sorts[:-_SORTS_KEPT]
     return values, order
 
 
