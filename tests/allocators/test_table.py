@@ -139,6 +139,18 @@ def test_bad_input() -> None:
     for owner in ("", "a/b", 3):
         with pytest.raises(InputError, match="owner"):
             t.register(owner, {})  # type: ignore[arg-type]
+    for columns in ({"seen": Column("int")}, {"a/b": Column("int")}, {"x": "int"}, []):
+        with pytest.raises(InputError, match="columns"):
+            t.register("o", columns)  # type: ignore[arg-type]
+    for kwargs, argument in (
+        ({"kind": "complex"}, "kind"),
+        ({"kind": "int", "shape": (0,)}, "shape"),
+        ({"kind": "int", "fill": "0"}, "fill"),
+        ({"kind": "int", "checks": ("ids",)}, "checks"),
+    ):
+        with pytest.raises(InputError) as err:
+            Column(**kwargs)
+        assert err.value.argument == argument
     with pytest.raises(InputError, match="table"):
         open_table({}, None, "o", {})
     with pytest.raises(InputError, match="capacity"):

@@ -58,6 +58,18 @@ class Column:
     fill: float | int | bool = 0
     checks: tuple[Any, ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.kind not in _DTYPES:
+            raise InputError("kind", "'float', 'int' or 'bool'", repr(self.kind), "pass Column('float')")
+        if not isinstance(self.shape, tuple) or not all(type(d) is int and d >= 1 for d in self.shape):
+            raise InputError("shape", "a tuple of sizes >= 1", describe(self.shape), "pass e.g. shape=(8,)")
+        if not isinstance(self.fill, (int, float)):
+            raise InputError("fill", "a number or a bool", describe(self.fill), "pass e.g. fill=0")
+        if not set(self.checks) <= {"finite", "finite_or_nan", "nonneg", "prob"}:
+            raise InputError(
+                "checks", "a tuple of 'finite', 'finite_or_nan', 'nonneg', 'prob'", repr(self.checks), "drop the rest"
+            )
+
 
 class PromptTable:
     r"""A bounded per-prompt store keyed by stable int64 prompt ids, with columns registered by its owners.
@@ -77,6 +89,8 @@ class PromptTable:
     constructing the same allocators with this table in the same order) and validates every column (an
     ``InputError`` names the bad one). The capacity of a loaded table may differ from the saved one as long as
     the saved rows fit.
+
+    The layout and the eviction rule are this library's (the papers each keep a private per-prompt dict).
 
     Args:
         capacity: maximum number of stored prompts (default 1,000,000).
@@ -101,6 +115,17 @@ class PromptTable:
         """
         if not isinstance(owner, str) or not owner or "/" in owner:
             raise InputError("owner", "a non-empty str without '/'", describe(owner), "pass the allocator's name")
+        if not isinstance(columns, dict):
+            raise InputError("columns", "a dict name -> Column", describe(columns), "pass {'count': Column('int')}")
+        for col, c in columns.items():
+            if not isinstance(col, str) or not col or "/" in col or col == "seen":
+                raise InputError(
+                    "columns", "column names: non-empty str without '/', not 'seen'", repr(col), "rename it"
+                )
+            if not isinstance(c, Column) or c.kind not in _DTYPES:
+                raise InputError(
+                    f"columns[{col!r}]", "a Column of kind 'float', 'int' or 'bool'", describe(c), "pass Column(...)"
+                )
         name, k = owner, 1
         while name in self._owners:
             k += 1
