@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import rolloutopt
 import rolloutopt.allocators as allocators
 from rolloutopt.allocators import (
     AllocationResult,
@@ -185,20 +186,20 @@ def test_response_lengths_refuse_bad_input_and_corrupted_state() -> None:
     with pytest.raises(InputError, match="tokens"):
         lengths.budget(-1, torch.tensor([1]))
     good = ResponseLengths(prior=10.0)
+    nine = {"rewards": torch.zeros(4), "tokens": torch.full((4,), 9.0)}
     good.update(
-        run_step(
-            Uniform(
-                n=2,
-            ),
-            torch.tensor([1, 2]),
-            TokenBudget(40, torch.tensor([10.0, 10.0])),
-            lambda r: {"rewards": torch.zeros(r.total), "tokens": torch.full((r.total,), 9.0)},
-        )
+        run_step(Uniform(n=2), torch.tensor([1, 2]), TokenBudget(40, torch.tensor([10.0, 10.0])), lambda r: nine)
     )
-    negative = run_step(
-        Uniform(n=2), torch.tensor([1]), TokenBudget(40, torch.tensor([10.0])),
-        lambda r: {"rewards": torch.zeros(r.total), "tokens": torch.full((r.total,), -1.0)},
-    )  # fmt: skip
+    with pytest.raises(InputError, match="response lengths >= 0"):
+        run_step(
+            Uniform(n=2), torch.tensor([1]), TokenBudget(40, torch.tensor([10.0])),
+            lambda r: {"rewards": torch.zeros(r.total), "tokens": torch.full((r.total,), -1.0)},
+        )  # fmt: skip
+    with rolloutopt.checks(False):  # unchecked, a negative length reaches the result: update refuses it
+        negative = run_step(
+            Uniform(n=2), torch.tensor([1]), TokenBudget(40, torch.tensor([10.0])),
+            lambda r: {"rewards": torch.zeros(r.total), "tokens": torch.full((r.total,), -1.0)},
+        )  # fmt: skip
     with pytest.raises(InputError, match="non-negative") as err:
         good.update(negative)
     assert err.value.argument == "result.signals['tokens']"

@@ -100,7 +100,9 @@ class AllocationResult:
     An allocator that reuses stored responses (AR3PO) appends them after the generated rows, so
     ``counts.sum()`` (rollouts generated, what the budget paid for) can be less than ``rewards.numel()``.
     Per planned prompt (``[P]``, the order given to ``plan``): ``plan_prompt_ids``, ``counts`` (rollouts it
-    got), ``reasons`` (int codes into ``reason_names``, why it got them). ``metrics``: detached 0-d tensors.
+    got), ``reasons`` (int codes into ``reason_names``, why it got them). ``metrics``: detached 0-d tensors
+    (``rollouts``, ``budget_used_frac`` in the budget's unit, ``kept_frac``; ``tokens`` when the ``tokens`` signal
+    was collected, ``token_budget`` for a :class:`TokenBudget`).
     ``signals``: what was collected beyond rewards (:data:`SIGNALS`): a ``"rollout"`` signal per generated rollout
     ``[counts.sum()]`` in reward order, a ``"prompt"`` or ``"probe"`` signal per planned prompt ``[P]`` (NaN for a
     prompt it was not measured for).
@@ -435,6 +437,8 @@ class Conversation:
                 raise InputError(name, f"a 1-d number tensor of {n} values, one per {what}", describe(value), "fix it")
             if checks_enabled() and not bool(torch.isfinite(value.detach().double()).all()):
                 raise InputError(name, "finite values", f"{describe(value)} with NaN or inf", f"fix the {name}")
+            if name == "tokens" and checks_enabled() and value.numel() and float(value.min()) < 0:
+                raise InputError(name, "response lengths >= 0", describe(value), "pass each response's token count")
         for name in asked:
             if name in self.requires and name not in signals:
                 raise InputError(
