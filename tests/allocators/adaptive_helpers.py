@@ -3,7 +3,6 @@ and the bodies of the tests run for each of the three families."""
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Callable
 from typing import Any
@@ -14,11 +13,11 @@ import torch
 from rolloutopt.allocators import AllocationResult, Request
 from rolloutopt.allocators.aero import AERO
 from rolloutopt.allocators.ar3po import AR3PO
-from rolloutopt.allocators.table import PromptTable
 from rolloutopt.allocators.v05_budget import V05Budget
 from rolloutopt.errors import InputError
 
 from .helpers import hashed, run
+from .table_helpers import Make, check_shared_table, in_turn
 
 
 def reasons(res: AllocationResult) -> dict[int, str]:
@@ -121,49 +120,10 @@ def same_state(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _same_results(x: AllocationResult, y: AllocationResult) -> None:
-    for f in ("prompt_ids", "group", "rewards", "weight", "counts", "reasons"):
-        assert torch.equal(getattr(x, f), getattr(y, f)), f
-
-
-def check_shared_table_equals_private(
-    makes: list[Callable[[PromptTable | None], Any]], pools: list[torch.Tensor]
-) -> None:
-    """Allocators sharing one ``PromptTable`` (``makes[i](table)``; ``makes[i](None)``: a private table) plan and
-    learn exactly as with private tables, stepping in turn on their ``pools``; ``table.state_dict()`` and each
-    allocator's ``state_dict()``, through ``torch.save``/``torch.load(weights_only=True)``, restore allocators
-    built in the same order on a fresh table that continue identically; a private state does not load into an
-    allocator on a shared table, nor the reverse."""
-
-    def steps(allocs: list[Any], first: int, n: int) -> list[AllocationResult]:
-        return [
-            _steps(a, pool, 150, t, 1)[0]
-            for t in range(first, first + n)
-            for a, pool in zip(allocs, pools, strict=True)
-        ]
-
-    private = [m(None) for m in makes]
-    table = PromptTable()
-    shared = [m(table) for m in makes]
-    assert all(a.table is table for a in shared) and len(table.owners) == len(makes)
-    for x, y in zip(steps(private, 0, 3), steps(shared, 0, 3), strict=True):
-        _same_results(x, y)
-    buf = io.BytesIO()
-    torch.save({"table": table.state_dict(), "allocs": [a.state_dict() for a in shared]}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=True)
-    fresh = PromptTable()
-    restored = [m(fresh) for m in makes]
-    fresh.load_state_dict(ckpt["table"])
-    for a, state in zip(restored, ckpt["allocs"], strict=True):
-        a.load_state_dict(state)
-    for x, y, z in zip(steps(private, 3, 3), steps(shared, 3, 3), steps(restored, 3, 3), strict=True):
-        _same_results(x, y)
-        _same_results(x, z)
-    with pytest.raises(InputError, match="rows"):
-        makes[0](None).load_state_dict(shared[0].state_dict())
-    with pytest.raises(InputError, match="rows"):
-        makes[0](PromptTable()).load_state_dict(private[0].state_dict())
+def check_shared_table_equals_private(makes: list[Make], pools: list[torch.Tensor]) -> None:
+    """Allocators sharing one ``PromptTable`` (``makes[i](table)``; ``makes[i](None)``: a private table),
+    stepping in turn on their ``pools`` (150 rollouts, :func:`hashed` rewards): :func:`check_shared_table`."""
+    check_shared_table(makes, in_turn(drive=lambda a, pool, s: _steps(a, pool, 150, s, 1)[0], at=pools))
 
 
 # -- bad input -----------------------------------------------------------------------------------------------------

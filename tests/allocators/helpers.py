@@ -1,8 +1,9 @@
-"""Shared test drivers for the allocators: deterministic reward tables and a plan runner."""
+"""Shared test drivers for the allocators: deterministic reward tables, a plan runner and a state comparison."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -41,3 +42,16 @@ def run(plan: Conversation, reward: Rewards) -> tuple[AllocationResult, list[tup
         reqs.append((req.prompt_ids.tolist(), req.counts.tolist()))
         plan.observe(req, torch.tensor(vals, dtype=torch.float64))
     return plan.finish(), reqs
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """Equality of (nested) states holding tensors; NaN (an unmeasured value) equals NaN."""
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        return torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)

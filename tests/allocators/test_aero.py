@@ -264,11 +264,6 @@ def test_aero_shared_table_equals_private_tables() -> None:
     )
 
 
-def test_aero_capacity_with_a_shared_table_is_refused() -> None:
-    with pytest.raises(InputError, match="capacity"):
-        aero(capacity=5, table=PromptTable())
-
-
 def test_aero_refuses_a_shared_table_of_another_prior() -> None:
     """Rows another owner added hold the saving AERO's prior: an AERO with another prior refuses that table."""
     t = PromptTable()

@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.allocators.ar3po import AR3PO, response_key
-from rolloutopt.allocators.table import PromptTable
 from rolloutopt.errors import InputError
 
 from .adaptive_helpers import (
@@ -222,8 +221,3 @@ def test_ar3po_shared_table_equals_private_tables() -> None:
         ],
         [torch.arange(30) * 7 + 1, torch.arange(25) * 5, torch.arange(20) * 3],
     )
-
-
-def test_ar3po_capacity_with_a_shared_table_is_refused() -> None:
-    with pytest.raises(InputError, match="capacity"):
-        ar3po(capacity=5, table=PromptTable())

@@ -5,7 +5,6 @@ DEPO's score oracle is computed by hand following ``txy77/DEPO``
 
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
@@ -14,12 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.allocators.depo import DEPO, depo_group_scores
-from rolloutopt.allocators.table import PromptTable
-from rolloutopt.errors import InputError
 
 from .filters_helpers import (
     _refused,
-    bern,
     check_bad_constructor,
     check_bad_plan_observe_update_load,
     check_budget_caps_determinism,
@@ -27,9 +23,7 @@ from .filters_helpers import (
     check_permutation_permutes_the_plan,
     check_state_dict_round_trip_mid_run,
     column_name,
-    ents,
     run,
-    same_state,
     table,
     with_rows,
     zero,
@@ -216,7 +210,7 @@ def test_depo_refuses_inf_scores_and_negative_counters_naming_the_field() -> Non
     _refused(d, with_rows({**good, "epoch": 9}, "depo", count=torch.tensor([1, -1])), col("count"))
 
 
-# -- the prompt table: capacity, sharing, checkpoints -------------------------------------------------------------
+# -- the prompt table: capacity (sharing and checkpoints: test_shared_table.py) ----------------------------------------
 def test_depo_capacity_evicts_the_least_recently_updated_prompt() -> None:
     d = DEPO(n=2, capacity=2)
     for p in (1, 2, 3):  # prompt 1, updated first, is evicted when 3 arrives
@@ -228,52 +222,3 @@ def test_depo_capacity_evicts_the_least_recently_updated_prompt() -> None:
     d.set_epoch(1)  # the evicted prompt is unseen again: kept as "unseen", as a prompt never rolled out
     res, _ = run(d.plan(torch.tensor([1, 2, 3, 4]), 100), zero, entropy=zero)
     assert res.reason_of(1) == "unseen" and res.reason_of(4) == "unseen"
-
-
-def _depo_pair(shared: PromptTable | None) -> list[DEPO]:
-    return [DEPO(n=2, decay=0.3, seed=1, table=shared), DEPO(n=3, history_k=2, decay=0.5, seed=2, table=shared)]
-
-
-def _depo_steps(allocs: list[DEPO], steps: range) -> list[tuple[list[int], list[int]]]:
-    out = []
-    for s in steps:
-        pool = torch.randperm(12, generator=torch.Generator().manual_seed(s))[:8]
-        for i, a in enumerate(allocs):
-            a.set_epoch(s // 2)
-            sub = pool[i : i + 6]  # the owners see overlapping, different pools
-            res, _ = run(a.plan(sub, 13), bern(s + 10 * i, 12), entropy=ents(s))
-            a.update(res)
-            out.append((res.counts.tolist(), res.reasons.tolist()))
-    return out
-
-
-def test_depo_shared_table_matches_private_tables_and_reloads() -> None:
-    private, shared_table = _depo_pair(None), PromptTable(capacity=100)
-    shared = _depo_pair(shared_table)
-    assert shared_table.owners == ("depo", "depo#2") and shared[1].table is shared_table
-    assert _depo_steps(private, range(4)) == _depo_steps(shared, range(4))
-    buf = io.BytesIO()
-    torch.save({"table": shared_table.state_dict(), "owners": [a.state_dict() for a in shared]}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=True)
-    fresh_table = PromptTable(capacity=100)
-    fresh = _depo_pair(fresh_table)
-    fresh_table.load_state_dict(ckpt["table"])
-    for a, st_ in zip(fresh, ckpt["owners"], strict=True):
-        a.load_state_dict(st_)
-    tail = _depo_steps(private, range(4, 7))
-    assert _depo_steps(shared, range(4, 7)) == tail and _depo_steps(fresh, range(4, 7)) == tail
-    assert same_state(fresh_table.state_dict(), shared_table.state_dict())
-
-
-def test_depo_private_and_shared_states_do_not_mix() -> None:
-    private, shared = DEPO(n=2), DEPO(n=2, table=PromptTable())
-    for a in (private, shared):
-        res, _ = run(a.plan(torch.tensor([1, 2]), 4), zero, entropy=zero)
-        a.update(res)
-    with pytest.raises(InputError, match="rows"):
-        shared.load_state_dict(private.state_dict())
-    with pytest.raises(InputError, match="rows"):
-        private.load_state_dict(shared.state_dict())
-    with pytest.raises(InputError, match="capacity"):
-        DEPO(capacity=10, table=PromptTable())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Callable
 from typing import Any
@@ -12,12 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rolloutopt.allocators._base import Conversation, Request
+from rolloutopt.allocators._base import AllocationResult, Conversation, Request
 from rolloutopt.allocators.dots import DOTS
-from rolloutopt.allocators.table import PromptTable
 from rolloutopt.errors import InputError
 
 from .replay_helpers import F64, Rewards, const, keyed, run
+from .table_helpers import check_shared_table
 
 
 def bernoulli(rate: torch.Tensor, step: int) -> Rewards:
@@ -434,7 +433,7 @@ def test_dots_empty_pool_and_small_budget() -> None:
         dots.update(res)
 
 
-# -- DOTS: the prompt table (capacity, sharing, checkpoints) -------------------------------------------------------
+# -- DOTS: the prompt table (capacity, replay on a shared table) -------------------------------------------------------
 def test_dots_capacity_evicts_the_least_recently_updated_prompt() -> None:
     dots = DOTS(n=1, replay=False, capacity=2, seed=0)
     for p, r in ((1, 0.0), (2, 1.0), (3, 1.0)):  # prompt 1, labelled first, is evicted when 3 arrives
@@ -444,55 +443,31 @@ def test_dots_capacity_evicts_the_least_recently_updated_prompt() -> None:
     assert dots.predict(torch.tensor([1, 2, 3, 9])).tolist() == [2 / 3, 1.0, 1.0, 2 / 3]
 
 
-def _dots_pair(shared: PromptTable | None) -> list[DOTS]:
-    return [
-        DOTS(n=2, buffer_size=6, seed=1, table=shared),
-        DOTS(n=3, sigma=0.4, buffer_size=5, buffer_rule="paper", tau=0.1, seed=2, table=shared),
-    ]
+RATE = torch.rand(30, generator=torch.Generator().manual_seed(5), dtype=F64)
 
 
-def _dots_steps(allocs: list[DOTS], steps: range) -> list[tuple[list[int], list[int], list[int], list[float]]]:
-    rate = torch.rand(30, generator=torch.Generator().manual_seed(5), dtype=F64)
+def _dots_step(allocs: list[DOTS], s: int) -> list[tuple[AllocationResult, torch.Tensor, torch.Tensor]]:
+    """Step ``s`` of each DOTS on overlapping pools: the result, the replayed groups' keys, the predictions."""
+    pool = torch.randperm(30, generator=torch.Generator().manual_seed(s))[:16]
     out = []
-    for s in steps:
-        pool = torch.randperm(30, generator=torch.Generator().manual_seed(s))[:16]
-        for i, d in enumerate(allocs):
-            plan = d.plan(pool[4 * i : 4 * i + 12], 12)  # overlapping pools
-            res, _ = run(plan, bernoulli(rate, s + 10 * i))
-            d.update(res)
-            out.append(
-                (res.counts.tolist(), res.reasons.tolist(), plan.replayed().keys.tolist(), plan.predicted.tolist())
-            )
+    for i, d in enumerate(allocs):
+        plan = d.plan(pool[4 * i : 4 * i + 12], 12)
+        res, _ = run(plan, bernoulli(RATE, s + 10 * i))
+        d.update(res)
+        out.append((res, plan.replayed().keys, plan.predicted))
     return out
 
 
 def test_dots_shared_table_matches_private_tables_and_reloads() -> None:
-    private, shared_table = _dots_pair(None), PromptTable(capacity=100)
-    shared = _dots_pair(shared_table)
-    assert shared_table.owners == ("dots", "dots#2") and shared[1].table is shared_table
-    first = _dots_steps(private, range(4))
-    assert _dots_steps(shared, range(4)) == first
-    assert any(keys for _, _, keys, _ in first)  # replay was exercised
-    buf = io.BytesIO()
-    torch.save({"table": shared_table.state_dict(), "owners": [d.state_dict() for d in shared]}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=True)
-    fresh_table = PromptTable(capacity=100)
-    fresh = _dots_pair(fresh_table)
-    fresh_table.load_state_dict(ckpt["table"])
-    for d, st_ in zip(fresh, ckpt["owners"], strict=True):
-        d.load_state_dict(st_)
-    tail = _dots_steps(private, range(4, 7))
-    assert _dots_steps(shared, range(4, 7)) == tail and _dots_steps(fresh, range(4, 7)) == tail
-
-
-def test_dots_private_and_shared_states_do_not_mix() -> None:
-    private, shared = DOTS(n=2), DOTS(n=2, table=PromptTable())
-    for d in (private, shared):
-        d.update(run(d.plan(torch.arange(3), 6), const({p: [1.0, 0.0] for p in range(3)}))[0])
-    with pytest.raises(InputError, match="rows"):
-        shared.load_state_dict(private.state_dict())
-    with pytest.raises(InputError, match="rows"):
-        private.load_state_dict(shared.state_dict())
-    with pytest.raises(InputError, match="capacity"):
-        DOTS(capacity=10, table=PromptTable())
+    """Two DOTS ("dots", "dots#2": the paper's buffer rule) on one table: the same replayed groups and predictions
+    as with private tables, and after a checkpoint."""
+    shared = check_shared_table(
+        [
+            lambda t: DOTS(n=2, buffer_size=6, seed=1, table=t),
+            lambda t: DOTS(n=3, sigma=0.4, buffer_size=5, buffer_rule="paper", tau=0.1, seed=2, table=t),
+        ],
+        _dots_step,
+        first=4,
+    )
+    assert shared.table.owners == ("dots", "dots#2")
+    assert any(keys.numel() for step in shared.results[:4] for _, keys, _ in step)  # replay was exercised

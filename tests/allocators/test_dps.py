@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import copy
-import io
 import math
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +18,9 @@ from rolloutopt.allocators.depo import DEPO
 from rolloutopt.allocators.dps import DPS
 from rolloutopt.allocators.table import PromptTable
 from rolloutopt.errors import InputError
+
+from .helpers import same_state
+from .table_helpers import check_shared_table, in_turn
 
 Rewards = Callable[[Request], torch.Tensor]
 
@@ -89,17 +91,6 @@ def with_column(state: dict[str, Any], name: str, value: torch.Tensor) -> dict[s
     out = copy.deepcopy(state)
     out["table"]["rows"]["columns"][f"dps/{name}"] = value
     return out
-
-
-def same(a: Any, b: Any) -> bool:
-    """Equality of (nested) state dicts holding tensors (NaN equals NaN)."""
-    if isinstance(a, torch.Tensor):
-        if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
-            return False
-        return torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    return bool(a == b)
 
 
 # -- the code's HMM by hand (uniform prior, all-ones alpha, lambda = 1) -------------------------------------------
@@ -272,7 +263,7 @@ def test_properties(k: int, budget: int, n: int, dn_min: int, dn_max: int, seed:
     assert torch.equal(res_p.counts, c[perm]) and torch.equal(res_p.reasons, res.reasons[perm])
     d.update(res)
     d2.update(res_p)
-    assert same(d.state_dict(), d2.state_dict())
+    assert same_state(d.state_dict(), d2.state_dict())
     pi = d.predictive(ids)
     assert bool(torch.isfinite(pi).all()) and torch.allclose(pi.sum(-1), torch.ones(k, dtype=torch.float64))
     assert bool(torch.isfinite(d.transition_counts(ids)).all())
@@ -304,7 +295,7 @@ def test_state_dict_round_trip_mid_run(strategy: str) -> None:
         ]
         assert torch.equal(xa.rewards, xb.rewards) and torch.equal(xa.reasons, xb.reasons)
     for key, value in a.state_dict().items():  # the table, the generator and the format version (an int)
-        assert same(value, b.state_dict()[key]), key
+        assert same_state(value, b.state_dict()[key]), key
 
 
 def test_dps_prefers_partially_solved_prompts() -> None:
@@ -470,7 +461,7 @@ def test_load_refuses_nan_and_negative_counters_naming_the_field() -> None:
         with pytest.raises(InputError) as err:
             d.load_state_dict(with_column(good, key, value))
         assert err.value.argument == f"{COLUMNS}['dps/{key}']"
-        assert same(d.state_dict(), before)
+        assert same_state(d.state_dict(), before)
 
     alpha = good["table"]["rows"]["columns"]["dps/alpha"]
     nan_alpha, neg_alpha = alpha.clone(), alpha.clone()
@@ -504,105 +495,33 @@ def test_capacity_evicts_the_least_recently_planned_prompt() -> None:
         DPS(capacity=5, table=PromptTable())
 
 
-def _drive(alloc: Any, ids: torch.Tensor, s: int) -> AllocationResult:
-    """One step with deterministic rewards (id % 3: all wrong, all right, alternating; shifted by the step) and an
-    entropy for the allocators that ask for one; then ``update``."""
-    plan = alloc.plan(ids, 2 * ids.numel())
-    while (req := plan.next()) is not None:
-        pid = req.prompt_ids.repeat_interleave(req.counts)
-        j = torch.cat([torch.arange(int(c)) for c in req.counts])
-        kind = (pid + s // 3) % 3
-        r = torch.where(kind == 2, ((j + 1) % 2).double(), (kind == 1).double())
-        extra = {"entropy": ((pid * 7 + j) % 5).double() / 5 + 0.1} if "entropy" in req.signals else {}
-        plan.observe(req, r, **extra)
-    res: AllocationResult = plan.finish()
-    alloc.update(res)
-    return res
+def test_a_shared_table_keeps_the_filter_to_the_rows_of_dps() -> None:
+    """DPS (decaying its filter), a DEPO and a second DPS (uniform, "dps#2") on one PromptTable, over overlapping
+    pools, with half the prompts in the budget: the same filter as with private tables, before and after a
+    checkpoint (the rows the other owners added do not decay with DPS's and are not DPS's known prompts)."""
+    shared = check_shared_table(
+        [
+            lambda t: DPS(n=2, prior_alpha="progress", decay=0.7, table=t),
+            lambda t: DEPO(n=2, steps_per_epoch=1, table=t),
+            lambda t: DPS(n=2, strategy="uniform", seed=4, table=t),
+        ],
+        in_turn(1),
+        first=4,
+    )
+    assert shared.table.owners == ("dps", "depo", "dps#2")
+    ids = torch.arange(80)
+    (dps, _, dps2), (private, _, private2) = shared.shared, shared.private
+    for d, ref in ((dps, private), (shared.resumed[0], private), (dps2, private2)):
+        assert d.num_known == ref.num_known == len(ref.table) < len(shared.table)
+        assert torch.equal(d.predictive(ids), ref.predictive(ids))
+        assert torch.equal(d.transition_counts(ids), ref.transition_counts(ids))
+        assert torch.equal(d.sampled_times(ids), ref.sampled_times(ids))
 
 
-def _pools(s: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Overlapping candidate pools of the two allocators at step ``s``."""
-    gen = torch.Generator().manual_seed(s)
-    return torch.randperm(40, generator=gen)[:24], 20 + torch.randperm(40, generator=gen)[:24]
-
-
-def _same_results(a: list[AllocationResult], b: list[AllocationResult]) -> None:
-    for x, y in zip(a, b, strict=True):
-        for name in ("prompt_ids", "group", "rewards", "weight", "counts", "reasons"):
-            assert torch.equal(getattr(x, name), getattr(y, name)), name
-
-
-@pytest.mark.parametrize("other", ["depo", "dps"])
-def test_a_shared_table_gives_the_private_tables_results_and_reloads(other: str) -> None:
-    """DPS and a second owner (DEPO, or a second DPS registered as "dps#2") on one PromptTable, over overlapping
-    pools: the same plans, results and filter state as with private tables (the rows the other owner added do
-    not decay with DPS's); ``table.state_dict()`` and each allocator's state, through
-    ``torch.save``/``torch.load(weights_only=True)``, continue identically."""
-
-    def make(table: PromptTable | None) -> tuple[Any, Any]:
-        d = DPS(n=2, prior_alpha="progress", decay=0.7, table=table)
-        if other == "depo":
-            return d, DEPO(n=2, steps_per_epoch=1, table=table)
-        return d, DPS(n=2, strategy="uniform", seed=4, table=table)
-
-    def steps(pair: tuple[Any, Any], at: range) -> tuple[list[AllocationResult], list[AllocationResult]]:
-        out: tuple[list[AllocationResult], list[AllocationResult]] = ([], [])
-        for s in at:
-            for alloc, pool, res in zip(pair, _pools(s), out, strict=True):
-                res.append(_drive(alloc, pool, s))
-        return out
-
-    def same_filter(a: DPS, b: DPS) -> None:
-        ids = torch.arange(60)
-        assert a.num_known == b.num_known
-        assert torch.equal(a.predictive(ids), b.predictive(ids))
-        assert torch.equal(a.transition_counts(ids), b.transition_counts(ids))
-        assert torch.equal(a.sampled_times(ids), b.sampled_times(ids))
-
-    private = make(None)
-    shared_table = PromptTable()
-    shared = make(shared_table)
-    assert shared_table.owners == ("dps", "depo" if other == "depo" else "dps#2")
-    for a, b in zip(steps(private, range(4)), steps(shared, range(4)), strict=True):
-        _same_results(a, b)
-    same_filter(private[0], shared[0])
-    assert len(shared_table) > shared[0].num_known == len(private[0].table)  # the other owner's rows are not DPS's
-
-    buf = io.BytesIO()
-    torch.save({"table": shared_table.state_dict(), "a": shared[0].state_dict(), "b": shared[1].state_dict()}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=True)
-    resumed_table = PromptTable()
-    resumed = make(resumed_table)
-    resumed_table.load_state_dict(ckpt["table"])
-    resumed[0].load_state_dict(ckpt["a"])
-    resumed[1].load_state_dict(ckpt["b"])
-    for a, b, c in zip(
-        steps(private, range(4, 7)), steps(shared, range(4, 7)), steps(resumed, range(4, 7)), strict=True
-    ):
-        _same_results(a, b)
-        _same_results(a, c)
-    same_filter(private[0], shared[0])
-    same_filter(private[0], resumed[0])
-    assert same(shared_table.state_dict(), resumed_table.state_dict())
-    assert same(shared[0].state_dict(), resumed[0].state_dict())
-
-
-def test_private_and_shared_states_do_not_mix() -> None:
-    """A private table's state does not load into a DPS on a shared table, nor the reverse; a second owner's
-    state does not load into the first; a zero alpha column of a registered prompt in a shared table is
-    refused."""
-    private = DPS(n=2)
-    step(private, [1, 2], 4, const({1: MIXED, 2: [1.0]}))
+def test_a_shared_table_with_a_zero_alpha_is_refused() -> None:
+    """A zero alpha column of a prompt DPS knows, in a shared table, is refused naming the table's column."""
     table = PromptTable()
-    first, second = DPS(n=2, table=table), DPS(n=2, table=table)
-    with pytest.raises(InputError, match="rows"):
-        first.load_state_dict(private.state_dict())
-    with pytest.raises(InputError, match="rows"):
-        private.load_state_dict(first.state_dict())
-    with pytest.raises(InputError, match="owner"):
-        first.load_state_dict(second.state_dict())
-    assert private.num_known == 2
+    first = DPS(n=2, table=table)
     step(first, [1, 2], 4, const({1: MIXED, 2: [1.0]}))
     saved = table.state_dict()
     saved["columns"]["dps/alpha"][0, :, 1] = 0.0

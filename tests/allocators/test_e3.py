@@ -6,7 +6,6 @@ Oracles computed by hand following the authors' code (``LiaoMengqi/E3-RL4LLMs``
 from __future__ import annotations
 
 import copy
-import io
 import math
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +15,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rolloutopt.allocators._base import AllocationResult
 from rolloutopt.allocators.dars import DARS
 from rolloutopt.allocators.depo import DEPO
 from rolloutopt.allocators.e3 import E3Budget, E3Temperature, e3_counts, e3_temperature_step
@@ -24,7 +22,8 @@ from rolloutopt.allocators.table import PromptTable
 from rolloutopt.errors import InputError
 
 from .difficulty_helpers import check_bad_arguments, check_bad_protocol_input, names
-from .helpers import hashed, run, table
+from .helpers import hashed, run, same_state, table
+from .table_helpers import check_shared_table, in_turn
 
 COLUMNS = "state['table']['rows']['columns']"  # where a private table's columns are in an E3Budget state
 
@@ -51,17 +50,6 @@ def with_column(state: dict[str, Any], name: str, value: torch.Tensor) -> dict[s
     out = copy.deepcopy(state)
     out["table"]["rows"]["columns"][f"e3_budget/{name}"] = value
     return out
-
-
-def same(a: Any, b: Any) -> bool:
-    """Equality of (nested) state dicts holding tensors (NaN equals NaN)."""
-    if isinstance(a, torch.Tensor):
-        if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
-            return False
-        return torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    return bool(a == b)
 
 
 # -- E3: allocation oracles (by hand following E3's code, n_min = 4, n_max = 12, N_total = 32) --------------------
@@ -215,7 +203,7 @@ def test_e3_state_round_trip_mid_run() -> None:
         assert rqa == rqb and ra.reasons.tolist() == rb.reasons.tolist()
         a.update(ra)
         b.update(rb)
-    assert same(a.state_dict(), b.state_dict())
+    assert same_state(a.state_dict(), b.state_dict())
 
 
 # -- E3 temperature ------------------------------------------------------------------------------------------------
@@ -310,7 +298,7 @@ def test_e3_budget_state_refuses_nan_and_negative_counters_naming_the_field() ->
         with pytest.raises(InputError) as err:
             alloc.load_state_dict(bad)
         assert err.value.argument == arg
-    assert same(alloc.state_dict(), good) and good["epoch"] == 1
+    assert same_state(alloc.state_dict(), good) and good["epoch"] == 1
 
 
 def test_e3_temperature_state_refuses_nan_and_negative_counters_naming_the_field() -> None:
@@ -364,100 +352,32 @@ def test_e3_capacity_evicts_the_least_recently_updated_prompt() -> None:
         E3Budget(capacity=5, table=PromptTable())
 
 
-def _drive(alloc: Any, ids: torch.Tensor, s: int) -> AllocationResult:
-    """One step with deterministic rewards (id % 3: all wrong, all right, alternating; shifted by the step) and an
-    entropy for the allocators that ask for one; then ``update``."""
-    plan = alloc.plan(ids, 4 * ids.numel())
-    while (req := plan.next()) is not None:
-        pid = req.prompt_ids.repeat_interleave(req.counts)
-        j = torch.cat([torch.arange(int(c)) for c in req.counts])
-        kind = (pid + s // 3) % 3
-        r = torch.where(kind == 2, ((j + 1) % 2).double(), (kind == 1).double())
-        extra = {"entropy": ((pid * 7 + j) % 5).double() / 5 + 0.1} if "entropy" in req.signals else {}
-        plan.observe(req, r, **extra)
-    res: AllocationResult = plan.finish()
-    alloc.update(res)
-    return res
+def test_e3_ranks_on_a_shared_table_count_only_its_own_prompts() -> None:
+    """E3Budget with ``dataset_ids`` (the ranks divide by E3's known prompts, never by the rows another owner
+    added), a DEPO and a second E3Budget ("e3_budget#2") on one PromptTable, over overlapping pools: the ranks of
+    private tables, before and after a checkpoint."""
+    shared = check_shared_table(
+        [
+            lambda t: E3Budget(n=4, n_low=2, n_high=6, steps_per_epoch=2, dataset_ids=torch.arange(50), table=t),
+            lambda t: DEPO(n=2, steps_per_epoch=1, table=t),
+            lambda t: E3Budget(n=4, n_low=2, n_high=6, steps_per_epoch=3, table=t),
+        ],
+        in_turn(4),
+        first=4,
+    )
+    assert shared.table.owners == ("e3_budget", "depo", "e3_budget#2")
+    ids = torch.arange(80)
+    private = shared.private[0]
+    for e3 in (shared.shared[0], shared.resumed[0]):
+        assert torch.equal(e3.ranks(ids), private.ranks(ids))
+    assert torch.equal(shared.shared[2].ranks(ids), shared.private[2].ranks(ids))
+    assert len(private.table) == 50 < len(shared.table)  # the data set; the shared table holds more
+    assert sorted(set(private.ranks(ids)[:50].tolist())) == [k / 50 for k in range(50)]  # K = 50
 
 
-def _pools(s: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Overlapping candidate pools of the two allocators at step ``s``."""
-    gen = torch.Generator().manual_seed(s)
-    return torch.randperm(40, generator=gen)[:24], 20 + torch.randperm(40, generator=gen)[:24]
-
-
-def _same_results(a: list[AllocationResult], b: list[AllocationResult]) -> None:
-    for x, y in zip(a, b, strict=True):
-        for name in ("prompt_ids", "group", "rewards", "weight", "counts", "reasons"):
-            assert torch.equal(getattr(x, name), getattr(y, name)), name
-
-
-@pytest.mark.parametrize("other", ["depo", "e3_budget"])
-def test_e3_a_shared_table_gives_the_private_tables_results_and_reloads(other: str) -> None:
-    """E3Budget (with ``dataset_ids``: the ranks divide by E3's known prompts, never by the rows another owner
-    added) and a second owner (DEPO, or a second E3Budget registered as "e3_budget#2") on one PromptTable, over
-    overlapping pools: the same plans, results and ranks as with private tables; ``table.state_dict()`` and each
-    allocator's state, through ``torch.save``/``torch.load(weights_only=True)``, continue identically."""
-
-    def make(shared: PromptTable | None) -> tuple[Any, Any]:
-        e3 = E3Budget(n=4, n_low=2, n_high=6, steps_per_epoch=2, dataset_ids=torch.arange(50), table=shared)
-        if other == "depo":
-            return e3, DEPO(n=2, steps_per_epoch=1, table=shared)
-        return e3, E3Budget(n=4, n_low=2, n_high=6, steps_per_epoch=3, table=shared)
-
-    def steps(pair: tuple[Any, Any], at: range) -> tuple[list[AllocationResult], list[AllocationResult]]:
-        out: tuple[list[AllocationResult], list[AllocationResult]] = ([], [])
-        for s in at:
-            for alloc, pool, res in zip(pair, _pools(s), out, strict=True):
-                res.append(_drive(alloc, pool, s))
-        return out
-
-    ids = torch.arange(70)
-    private = make(None)
-    shared_table = PromptTable()
-    shared = make(shared_table)
-    assert shared_table.owners == ("e3_budget", "depo" if other == "depo" else "e3_budget#2")
-    for a, b in zip(steps(private, range(4)), steps(shared, range(4)), strict=True):
-        _same_results(a, b)
-    assert torch.equal(private[0].ranks(ids), shared[0].ranks(ids))
-    if other != "depo":
-        assert torch.equal(private[1].ranks(ids), shared[1].ranks(ids))
-    assert len(private[0].table) == 50 < len(shared_table)  # the data set; the shared table holds more
-    assert sorted(set(private[0].ranks(ids)[:50].tolist())) == [k / 50 for k in range(50)]  # K = 50
-
-    buf = io.BytesIO()
-    torch.save({"table": shared_table.state_dict(), "a": shared[0].state_dict(), "b": shared[1].state_dict()}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=True)
-    resumed_table = PromptTable()
-    resumed = make(resumed_table)
-    resumed_table.load_state_dict(ckpt["table"])
-    resumed[0].load_state_dict(ckpt["a"])
-    resumed[1].load_state_dict(ckpt["b"])
-    for a, b, c in zip(
-        steps(private, range(4, 7)), steps(shared, range(4, 7)), steps(resumed, range(4, 7)), strict=True
-    ):
-        _same_results(a, b)
-        _same_results(a, c)
-    assert torch.equal(private[0].ranks(ids), resumed[0].ranks(ids))
-    assert same(shared_table.state_dict(), resumed_table.state_dict())
-    assert same(shared[0].state_dict(), resumed[0].state_dict())
-
-
-def test_e3_private_and_shared_states_do_not_mix() -> None:
-    """A private table's state does not load into an E3Budget on a shared table, nor the reverse; a second
-    owner's state does not load into the first; a rank outside [0, 1) in a shared table is refused."""
-    private = E3Budget(steps_per_epoch=1)
-    private.update(run(private.plan(torch.tensor([1, 2]), 16), hashed(0))[0])
+def test_e3_a_rank_outside_the_unit_interval_in_a_shared_table_is_refused() -> None:
     shared = PromptTable()
-    first, second = E3Budget(table=shared), E3Budget(table=shared)
-    with pytest.raises(InputError, match="rows"):
-        first.load_state_dict(private.state_dict())
-    with pytest.raises(InputError, match="rows"):
-        private.load_state_dict(first.state_dict())
-    with pytest.raises(InputError, match="owner"):
-        first.load_state_dict(second.state_dict())
-    assert private.ranks(torch.tensor([1, 2])).tolist() in ([0.0, 0.5], [0.5, 0.0])
+    first = E3Budget(table=shared)
     first.update(run(first.plan(torch.tensor([1, 2]), 16), hashed(0))[0])
     saved = shared.state_dict()
     saved["columns"]["e3_budget/rank"][0] = 1.5

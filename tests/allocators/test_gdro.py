@@ -31,6 +31,8 @@ from rolloutopt.allocators.gdro_bins import (
 from rolloutopt.allocators.table import PromptTable
 from rolloutopt.errors import InputError
 
+from .table_helpers import check_shared_table, in_turn
+
 F64 = torch.float64
 
 
@@ -737,10 +739,9 @@ def test_gdro_capacity_forgets_the_least_recently_visited() -> None:
 
 
 def test_gdro_shared_table_equals_private_tables() -> None:
-    """Two Prompt-GDROs ("promptgdro", "promptgdro#2"), a Rollout-GDRO and a standalone-built classifier's
-    allocator on one table, on overlapping pools, plan and learn as with private tables; the table's and the
-    allocators' states restore them on a fresh table (through torch.save/torch.load(weights_only=True)); a private
-    state does not load on a shared table, nor the reverse."""
+    """Two Prompt-GDROs ("promptgdro", "promptgdro#2"), a Rollout-GDRO and the allocator of a classifier built on
+    its own ("difficulty") on one table, on overlapping pools, plan and learn as with private tables, and after a
+    checkpoint (table_helpers.check_shared_table)."""
     makes: list[Any] = [
         lambda t: PromptGDRO(n=3, n_min=2, n_max=5, seed=1, table=t, experimental=True),
         lambda t: RolloutGDRO(n_min=2, n_max=6, seed=2, eta_mu=0.01, table=t, experimental=True),
@@ -749,41 +750,10 @@ def test_gdro_shared_table_equals_private_tables() -> None:
     ]
     pools = [torch.arange(40) * 7 + 3, torch.arange(30) * 5, torch.arange(0, 90, 3), torch.arange(25) * 11]
     p_of = {i: (i % 11) / 10 for i in range(300)}
-
-    def steps(allocs: list[Any], first: int) -> list[AllocationResult]:
-        return [
-            drive(al, pool, [int(pool.numel()) * 3], p_of, s)[0]
-            for s in range(first, first + 3)
-            for al, pool in zip(allocs, pools, strict=True)
-        ]
-
-    def same(xs: list[AllocationResult], ys: list[AllocationResult]) -> None:
-        for x, y in zip(xs, ys, strict=True):
-            assert torch.equal(x.counts, y.counts) and torch.equal(x.reasons, y.reasons)
-            assert torch.equal(x.rewards, y.rewards)
-
-    private = [m(None) for m in makes]
-    table = PromptTable()
-    shared = [m(table) for m in makes]
-    assert table.owners == ("promptgdro", "rolloutgdro", "promptgdro#2", "difficulty")
-    assert all(al.table is table for al in shared)
-    same(steps(private, 0), steps(shared, 0))
-    buf = io.BytesIO()
-    torch.save({"table": table.state_dict(), "allocs": [al.state_dict() for al in shared]}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=True)
-    fresh = PromptTable()
-    restored = [m(fresh) for m in makes]
-    fresh.load_state_dict(ckpt["table"])
-    for al, state in zip(restored, ckpt["allocs"], strict=True):
-        al.load_state_dict(state)
-    later = steps(private, 3)
-    same(later, steps(shared, 3))
-    same(later, steps(restored, 3))
-    with pytest.raises(InputError, match="rows"):
-        makes[0](None).load_state_dict(shared[0].state_dict())
-    with pytest.raises(InputError, match="rows"):
-        makes[1](PromptTable()).load_state_dict(private[1].state_dict())
+    shared = check_shared_table(
+        makes, in_turn(drive=lambda al, pool, s: drive(al, pool, [int(pool.numel()) * 3], p_of, s)[0], at=pools)
+    )
+    assert shared.table.owners == ("promptgdro", "rolloutgdro", "promptgdro#2", "difficulty")
 
 
 def test_gdro_table_of_a_given_classifier_is_refused() -> None:

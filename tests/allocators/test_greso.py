@@ -5,7 +5,6 @@ hand, properties, bad input."""
 from __future__ import annotations
 
 import copy
-import io
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -16,10 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.allocators._base import AllocationResult, Conversation, Request
-from rolloutopt.allocators.depo import DEPO
 from rolloutopt.allocators.greso import GRESO, greso_skip_probability
 from rolloutopt.allocators.table import PromptTable
 from rolloutopt.errors import InputError
+
+from .helpers import same_state
 
 Rewards = Callable[[Request], torch.Tensor]
 
@@ -78,17 +78,6 @@ def with_rows(g: GRESO, ids: torch.Tensor, k_easy: torch.Tensor, k_hard: torch.T
     rows.update(prompt_ids=ids, touch=torch.zeros(m, dtype=torch.long), clock=0)
     rows["columns"] = {"greso/seen": torch.ones(m, dtype=torch.bool), "greso/k_easy": k_easy, "greso/k_hard": k_hard}
     return state
-
-
-def same(a: Any, b: Any) -> bool:
-    """Equality of (nested) state dicts holding tensors."""
-    if isinstance(a, torch.Tensor):  # NaN (an empty slot of another owner's column) equals NaN here
-        if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
-            return False
-        return torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    return bool(a == b)
 
 
 # -- by hand following the GRESO code -----------------------------------------------------------------------------
@@ -412,7 +401,7 @@ def test_state_dict_round_trip_mid_run() -> None:
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
     for key in sa:
-        assert same(sa[key], sb[key]), key
+        assert same_state(sa[key], sb[key]), key
     assert any(bool((x.reasons == 3).any() | (x.reasons == 4).any()) for _, x in tail_a)  # skips did happen
 
 
@@ -545,7 +534,7 @@ def test_load_refuses_nan_and_negative_counters_naming_the_field() -> None:
         with pytest.raises(InputError) as err:
             g.load_state_dict(state)
         assert err.value.argument == argument
-        assert same(g.state_dict(), before)
+        assert same_state(g.state_dict(), before)
 
 
 # -- the prompt table ---------------------------------------------------------------------------------------------
@@ -573,98 +562,3 @@ def test_capacity_evicts_the_least_recently_updated_prompt() -> None:
         GRESO(capacity=5, table=PromptTable())
     with pytest.raises(InputError, match="table"):
         GRESO(table="shared")  # type: ignore[arg-type]
-
-
-def _drive(alloc: Any, ids: torch.Tensor, s: int) -> AllocationResult:
-    """One step with deterministic rewards (id % 3: all wrong, all right, alternating; shifted by the step) and an
-    entropy for the allocators that ask for one; then ``update``."""
-    plan = alloc.plan(ids, 4 * ids.numel())
-    while (req := plan.next()) is not None:
-        pid = req.prompt_ids.repeat_interleave(req.counts)
-        j = torch.cat([torch.arange(int(c)) for c in req.counts])
-        kind = (pid + s // 3) % 3
-        r = torch.where(kind == 2, ((j + 1) % 2).double(), (kind == 1).double())
-        extra = {"entropy": ((pid * 7 + j) % 5).double() / 5 + 0.1} if "entropy" in req.signals else {}
-        plan.observe(req, r, **extra)
-    res: AllocationResult = plan.finish()
-    alloc.update(res)
-    return res
-
-
-def _pools(s: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Overlapping candidate pools of the two allocators at step ``s``."""
-    gen = torch.Generator().manual_seed(s)
-    return torch.randperm(40, generator=gen)[:24], 20 + torch.randperm(40, generator=gen)[:24]
-
-
-def _same_results(a: list[AllocationResult], b: list[AllocationResult]) -> None:
-    for x, y in zip(a, b, strict=True):
-        for name in ("prompt_ids", "group", "rewards", "weight", "counts", "reasons"):
-            assert torch.equal(getattr(x, name), getattr(y, name)), name
-
-
-@pytest.mark.parametrize("other", ["depo", "greso"])
-def test_a_shared_table_gives_the_private_tables_results_and_reloads(other: str) -> None:
-    """GRESO and a second owner (DEPO, or a second GRESO registered as "greso#2") on one PromptTable, over
-    overlapping pools: the same plans and results as with private tables; ``table.state_dict()`` and each
-    allocator's state, through ``torch.save``/``torch.load(weights_only=True)``, continue identically."""
-
-    def make(table: PromptTable | None) -> tuple[Any, Any]:
-        g = GRESO(n=4, train_batch_size=10, sampling_batch_size=8, min_sampling_batch_size=2, seed=3, table=table)
-        g.set_epoch(1)  # p adapts
-        if other == "depo":
-            return g, DEPO(n=2, steps_per_epoch=1, table=table)
-        second = GRESO(n=2, train_batch_size=6, sampling_batch_size=6, min_sampling_batch_size=1, table=table)
-        second.set_epoch(1)
-        return g, second
-
-    def steps(pair: tuple[Any, Any], at: range) -> tuple[list[AllocationResult], list[AllocationResult]]:
-        out: tuple[list[AllocationResult], list[AllocationResult]] = ([], [])
-        for s in at:
-            for alloc, pool, res in zip(pair, _pools(s), out, strict=True):
-                res.append(_drive(alloc, pool, s))
-        return out
-
-    private = make(None)
-    shared_table = PromptTable()
-    shared = make(shared_table)
-    assert shared_table.owners == ("greso", "depo" if other == "depo" else "greso#2")
-    for a, b in zip(steps(private, range(4)), steps(shared, range(4)), strict=True):
-        _same_results(a, b)
-    ids = torch.arange(60)
-    assert all(torch.equal(x, y) for x, y in zip(private[0].run_lengths(ids), shared[0].run_lengths(ids), strict=True))
-    assert len(shared_table) > max(len(private[0].table), len(private[1].table))  # the union of both
-
-    buf = io.BytesIO()
-    torch.save({"table": shared_table.state_dict(), "a": shared[0].state_dict(), "b": shared[1].state_dict()}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=True)
-    resumed_table = PromptTable()
-    resumed = make(resumed_table)
-    resumed_table.load_state_dict(ckpt["table"])
-    resumed[0].load_state_dict(ckpt["a"])
-    resumed[1].load_state_dict(ckpt["b"])
-    for a, b, c in zip(
-        steps(private, range(4, 7)), steps(shared, range(4, 7)), steps(resumed, range(4, 7)), strict=True
-    ):
-        _same_results(a, b)
-        _same_results(a, c)
-    assert same(shared_table.state_dict(), resumed_table.state_dict())
-    assert same(shared[0].state_dict(), resumed[0].state_dict())
-    assert (shared[0].p_easy, shared[0].p_hard) == (private[0].p_easy, private[0].p_hard)
-
-
-def test_private_and_shared_states_do_not_mix() -> None:
-    """A private table's state does not load into a GRESO on a shared table, nor the reverse; a second owner's
-    state does not load into the first."""
-    private = GRESO(n=2)
-    step(private, [1, 2], 100, const_mean({1: 1.0, 2: 0.5}))
-    table = PromptTable()
-    first, second = GRESO(n=2, table=table), GRESO(n=2, table=table)
-    with pytest.raises(InputError, match="rows"):
-        first.load_state_dict(private.state_dict())
-    with pytest.raises(InputError, match="rows"):
-        private.load_state_dict(first.state_dict())
-    with pytest.raises(InputError, match="owner"):
-        first.load_state_dict(second.state_dict())
-    assert private.run_lengths(torch.tensor([1, 2]))[0].tolist() == [1, 0]

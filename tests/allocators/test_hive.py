@@ -4,7 +4,6 @@ HIVE's oracles test the invariants of our reconstruction (see docs/methods/filte
 
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
@@ -12,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rolloutopt.allocators._base import AllocationResult
 from rolloutopt.allocators.depo import DEPO
 from rolloutopt.allocators.hive import HIVE
-from rolloutopt.allocators.table import PromptTable
 from rolloutopt.errors import InputError
 
 from .filters_helpers import (
@@ -29,11 +28,11 @@ from .filters_helpers import (
     column_name,
     ents,
     run,
-    same_state,
     table,
     with_rows,
     zero,
 )
+from .table_helpers import check_shared_table
 
 
 # -- HIVE --------------------------------------------------------------------------------------------------------
@@ -232,7 +231,7 @@ def test_hive_refuses_inf_values_and_a_foreign_window_naming_the_field() -> None
     _refused(h, with_rows(good, "hive", ids=torch.tensor([7, 3])), "state['table']['rows']['prompt_ids']")
 
 
-# -- the prompt table: capacity, sharing, checkpoints -------------------------------------------------------------
+# -- the prompt table: capacity, plans interleaved with another owner's ------------------------------------------------
 def test_hive_capacity_evicts_the_least_recently_updated_prompt() -> None:
     h = hive(capacity=2, p_lo=0.4, p_hi=0.6)
     for p in (1, 2, 3):  # all-correct groups: out of the band once seen; 1, the oldest, is evicted by 3
@@ -246,61 +245,35 @@ def test_hive_capacity_evicts_the_least_recently_updated_prompt() -> None:
     assert [res.reason_of(p) for p in (1, 2, 3)] == ["selected", "out_of_band", "out_of_band"]
 
 
-def _hive_pair(shared: PromptTable | None) -> list[HIVE | DEPO]:
-    return [
-        HIVE(n=3, window=2, p_lo=0.2, p_hi=0.8, experimental=True, seed=3, table=shared),
-        DEPO(n=2, decay=0.3, seed=1, table=shared),
-    ]
-
-
-def _hive_steps(allocs: list[HIVE | DEPO], steps: range) -> list[tuple[list[int], list[int]]]:
+def _interleaved(allocs: list[HIVE | DEPO], s: int) -> list[AllocationResult]:
+    """Step ``s``: every owner plans, then the plans run in reverse order: DEPO inserts rows into the shared table
+    between HIVE's plan and its probe's answer (HIVE's positions from the plan are stale then, and must be looked
+    up again)."""
+    pool = torch.randperm(12, generator=torch.Generator().manual_seed(s))[:8]
+    plans = []
+    for i, a in enumerate(allocs):
+        if isinstance(a, DEPO):
+            a.set_epoch(s // 2)
+        plans.append((a, a.plan(pool[i : i + 6], 9)))
     out = []
-    for s in steps:
-        pool = torch.randperm(12, generator=torch.Generator().manual_seed(s))[:8]
-        plans = []
-        for i, a in enumerate(allocs):
-            if isinstance(a, DEPO):
-                a.set_epoch(s // 2)
-            plans.append((a, a.plan(pool[i : i + 6], 9)))
-        # the plans run interleaved: DEPO inserts rows into the shared table between HIVE's plan and its probe's
-        # answer (HIVE's positions from the plan are stale then, and must be looked up again)
-        for a, plan in plans[::-1]:
-            pe = dict(zip(plan.prompt_ids.tolist(), (plan.prompt_ids * 0.31 + s).sin().abs().tolist(), strict=True))
-            res, _ = run(plan, bern(s, 12), entropy=ents(s), prompt_entropy=pe)
-            a.update(res)
-            out.append((res.counts.tolist(), res.reasons.tolist()))
+    for a, plan in plans[::-1]:
+        pe = dict(zip(plan.prompt_ids.tolist(), (plan.prompt_ids * 0.31 + s).sin().abs().tolist(), strict=True))
+        res, _ = run(plan, bern(s, 12), entropy=ents(s), prompt_entropy=pe)
+        a.update(res)
+        out.append(res)
     return out
 
 
 def test_hive_shared_table_matches_private_tables_and_reloads() -> None:
-    private, shared_table = _hive_pair(None), PromptTable(capacity=100)
-    shared = _hive_pair(shared_table)
-    assert shared_table.owners == ("hive", "depo") and shared[0].table is shared_table
-    first = _hive_steps(private, range(4))
-    assert _hive_steps(shared, range(4)) == first
-    assert any(r != 0 for _, reasons in first for r in reasons)  # something was filtered or pruned
-    buf = io.BytesIO()
-    torch.save({"table": shared_table.state_dict(), "owners": [a.state_dict() for a in shared]}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=True)
-    fresh_table = PromptTable(capacity=100)
-    fresh = _hive_pair(fresh_table)
-    fresh_table.load_state_dict(ckpt["table"])
-    for a, st_ in zip(fresh, ckpt["owners"], strict=True):
-        a.load_state_dict(st_)
-    tail = _hive_steps(private, range(4, 7))
-    assert _hive_steps(shared, range(4, 7)) == tail and _hive_steps(fresh, range(4, 7)) == tail
-    assert same_state(fresh_table.state_dict(), shared_table.state_dict())
-
-
-def test_hive_private_and_shared_states_do_not_mix() -> None:
-    private, shared = hive(), hive(table=PromptTable())
-    for a in (private, shared):
-        res, _ = run(a.plan(torch.tensor([1, 2]), 4), zero, prompt_entropy={1: 0.5, 2: 0.5})
-        a.update(res)
-    with pytest.raises(InputError, match="rows"):
-        shared.load_state_dict(private.state_dict())
-    with pytest.raises(InputError, match="rows"):
-        private.load_state_dict(shared.state_dict())
-    with pytest.raises(InputError, match="capacity"):
-        hive(capacity=10, table=PromptTable())
+    """HIVE and a DEPO on one table, their plans interleaved (:func:`_interleaved`): the results of private
+    tables, and after a checkpoint."""
+    shared = check_shared_table(
+        [
+            lambda t: HIVE(n=3, window=2, p_lo=0.2, p_hi=0.8, experimental=True, seed=3, table=t),
+            lambda t: DEPO(n=2, decay=0.3, seed=1, table=t),
+        ],
+        _interleaved,
+        first=4,
+    )
+    assert shared.table.owners == ("hive", "depo")
+    assert any(bool(res.reasons.any()) for step in shared.results[:4] for res in step)  # something filtered or pruned

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import io
 import math
-from typing import Any
 
 import numpy as np
 import pytest
@@ -13,9 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutopt.allocators._budget import _top_units, _top_units_lazy
-from rolloutopt.allocators.coba import CoBA
 from rolloutopt.allocators.knapsack import Knapsack, knapsack_value
-from rolloutopt.allocators.table import PromptTable
 from rolloutopt.errors import InputError
 
 from .budget_helpers import (
@@ -23,7 +19,6 @@ from .budget_helpers import (
     _refused,
     _saved,
     _with,
-    bernoulli,
     check_bad_input,
     check_budget_caps_determinism_permutation,
     check_empty_pool_and_zero_budget,
@@ -316,54 +311,3 @@ def test_knapsack_capacity_evicts_the_least_recently_updated() -> None:
     fresh.update(group_result([2], [2], first=2))
     fresh.update(group_result([0], [2], first=1))
     assert k.plan(torch.arange(3), 40).counts.tolist() == fresh.plan(torch.arange(3), 40).counts.tolist()
-
-
-def test_knapsack_shared_table_equals_private_tables() -> None:
-    """Two Knapsacks ("knapsack", "knapsack#2") and a CoBA on one table, on overlapping pools, plan and learn as
-    with private tables; the table's and the allocators' states restore them on a fresh table (through
-    torch.save/torch.load(weights_only=True)); a private state does not load on a shared table, nor the reverse."""
-    makes = [
-        lambda t: Knapsack(n=4, n_min=2, n_max=12, table=t),
-        lambda t: CoBA(n_min=2, n_max=12, table=t),
-        lambda t: Knapsack(n=4, n_min=2, n_max=12, reward_window=4, min_rewards=2, table=t),
-    ]
-    pools = [torch.arange(30), torch.arange(10, 40), torch.arange(0, 60, 2)]
-    rate = torch.rand(60, generator=torch.Generator().manual_seed(3), dtype=F64)
-
-    def steps(allocs: list[Any], first: int) -> list[Any]:
-        out = []
-        for s in range(first, first + 3):
-            for a, pool in zip(allocs, pools, strict=True):
-                res = run(a.plan(pool, 150), bernoulli(rate, s))
-                a.update(res)
-                out.append(res)
-        return out
-
-    def same(xs: list[Any], ys: list[Any]) -> None:
-        for x, y in zip(xs, ys, strict=True):
-            assert torch.equal(x.counts, y.counts) and torch.equal(x.reasons, y.reasons)
-            assert torch.equal(x.rewards, y.rewards)
-
-    private = [m(None) for m in makes]
-    table = PromptTable()
-    shared = [m(table) for m in makes]
-    assert table.owners == ("knapsack", "coba", "knapsack#2")
-    same(steps(private, 0), steps(shared, 0))
-    buf = io.BytesIO()
-    torch.save({"table": table.state_dict(), "allocs": [a.state_dict() for a in shared]}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=True)
-    fresh = PromptTable()
-    restored = [m(fresh) for m in makes]
-    fresh.load_state_dict(ckpt["table"])
-    for a, state in zip(restored, ckpt["allocs"], strict=True):
-        a.load_state_dict(state)
-    later = steps(private, 3)
-    same(later, steps(shared, 3))
-    same(later, steps(restored, 3))
-    with pytest.raises(InputError, match="rows"):
-        makes[0](None).load_state_dict(shared[0].state_dict())
-    with pytest.raises(InputError, match="rows"):
-        makes[0](PromptTable()).load_state_dict(private[0].state_dict())
-    with pytest.raises(InputError, match="capacity"):
-        Knapsack(capacity=5, table=PromptTable())

@@ -24,6 +24,8 @@ import rolloutopt.allocators as allocators
 from rolloutopt.allocators import SIGNALS, AllocationResult, Request, run_step
 from rolloutopt.errors import InputError
 
+from .helpers import same_state
+
 NAMES = allocators.names()
 #: class names whose acronym mixes cases, so the generic snake_case split does not apply
 ACRONYMS = {"AR3PO": "ar3po", "ARRoL": "arrol", "CoBA": "coba"}
@@ -194,19 +196,6 @@ def _corrupt(result: AllocationResult, how: str) -> AllocationResult:
     raise AssertionError(how)
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Equality of (nested) state dicts holding tensors."""
-    if isinstance(a, torch.Tensor):  # NaN (an unmeasured value) equals NaN here
-        if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
-            return False
-        return torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
-
-
 CORRUPTIONS = {
     "nan_reward": "result.rewards",
     "short_rewards": "result.rewards",
@@ -229,7 +218,7 @@ def test_every_allocator_refuses_an_inconsistent_result_and_keeps_its_state(name
             alloc.update(bad)
         assert err.value.argument == field_name, (how, err.value)
         assert "plan" in err.value.fix
-    assert _same(before, alloc.state_dict())
+    assert same_state(before, alloc.state_dict())
     alloc.update(result)  # the intact result still works
 
 
@@ -270,7 +259,7 @@ def test_every_allocator_continues_identically_after_a_checkpoint(name: str) -> 
         for field_name in ("prompt_ids", "group", "rewards", "weight", "plan_prompt_ids", "counts", "reasons"):
             assert torch.equal(getattr(a, field_name), getattr(b, field_name)), field_name
         assert a.signals.keys() == b.signals.keys()
-    assert _same(whole.state_dict(), resumed.state_dict())
+    assert same_state(whole.state_dict(), resumed.state_dict())
 
 
 @pytest.mark.filterwarnings("ignore:GRESO.*epoch:UserWarning")
@@ -338,7 +327,7 @@ def test_every_allocator_refuses_a_corrupted_state_and_keeps_its_own(name: str) 
         bad.append((f"truncated {'.'.join(path)}", _with(good, path, _get(good, path)[:-1])))
         bad.append((f"string for {'.'.join(path)}", _with(good, path, "not a tensor")))
     for what, state in bad:
-        if what == "foreign state" and _same(state, good):
+        if what == "foreign state" and same_state(state, good):
             continue  # an allocator with no state (Uniform, DARS, VIGOR): every empty state is its own
         with pytest.raises(InputError):
             alloc.load_state_dict(state)
@@ -346,7 +335,7 @@ def test_every_allocator_refuses_a_corrupted_state_and_keeps_its_own(name: str) 
     a, b = _steps(alloc, name, range(3, 5), give), _steps(twin, name, range(3, 5), give)
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x.counts, y.counts) and torch.equal(x.rewards, y.rewards)
-    assert _same(alloc.state_dict(), twin.state_dict())
+    assert same_state(alloc.state_dict(), twin.state_dict())
 
 
 @pytest.mark.parametrize("name", ["knapsack", "dots", "coba"])
@@ -375,4 +364,4 @@ def test_update_does_not_depend_on_how_the_groups_rows_interleave(name: str) -> 
         )
         grouped_alloc.update(plan_res)
         mixed_alloc.update(mixed)
-    assert _same(grouped_alloc.state_dict(), mixed_alloc.state_dict())
+    assert same_state(grouped_alloc.state_dict(), mixed_alloc.state_dict())

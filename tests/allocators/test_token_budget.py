@@ -28,7 +28,8 @@ from rolloutopt.allocators import (
 )
 from rolloutopt.errors import InputError
 
-from .test_registry import PER_PROMPT, _same, answer, make
+from .helpers import same_state
+from .test_registry import PER_PROMPT, answer, make
 
 NAMES = allocators.names()
 PROMPTS = torch.arange(10, 26)
@@ -101,7 +102,7 @@ def test_every_allocator_spends_a_token_budget_and_continues_identically_after_a
     for a, b in zip(want[3:], got, strict=True):
         for field_name in ("prompt_ids", "group", "rewards", "weight", "counts", "reasons"):
             assert torch.equal(getattr(a, field_name), getattr(b, field_name)), field_name
-    assert _same(whole.state_dict(), resumed.state_dict()) and _same(t_whole.state_dict(), t_res.state_dict())
+    assert same_state(whole.state_dict(), resumed.state_dict()) and same_state(t_whole.state_dict(), t_res.state_dict())
 
 
 def test_one_shot_conversion_by_hand() -> None:
