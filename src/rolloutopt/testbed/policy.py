@@ -63,26 +63,38 @@ def _check_temperature(temperature: float) -> None:
 
 class TinyPolicy(nn.Module):
     """Embedding → a single-layer GRU (``arch="gru"``) or a two-layer causal transformer (``"transformer"``) → a
-    linear head over the testbed vocabulary; a few tens of thousands of parameters.
+    linear head over the testbed vocabulary (``vocab_size`` tokens: the testbed's 14, then any a task adds, as the
+    arena's operation tokens); a few tens of thousands of parameters.
 
     Parameters are initialised from ``generator`` (the global RNG is never touched).
     """
 
     def __init__(
-        self, hidden: int = 64, *, arch: str = "gru", max_len: int = 32, generator: torch.Generator | None = None
+        self,
+        hidden: int = 64,
+        *,
+        arch: str = "gru",
+        max_len: int = 32,
+        vocab_size: int = VOCAB_SIZE,
+        generator: torch.Generator | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(hidden, int) or hidden < 1:
             raise InputError("hidden", "a positive int", repr(hidden), "pass e.g. 64")
         if arch not in ("gru", "transformer"):
             raise InputError("arch", "'gru' or 'transformer'", repr(arch), "pick one")
+        if not isinstance(vocab_size, int) or vocab_size < VOCAB_SIZE:
+            raise InputError(
+                "vocab_size", f"an int >= {VOCAB_SIZE} (the testbed's tokens first)", repr(vocab_size), "pass more"
+            )
         self.hidden = hidden
         self.arch = arch
+        self.vocab_size = vocab_size
         self.max_len = max_len
         # Built on the meta device, so no draw from the global RNG; _init fills the parameters.
         meta = torch.device("meta")
-        self.embed = nn.Embedding(VOCAB_SIZE, hidden, device=meta)
-        self.head = nn.Linear(hidden, VOCAB_SIZE, device=meta)
+        self.embed = nn.Embedding(vocab_size, hidden, device=meta)
+        self.head = nn.Linear(hidden, vocab_size, device=meta)
         if arch == "gru":
             self.rnn = nn.GRU(hidden, hidden, batch_first=True, device=meta)
         else:
@@ -224,8 +236,11 @@ def sample_from(
         raise InputError(
             "policies", "policies of one architecture", repr([p.arch for p in models]), "use copies of one policy"
         )
-    if not isinstance(topk, int) or isinstance(topk, bool) or not 0 <= topk <= VOCAB_SIZE:
-        raise InputError("topk", f"an int in [0, {VOCAB_SIZE}] (0 = none)", repr(topk), "pass e.g. topk=8")
+    vocab = models[0].vocab_size
+    if len({p.vocab_size for p in models}) != 1:
+        raise InputError("policies", "policies of one vocabulary", repr([p.vocab_size for p in models]), "use copies")
+    if not isinstance(topk, int) or isinstance(topk, bool) or not 0 <= topk <= vocab:
+        raise InputError("topk", f"an int in [0, {vocab}] (0 = none)", repr(topk), "pass e.g. topk=8")
     b = prompts.shape[0]
     bad_source = source is None or (
         source.dtype != torch.int64

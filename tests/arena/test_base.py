@@ -1,0 +1,71 @@
+"""The arena's base policy: deterministic warm-up, cached once and loaded with weights_only, keyed by its settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rolloutopt.arena import TaskSuite
+from rolloutopt.arena.base import BaseConfig, base_policy, cache_dir
+from rolloutopt.errors import InputError
+
+SUITE = TaskSuite(ops=("reverse", "count"), lengths=(("reverse", (1, 2, 3)), ("count", (2, 3))), per_cell=16, holdout=4)
+TINY = BaseConfig(hidden=16, steps=20, batch_size=16)
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+def test_warm_up_is_deterministic_and_cached_once(tmp_path: Path) -> None:
+    first = base_policy(SUITE, TINY, directory=tmp_path / "a")
+    files = list((tmp_path / "a").glob("base-*.pt"))
+    assert len(files) == 1
+    stamp = files[0].stat().st_mtime_ns
+    again = base_policy(SUITE, TINY, directory=tmp_path / "a")  # from the cache: the file is not rewritten
+    assert _same(first, again) and files[0].stat().st_mtime_ns == stamp
+    rebuilt = base_policy(SUITE, TINY, directory=tmp_path / "b")  # trained again elsewhere: the same weights
+    assert _same(first, rebuilt)
+    other = base_policy(SUITE, BaseConfig(hidden=16, steps=20, batch_size=16, seed=1), directory=tmp_path / "a")
+    assert not _same(first, other) and len(list((tmp_path / "a").glob("base-*.pt"))) == 2
+
+
+def test_warm_up_learns_the_warm_cells(tmp_path: Path) -> None:
+    """300 steps on lengths <= 2: the greedy policy answers most warm train prompts (a blank one almost none)."""
+    config = BaseConfig(hidden=32, steps=300, batch_size=64, next_fraction=0.0)
+    policy = base_policy(SUITE, config, directory=tmp_path)
+    blank = base_policy(SUITE, BaseConfig(hidden=32, steps=0), directory=tmp_path)
+    train, _ = SUITE.split()
+    warm = train[SUITE.decode_ids(train)[1] <= 2]
+    gen = torch.Generator().manual_seed(0)
+
+    def accuracy(p: torch.nn.Module) -> float:
+        r = p.sample(SUITE.prompts(warm), SUITE.response_limit, temperature=0.0, generator=gen)  # type: ignore[operator]
+        return float(SUITE.reward(warm, r.tokens, r.mask).mean())
+
+    assert accuracy(policy) >= 0.8 > 0.2 >= accuracy(blank)
+
+
+def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("ROLLOUTOPT_CACHE", str(tmp_path))
+    assert cache_dir() == tmp_path / "arena"
+    monkeypatch.delenv("ROLLOUTOPT_CACHE")
+    assert cache_dir() == Path.home() / ".cache" / "rolloutopt" / "arena"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"hidden": 0}, "hidden"),
+        ({"arch": "lstm"}, "arch"),
+        ({"next_fraction": 1.5}, "next_fraction"),
+        ({"lr": 0.0}, "lr"),
+        ({"steps": -1}, "steps"),
+    ],
+)
+def test_bad_config(kwargs: dict[str, object], argument: str) -> None:
+    with pytest.raises(InputError) as err:
+        BaseConfig(**kwargs)  # type: ignore[arg-type]
+    assert err.value.argument == argument
