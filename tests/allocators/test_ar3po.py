@@ -221,3 +221,34 @@ def test_ar3po_shared_table_equals_private_tables() -> None:
         ],
         [torch.arange(30) * 7 + 1, torch.arange(25) * 5, torch.arange(20) * 3],
     )
+
+
+def test_ar3po_reused_rows_carry_nan_rollout_signals() -> None:
+    """With a token budget (the tokens signal required), the reused response appended to step 1's result has no
+    length (NaN, it was not generated this step): every rollout signal covers every row, and the result passes
+    the update checks (ResponseLengths skips the NaN row)."""
+    from rolloutopt.allocators import ResponseLengths, TokenBudget, run_step
+
+    a, lengths = ar3po(k=4, stages=3), ResponseLengths(prior=10.0)
+    plan_rewards = [{1: [0.0, 0.0, 1.0, 0.0], 2: [0.0]}, {1: [0.0], 2: [0.0]}]
+    for step, rewards in enumerate(plan_rewards):
+        seen: dict[int, int] = {}
+
+        def generate(
+            req: Any, rewards: dict[int, list[float]] = rewards, seen: dict[int, int] = seen
+        ) -> dict[str, torch.Tensor]:
+            vals = []
+            for pid, c in zip(req.prompt_ids.tolist(), req.counts.tolist(), strict=True):
+                for _ in range(c):
+                    k = seen.get(pid, 0)
+                    seen[pid] = k + 1
+                    vals.append(rewards[pid][k % len(rewards[pid])])
+            return {"rewards": torch.tensor(vals, dtype=torch.float64), "tokens": torch.full((req.total,), 5.0)}
+
+        res = run_step(a, torch.tensor([1, 2]), TokenBudget(1000, torch.tensor([10.0, 10.0])), generate)
+        lengths.update(res)
+        n = int(res.counts.sum())
+        assert res.signals["tokens"].shape == res.rewards.shape
+        assert bool((res.signals["tokens"][:n] == 5.0).all()) and bool(res.signals["tokens"][n:].isnan().all())
+        assert res.rewards.numel() == n + step  # step 1 appends prompt 1's stored correct response
+    assert lengths.expected(torch.tensor([1, 2])).tolist() == [5.0, 5.0]

@@ -25,6 +25,7 @@ from rolloutopt._state import Field, dump_state, load_state
 from rolloutopt._validation import check_bool as _bool
 from rolloutopt._validation import require_experimental
 from rolloutopt.allocators._base import (
+    SIGNALS,
     AllocationResult,
     Request,
     _choice,
@@ -142,8 +143,12 @@ class _AR3POPlan(_Tracked):
         n_gen = res.rewards.numel()
         self._reused = ReusedResponses(torch.arange(n_gen, n_gen + rpos.numel()), self.prompt_ids[rpos], keys)
         played = self._n > 0
+        # a rollout signal covers every row of the result: NaN for the reused rows (not generated this step)
+        nan = torch.full((rpos.numel(),), math.nan)
+        signals = {k: torch.cat([v, nan.to(v.dtype)]) if SIGNALS[k] == "rollout" else v for k, v in res.signals.items()}
         return replace(
             res,
+            signals=signals,
             prompt_ids=torch.cat([res.prompt_ids, self.prompt_ids[rpos]]),
             group=torch.cat([res.group, rpos]),
             rewards=torch.cat([res.rewards, rew.to(res.rewards.dtype)]),
