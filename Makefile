@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 JOBS ?= 2
 
-.PHONY: demo test lint typecheck pytest docs bench clean
+.PHONY: demo test lint typecheck pytest docs bench arena clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 
 demo: $(STAMP)
 	$(PY) -m rolloutopt demo
+
+# the arena's default suite (resumable: finished runs under benchmarks/results/arena/runs are skipped)
+arena: $(STAMP)
+	$(PY) -m rolloutopt arena --jobs $(JOBS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks docs_ext

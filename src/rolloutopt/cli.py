@@ -110,6 +110,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     demo.add_argument("--threads", type=_int_at_least(1), default=1, help="torch CPU threads (default: 1)")
     demo.add_argument("--plain", action="store_true", help="plain text output even if rich is installed")
+    from rolloutopt.arena.cli import add_parser
+
+    add_parser(sub)
     return parser, demo
 
 
@@ -291,4 +294,8 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | io.TextIOBase | Non
         except InputError as err:
             demo_parser.error(str(err))
         demo(args, stream)
+    elif args.command == "arena":
+        from rolloutopt.arena.cli import main as arena_main
+
+        arena_main(args, stream)
     return 0

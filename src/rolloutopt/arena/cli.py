@@ -1,0 +1,105 @@
+"""``python -m rolloutopt arena``: run (or resume) an arena suite with a progress bar, then print a summary table.
+
+Each finished run is a JSON file under ``--out`` (default ``benchmarks/results/arena/runs``); a run whose file
+exists is skipped, so an interrupted suite is completed by running the same command again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+from pathlib import Path
+from typing import Any, TextIO
+
+from rolloutopt import allocators
+from rolloutopt.arena.run import FAMILIES, RunSpec
+from rolloutopt.arena.suite import plan_runs, run_suite
+
+__all__ = ["add_parser", "main", "summary"]
+
+DEFAULT_OUT = Path("benchmarks/results/arena/runs")
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the ``arena`` subcommand to an ``argparse`` subparsers object."""
+    p: argparse.ArgumentParser = sub.add_parser(
+        "arena",
+        help="compare methods side by side: RL from a warmed-up tiny policy on a graded digit-task suite",
+        description="Runs every method of the chosen families (allocators so far) by name, at equal rollout and "
+        "token budgets, over several seeds; resumable (finished runs are skipped).",
+    )
+    p.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES, help="families (default: all)")
+    p.add_argument("--methods", nargs="+", default=None, metavar="NAME", help="only these methods (default: all)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="seeds (default: 0-4)")
+    p.add_argument("--units", nargs="+", default=["rollouts", "tokens"], choices=["rollouts", "tokens"])
+    p.add_argument("--steps", type=int, default=RunSpec.steps, help=f"RL steps per run (default: {RunSpec.steps})")
+    p.add_argument("--jobs", type=int, default=2, help="processes (default: 2)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"directory of the run files (default: {DEFAULT_OUT})")
+    p.add_argument("--plain", action="store_true", help="plain text output even if rich is installed")
+    return p
+
+
+def summary(out_dir: Path) -> list[dict[str, Any]]:
+    """Per (family, method, unit): runs, median final held-out accuracy, median tokens and rollouts generated."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for path in sorted(Path(out_dir).glob("*.json")):
+        record = json.loads(path.read_text())
+        spec = record["spec"]
+        groups.setdefault((spec["family"], spec["method"], spec["unit"]), []).append(record)
+    rows = []
+    for (family, method, unit), records in sorted(groups.items()):
+        final = [r["evals"][-1] for r in records]
+        rows.append(
+            {
+                "family": family,
+                "method": method,
+                "unit": unit,
+                "runs": len(records),
+                "accuracy": statistics.median(f["accuracy"] for f in final),
+                "start": statistics.median(r["evals"][0]["accuracy"] for r in records),
+                "tokens": statistics.median(f["tokens"] for f in final),
+                "rollouts": statistics.median(f["rollouts"] for f in final),
+            }
+        )
+    return rows
+
+
+def main(args: argparse.Namespace, out: TextIO | io.TextIOBase) -> None:
+    """Run the suite of parsed ``arena`` arguments and print its summary."""
+    methods = args.methods
+    if methods is not None:
+        unknown = [m for m in methods if m not in allocators.names()]
+        if unknown:
+            raise SystemExit(f"arena: unknown methods {unknown}; see rolloutopt.allocators.names()")
+    specs = plan_runs(args.family, methods=methods, seeds=args.seeds, units=args.units, steps=args.steps)
+    use_rich = not args.plain
+    if use_rich:
+        try:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        except ImportError:
+            use_rich = False
+    if use_rich:
+        console = Console(file=out)  # type: ignore[arg-type]
+        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+        with Progress(*columns, console=console) as progress:
+            bar = progress.add_task(f"arena ({len(specs)} runs)", total=len(specs))
+            run_suite(specs, args.out, jobs=args.jobs, on_done=lambda s, p: progress.advance(bar))
+    else:
+        done = [0]
+
+        def tick(spec: RunSpec, path: Path) -> None:
+            done[0] += 1
+            print(f"[{done[0]}/{len(specs)}] {spec.key}", file=out, flush=True)
+
+        run_suite(specs, args.out, jobs=args.jobs, on_done=tick)
+    print(f"{'family':10} {'method':22} {'unit':8} {'runs':>4} {'start':>6} {'final':>6} {'tokens':>9} {'rollouts':>9}",
+          file=out)  # fmt: skip
+    for row in summary(args.out):
+        print(
+            f"{row['family']:10} {row['method']:22} {row['unit']:8} {row['runs']:4d} {row['start']:6.3f} "
+            f"{row['accuracy']:6.3f} {row['tokens']:9,.0f} {row['rollouts']:9,.0f}",
+            file=out,
+        )
