@@ -69,7 +69,8 @@ def test_the_cli_runs_and_summarises(tmp_path: Path) -> None:
             "--out", str(tmp_path / "runs"), "--plain"]  # fmt: skip
     assert main(argv, out=out) == 0
     text = out.getvalue()
-    assert "[1/1] allocator-uniform-rollouts-s0" in text and "allocator  uniform" in text
+    assert "[1/1] allocator-uniform-rollouts-s0" in text and "allocator  uniform" in text and "report: " in text
+    assert (tmp_path / "summary.md").exists()
     with pytest.raises(SystemExit):
         main(["arena", "--methods", "nope", "--out", str(tmp_path / "x"), "--plain"], out=out)
 

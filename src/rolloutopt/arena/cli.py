@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rolloutopt import allocators
+from rolloutopt.arena.report import write_report
 from rolloutopt.arena.run import FAMILIES, RunSpec
 from rolloutopt.arena.suite import plan_runs, run_suite
+from rolloutopt.errors import InputError
 
 __all__ = ["add_parser", "main", "summary"]
 
@@ -38,6 +40,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=2, help="processes (default: 2)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"directory of the run files (default: {DEFAULT_OUT})")
     p.add_argument("--plain", action="store_true", help="plain text output even if rich is installed")
+    p.add_argument("--no-report", action="store_true", help="skip summary.md and the figures (next to --out)")
     return p
 
 
@@ -103,3 +106,10 @@ def main(args: argparse.Namespace, out: TextIO | io.TextIOBase) -> None:
             f"{row['accuracy']:6.3f} {row['tokens']:9,.0f} {row['rollouts']:9,.0f}",
             file=out,
         )
+    if not args.no_report:
+        try:
+            path = write_report(args.out, Path(args.out).parent)
+        except InputError as err:  # e.g. the baseline's runs are not there yet
+            print(f"no report: {err}", file=out)
+        else:
+            print(f"report: {path}", file=out)

@@ -10,6 +10,12 @@ Every ``eval_every`` steps it measures the held-out accuracy (greedy decoding). 
 cumulative rollouts and tokens, the mean reward, the loss metrics, the gradient norm and the entropy, and the
 time spent inside the method (the allocator's plan and update); per evaluation the held-out accuracy, overall
 and per cell. Everything random comes from generators seeded by the spec's seed.
+
+Allocators run with their paper defaults (``experimental=True`` where reconstructed), except what the arena
+must set: a group size ``n`` is the run's ``group_size``; Pilot-Commit's pilot and commit sizes keep the paper's
+1:3 ratio (32 + 96) at the run's group size; allocators that count epochs (GRESO, DEPO, E3) get
+``steps_per_epoch`` = the steps the candidate pools take to cover the train set. AR3PO's reused responses enter
+the allocator's own statistics but not the loss (the arena keeps no response store; their rows have no tokens).
 """
 
 from __future__ import annotations
@@ -85,13 +91,15 @@ class RunSpec:
         return f"{self.family}-{self.method}-{self.unit}-s{self.seed}"
 
 
-def _allocator(spec: RunSpec) -> Any:
+def _allocator(spec: RunSpec, num_train: int) -> Any:
     entry = allocators.entry(spec.method)
     kwargs: dict[str, Any] = {"experimental": True} if entry.experimental is not None else {}
     cls = allocators.get(spec.method)
     names = inspect.signature(cls).parameters
     if "n" in names:
         kwargs["n"] = spec.group_size
+    if "steps_per_epoch" in names:  # GRESO, DEPO, E3: an epoch is a pass of the candidate pools over the train set
+        kwargs["steps_per_epoch"] = max(1, math.ceil(num_train / spec.pool))
     if spec.method == "pilot_commit":  # the paper's 32 + 96 at its ratio, scaled to the run's group size
         kwargs["n_pilot"] = max(1, spec.group_size // 4)
         kwargs["n_commit"] = spec.group_size - kwargs["n_pilot"]
@@ -185,7 +193,7 @@ def run(
     train_ids, eval_ids = suite.split()
     gen = torch.Generator().manual_seed(spec.seed)
     sample_gen = torch.Generator().manual_seed(spec.seed + 1)
-    alloc = _allocator(spec)
+    alloc = _allocator(spec, train_ids.numel())
     lengths = ResponseLengths(prior=suite.response_limit / 2)
     loss_fn = losses.get(spec.loss)
     estimator = advantages.get(spec.estimator)

@@ -1,0 +1,65 @@
+"""The arena's report: tokens to target by hand, ratios and bootstrap intervals on synthetic records, verdicts,
+and the written summary and figures."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from rolloutopt.arena.report import compare, to_target, write_report
+from rolloutopt.errors import InputError
+
+
+def evals(acc: list[float], tokens_per_eval: float) -> list[dict[str, float]]:
+    return [{"step": i, "accuracy": a, "tokens": i * tokens_per_eval, "rollouts": i * 10.0} for i, a in enumerate(acc)]
+
+
+def record(method: str, seed: int, acc: list[float], tokens: float, unit: str = "rollouts") -> dict[str, object]:
+    return {"spec": {"family": "allocator", "method": method, "unit": unit, "seed": seed},
+            "evals": evals(acc, tokens), "steps": []}  # fmt: skip
+
+
+def test_tokens_to_target_by_hand() -> None:
+    e = evals([0.2, 0.3, 0.5, 0.6], 100.0)
+    assert to_target(e, 0.4, "tokens") == pytest.approx(150.0)  # halfway between 0.3 (100) and 0.5 (200)
+    assert to_target(e, 0.3, "rollouts") == 10.0
+    assert to_target(e, 0.2, "tokens") == 0.0
+    assert to_target(e, 0.7, "tokens") == math.inf
+
+
+def test_ratio_interval_and_verdict_on_synthetic_runs() -> None:
+    """uniform goes 0.2 -> 0.6 (target 0.2 + 0.8 * 0.4 = 0.52) in 4 evaluations of 100 tokens: it reaches 0.52 at
+    340 tokens (0.5 at 300, 0.6 at 400). "fast" has the same curve at 50 tokens per evaluation: ratio 0.5 on every
+    seed, so the interval is [0.5, 0.5] and it is better; "same" is uniform's curve: ratio 1, not separable;
+    "never" stays at 0.2: infinite, worse."""
+    runs = []
+    for seed in range(5):
+        runs.append(record("uniform", seed, [0.2, 0.3, 0.4, 0.5, 0.6], 100.0))
+        runs.append(record("fast", seed, [0.2, 0.3, 0.4, 0.5, 0.6], 50.0))
+        runs.append(record("same", seed, [0.2, 0.3, 0.4, 0.5, 0.6], 100.0))
+        runs.append(record("never", seed, [0.2, 0.2, 0.2, 0.2, 0.2], 100.0))
+    rows = {r.method: r for r in compare(runs)}
+    assert rows["uniform"].target == pytest.approx(0.52)
+    assert rows["fast"].tokens_ratio == pytest.approx(0.5) and rows["fast"].tokens_interval == pytest.approx((0.5, 0.5))
+    assert rows["fast"].rollouts_ratio == pytest.approx(1.0) and rows["fast"].verdict == "better"
+    assert rows["same"].tokens_ratio == pytest.approx(1.0) and rows["same"].verdict == "not separable"
+    assert math.isinf(rows["never"].tokens_ratio) and rows["never"].verdict == "worse" and rows["never"].reached == 0
+    assert rows["never"].final_delta == pytest.approx(-0.4)
+    with pytest.raises(InputError, match="baseline"):
+        compare([record("fast", 0, [0.2, 0.6], 10.0)])
+
+
+def test_write_report(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for seed in range(3):
+        for method, tokens in (("uniform", 100.0), ("fast", 60.0)):
+            rec = record(method, seed, [0.2, 0.4, 0.6], tokens + seed)
+            (runs / f"{method}-{seed}.json").write_text(json.dumps(rec))
+    path = write_report(runs, tmp_path / "out")
+    text = path.read_text()
+    assert "| fast | 3 | 3 |" in text and "better" in text and "Budget in rollouts" in text
+    assert (tmp_path / "out" / "curves_rollouts.png").exists() and (tmp_path / "out" / "ratios_rollouts.png").exists()
