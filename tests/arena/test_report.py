@@ -17,9 +17,11 @@ def evals(acc: list[float], tokens_per_eval: float) -> list[dict[str, float]]:
     return [{"step": i, "accuracy": a, "tokens": i * tokens_per_eval, "rollouts": i * 10.0} for i, a in enumerate(acc)]
 
 
-def record(method: str, seed: int, acc: list[float], tokens: float, unit: str = "rollouts") -> dict[str, object]:
-    return {"spec": {"family": "allocator", "method": method, "unit": unit, "seed": seed},
-            "evals": evals(acc, tokens), "steps": []}  # fmt: skip
+def record(
+    method: str, seed: int, acc: list[float], tokens: float, family: str = "allocator", group_size: int = 8
+) -> dict[str, object]:
+    spec = {"family": family, "method": method, "unit": "rollouts", "seed": seed, "group_size": group_size}
+    return {"spec": spec, "evals": evals(acc, tokens), "steps": []}
 
 
 def test_tokens_to_target_by_hand() -> None:
@@ -61,5 +63,19 @@ def test_write_report(tmp_path: Path) -> None:
             (runs / f"{method}-{seed}.json").write_text(json.dumps(rec))
     path = write_report(runs, tmp_path / "out")
     text = path.read_text()
-    assert "| fast | 3 | 3 |" in text and "better" in text and "Budget in rollouts" in text
-    assert (tmp_path / "out" / "curves_rollouts.png").exists() and (tmp_path / "out" / "ratios_rollouts.png").exists()
+    assert "| fast | 3 | 3 |" in text and "better" in text and "Allocators, budget in rollouts" in text
+    assert (tmp_path / "out" / "allocator_rollouts_curves.png").exists()
+    assert (tmp_path / "out" / "allocator_rollouts_ratios.png").exists()
+
+
+def test_estimators_are_compared_with_grpo_at_the_same_group_size() -> None:
+    runs = []
+    for seed in range(3):
+        for g, tokens in ((4, 100.0), (8, 200.0)):
+            runs.append(record("grpo", seed, [0.2, 0.4, 0.6], tokens, family="estimator", group_size=g))
+            runs.append(record("rloo", seed, [0.2, 0.4, 0.6], tokens / 2, family="estimator", group_size=g))
+    rows = {(r.method, r.unit): r for r in compare(runs)}
+    assert set(rows) == {("grpo", "G=4"), ("rloo", "G=4"), ("grpo", "G=8"), ("rloo", "G=8")}
+    assert rows[("rloo", "G=4")].tokens_ratio == pytest.approx(0.5) and rows[("rloo", "G=8")].verdict == "better"
+    with pytest.raises(InputError, match="grpo"):
+        compare([record("rloo", 0, [0.2, 0.6], 10.0, family="estimator")])

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import rolloutopt.advantages as advantages
 import rolloutopt.allocators as allocators
 from rolloutopt.arena import TaskSuite
 from rolloutopt.arena.base import BaseConfig
@@ -34,6 +35,15 @@ def test_every_allocator_runs_by_name(name: str, unit: str) -> None:
     assert set(record["evals"][-1]["cells"]) <= {f"{op}/{n}" for op, n in SUITE.cells}
 
 
+@pytest.mark.parametrize("name", advantages.names())
+def test_every_estimator_runs_by_name(name: str) -> None:
+    """Every estimator, with the inputs it declares (log-probs and mask, the base policy's log-probs, a prior,
+    two rewards for the multi-reward ones), under GRPO's fixed groups."""
+    spec = RunSpec("estimator", name, steps=2, prompts_per_step=4, group_size=4, pool=8, eval_every=2)
+    record = run(spec, SUITE, BASE)
+    assert record["steps"][-1]["rollouts"] == 32 and "loss" in record["steps"][-1]
+
+
 def test_a_run_is_deterministic_per_seed(tmp_path: Path) -> None:
     spec = RunSpec("allocator", "vigor", steps=3, prompts_per_step=4, group_size=4, pool=8, eval_every=3)
     a, b = run(spec, SUITE, BASE), run(spec, SUITE, BASE)
@@ -49,6 +59,7 @@ def test_a_run_is_deterministic_per_seed(tmp_path: Path) -> None:
     [
         ({"family": "optimizer", "method": "adam"}, "family"),
         ({"family": "allocator", "method": "nope"}, "method"),
+        ({"family": "estimator", "method": "uniform"}, "method"),
         ({"family": "allocator", "method": "uniform", "unit": "seconds"}, "unit"),
         ({"family": "allocator", "method": "uniform", "steps": 0}, "steps"),
         ({"family": "allocator", "method": "uniform", "pool": 2}, "group_size/pool"),

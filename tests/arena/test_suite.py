@@ -35,6 +35,12 @@ def test_plan_is_seed_major_over_methods_and_units() -> None:
     assert len(specs) == 8 and {s.seed for s in specs[4:]} == {1} and all(s.steps == 5 for s in specs)
     with pytest.raises(InputError, match="families"):
         plan_runs(["optimizers"])
+    est = plan_runs(["estimator"], methods=["grpo", "rloo"], seeds=[0], group_sizes=[4, 8])
+    assert [s.key for s in est] == [
+        "estimator-grpo-rollouts-g4-s0", "estimator-rloo-rollouts-g4-s0",
+        "estimator-grpo-rollouts-g8-s0", "estimator-rloo-rollouts-g8-s0",
+    ]  # fmt: skip
+    assert [(s.group_size * s.prompts_per_step) for s in est] == [128] * 4
 
 
 def test_a_suite_resumes_where_it_stopped(tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ import statistics
 from pathlib import Path
 from typing import Any, TextIO
 
-from rolloutopt import allocators
 from rolloutopt.arena.report import write_report
 from rolloutopt.arena.run import FAMILIES, RunSpec
 from rolloutopt.arena.suite import plan_runs, run_suite
@@ -29,8 +28,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(
         "arena",
         help="compare methods side by side: RL from a warmed-up tiny policy on a graded digit-task suite",
-        description="Runs every method of the chosen families (allocators so far) by name, at equal rollout and "
-        "token budgets, over several seeds; resumable (finished runs are skipped).",
+        description="Runs every method of the chosen families by name (allocators at equal rollout and token "
+        "budgets, advantage estimators at group sizes 4 and 8), over several seeds; resumable (finished runs are "
+        "skipped).",
     )
     p.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES, help="families (default: all)")
     p.add_argument("--methods", nargs="+", default=None, metavar="NAME", help="only these methods (default: all)")
@@ -71,12 +71,10 @@ def summary(out_dir: Path) -> list[dict[str, Any]]:
 
 def main(args: argparse.Namespace, out: TextIO | io.TextIOBase) -> None:
     """Run the suite of parsed ``arena`` arguments and print its summary."""
-    methods = args.methods
-    if methods is not None:
-        unknown = [m for m in methods if m not in allocators.names()]
-        if unknown:
-            raise SystemExit(f"arena: unknown methods {unknown}; see rolloutopt.allocators.names()")
-    specs = plan_runs(args.family, methods=methods, seeds=args.seeds, units=args.units, steps=args.steps)
+    try:
+        specs = plan_runs(args.family, methods=args.methods, seeds=args.seeds, units=args.units, steps=args.steps)
+    except InputError as err:
+        raise SystemExit(f"arena: {err}") from None
     use_rich = not args.plain
     if use_rich:
         try:

@@ -28,7 +28,7 @@ from rolloutopt.errors import InputError
 
 __all__ = ["Comparison", "compare", "load_runs", "to_target", "write_report"]
 
-BASELINE = "uniform"
+BASELINES = {"allocator": "uniform", "estimator": "grpo"}
 TARGET_FRACTION = 0.8
 DRAWS = 2000
 
@@ -107,17 +107,24 @@ class Comparison:
         return "better" if hi < 1 else "worse" if lo > 1 else "not separable"
 
 
+def _cohort(spec: dict[str, Any]) -> str:
+    """Runs compared with each other: an allocator's budget unit, an estimator's group size."""
+    return spec["unit"] if spec["family"] == "allocator" else f"G={spec['group_size']}"
+
+
 def compare(runs: list[dict[str, Any]]) -> list[Comparison]:
-    """A :class:`Comparison` of every (family, method, unit) with at least one run, against ``uniform``."""
+    """A :class:`Comparison` of every (family, method, cohort) with at least one run, against the family's baseline
+    in the same cohort: ``uniform`` at the same budget unit, or the ``grpo`` estimator at the same group size."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in runs:
         s = r["spec"]
-        groups.setdefault((s["family"], s["method"], s["unit"]), []).append(r)
+        groups.setdefault((s["family"], _cohort(s), s["method"]), []).append(r)
     out = []
-    for unit in sorted({u for _, _, u in groups}):
-        base = groups.get(("allocator", BASELINE, unit))
+    for family, unit in sorted({(f, c) for f, c, _ in groups}):
+        name = BASELINES[family]
+        base = groups.get((family, unit, name))
         if not base:
-            raise InputError("runs", f"runs of the baseline {BASELINE!r} in unit {unit!r}", "none", "run them first")
+            raise InputError("runs", f"runs of the baseline {name!r} ({family}, {unit})", "none", "run them first")
         a0 = _median(torch.tensor([r["evals"][0]["accuracy"] for r in base]))
         a1 = _median(torch.tensor([r["evals"][-1]["accuracy"] for r in base]))
         target = a0 + TARGET_FRACTION * (a1 - a0)
@@ -125,14 +132,14 @@ def compare(runs: list[dict[str, Any]]) -> list[Comparison]:
             axis: torch.tensor([to_target(r["evals"], target, axis) for r in base]) for axis in ("tokens", "rollouts")
         }
         ref_final = torch.tensor([r["evals"][-1]["accuracy"] for r in base])
-        for (family, method, u), rs in sorted(groups.items()):
-            if u != unit:
+        for (fam, u, method), rs in sorted(groups.items()):
+            if (fam, u) != (family, unit):
                 continue
             mine = {
                 axis: torch.tensor([to_target(r["evals"], target, axis) for r in rs]) for axis in ("tokens", "rollouts")
             }
             final = torch.tensor([r["evals"][-1]["accuracy"] for r in rs])
-            seed = sum(map(ord, f"{method}/{unit}"))
+            seed = sum(map(ord, f"{family}/{method}/{unit}"))
             out.append(
                 Comparison(
                     family=family,
@@ -164,14 +171,16 @@ def write_report(runs_dir: str | Path, out_dir: str | Path) -> Path:
     rows = compare(runs)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lines = ["# Arena: allocators against GRPO's uniform groups", ""]
-    for unit in sorted({r.unit for r in rows}):
-        sub = [r for r in rows if r.unit == unit]
+    lines = ["# Arena: every method against its family's baseline", ""]
+    for family, unit in sorted({(r.family, r.unit) for r in rows}):
+        sub = [r for r in rows if (r.family, r.unit) == (family, unit)]
+        what = f"budget in {unit}" if family == "allocator" else f"group size {unit[2:]}"
         lines += [
-            f"## Budget in {unit} (target held-out accuracy {sub[0].target:.3f})",
+            f"## {family.capitalize()}s, {what}: against `{BASELINES[family]}` (target held-out accuracy "
+            f"{sub[0].target:.3f})",
             "",
             "| method | seeds | reached | tokens to target (ratio, 95% CI) | rollouts to target | final acc. | "
-            "Δ final vs uniform (95% CI) | verdict |",
+            "Δ final vs baseline (95% CI) | verdict |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for r in sorted(sub, key=lambda r: r.tokens_ratio if not math.isnan(r.tokens_ratio) else math.inf):
@@ -198,41 +207,44 @@ def _figures(runs: list[dict[str, Any]], rows: list[Comparison], out: Path) -> N
         import matplotlib.pyplot as plt
     except ImportError:  # the figures need the notebooks extra
         return
-    for unit in sorted({r.unit for r in rows}):
+    for family, unit in sorted({(r.family, r.unit) for r in rows}):
+        base = BASELINES[family]
+        tag = f"{family}_{unit.replace('G=', 'g')}"
+        what = f"budget in {unit}" if family == "allocator" else f"group size {unit[2:]}"
+        mine = [r for r in runs if r["spec"]["family"] == family and _cohort(r["spec"]) == unit]
         fig, ax = plt.subplots(figsize=(8, 5))
-        methods = sorted({r["spec"]["method"] for r in runs if r["spec"]["unit"] == unit})
-        for method in methods:
-            rs = [r for r in runs if r["spec"]["unit"] == unit and r["spec"]["method"] == method]
+        for method in sorted({r["spec"]["method"] for r in mine}):
+            rs = [r for r in mine if r["spec"]["method"] == method]
             x = torch.tensor([[e["tokens"] for e in r["evals"]] for r in rs], dtype=torch.float64).mean(0)
             y = torch.tensor([[e["accuracy"] for e in r["evals"]] for r in rs], dtype=torch.float64)
-            med = y.median(0).values
-            style = {"color": "black", "linewidth": 2.5} if method == BASELINE else {"linewidth": 1, "alpha": 0.8}
-            ax.plot(x.tolist(), med.tolist(), label=method, **style)
-            if method == BASELINE and y.shape[0] > 1:
+            style = {"color": "black", "linewidth": 2.5} if method == base else {"linewidth": 1, "alpha": 0.8}
+            ax.plot(x.tolist(), y.median(0).values.tolist(), label=method, **style)
+            if method == base and y.shape[0] > 1:
                 ax.fill_between(x.tolist(), y.min(0).values.tolist(), y.max(0).values.tolist(), color="grey", alpha=0.2)
         ax.set_xlabel("generated tokens")
         ax.set_ylabel("held-out accuracy (median over seeds)")
-        ax.set_title(f"Allocators, budget in {unit} (band: uniform's seed range)")
+        ax.set_title(f"{family.capitalize()}s, {what} (band: {base}'s seed range)")
         ax.legend(fontsize=6, ncol=2)
         fig.tight_layout()
-        fig.savefig(out / f"curves_{unit}.png", dpi=120)
+        fig.savefig(out / f"{tag}_curves.png", dpi=120)
         plt.close(fig)
-        sub = sorted(
-            (r for r in rows if r.unit == unit and not math.isnan(r.tokens_ratio)), key=lambda r: r.tokens_ratio
-        )
+        cap = 3.0
+        sub = [r for r in rows if (r.family, r.unit) == (family, unit) and not math.isnan(r.tokens_ratio)]
+        sub.sort(key=lambda r: r.tokens_ratio)
+        ratios = [min(r.tokens_ratio, cap) for r in sub]
+        lo = [0.0 if math.isnan(r.tokens_interval[0]) else max(v - min(r.tokens_interval[0], cap), 0.0)
+              for r, v in zip(sub, ratios, strict=True)]  # fmt: skip
+        hi = [0.0 if math.isnan(r.tokens_interval[1]) else max(min(r.tokens_interval[1], cap) - v, 0.0)
+              for r, v in zip(sub, ratios, strict=True)]  # fmt: skip
+        colors = ["tab:green" if r.verdict == "better" else "tab:red" if r.verdict == "worse" else "tab:grey"
+                  for r in sub]  # fmt: skip
         fig, ax = plt.subplots(figsize=(8, 5))
         ys = list(range(len(sub)))
-        ratios = [min(r.tokens_ratio, 3.0) for r in sub]
-        lo = [max(r.tokens_ratio - min(r.tokens_interval[0], 3.0), 0.0) for r in sub]
-        hi = [max(min(r.tokens_interval[1], 3.0) - min(r.tokens_ratio, 3.0), 0.0) for r in sub]
-        colors = [
-            "tab:green" if r.verdict == "better" else "tab:red" if r.verdict == "worse" else "tab:grey" for r in sub
-        ]
         ax.barh(ys, ratios, xerr=[lo, hi], color=colors)
         ax.axvline(1.0, color="black", linewidth=1)
         ax.set_yticks(ys, [r.method for r in sub], fontsize=7)
-        ax.set_xlabel("tokens to target / uniform's (95% bootstrap interval; capped at 3)")
-        ax.set_title(f"Allocators, budget in {unit}")
+        ax.set_xlabel(f"tokens to target / {base}'s (95% bootstrap interval; capped at {cap:g})")
+        ax.set_title(f"{family.capitalize()}s, {what}")
         fig.tight_layout()
-        fig.savefig(out / f"ratios_{unit}.png", dpi=120)
+        fig.savefig(out / f"{tag}_ratios.png", dpi=120)
         plt.close(fig)

@@ -32,20 +32,22 @@ import torch
 from torch import Tensor
 
 from rolloutopt import advantages, allocators, losses
-from rolloutopt.allocators import AllocationResult, Request, ResponseLengths, run_step
+from rolloutopt.allocators import AllocationResult, PromptHistory, Request, ResponseLengths, run_step
 from rolloutopt.arena.base import BaseConfig, base_policy
 from rolloutopt.arena.tasks import TaskSuite
 from rolloutopt.errors import InputError
 from rolloutopt.testbed.policy import Rollouts, TinyPolicy
-from rolloutopt.testbed.task import PAD
+from rolloutopt.testbed.task import EOS, PAD
 
 __all__ = ["FAMILIES", "RunSpec", "run"]
 
 _KEPT_METRICS = ("clipfrac", "masked_frac", "approx_kl")
+_MULTI_REWARD = ("gdpo", "gd2po")
+"""Estimators of several rewards per response ``[B, K]``."""
 """The loss metrics a run records per step (beside the loss, the gradient norm and the entropy)."""
 
-FAMILIES = ("allocator",)
-"""The method families a run can compare (the others follow: estimators, loss presets, stop rules)."""
+FAMILIES = ("allocator", "estimator")
+"""The method families a run can compare (loss presets under scenarios and the stop rules follow)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ class RunSpec:
             raise InputError("family", f"one of {FAMILIES}", repr(self.family), "pick a family")
         if self.family == "allocator" and self.method not in allocators.names():
             raise InputError("method", "a registered allocator", repr(self.method), "see allocators.names()")
+        if self.family == "estimator" and self.method not in advantages.names():
+            raise InputError("method", "a registered advantage estimator", repr(self.method), "see advantages.names()")
         if self.unit not in ("rollouts", "tokens"):
             raise InputError("unit", "'rollouts' or 'tokens'", repr(self.unit), "pick one")
         for name in ("steps", "prompts_per_step", "inner_steps", "eval_every"):
@@ -87,11 +91,15 @@ class RunSpec:
 
     @property
     def key(self) -> str:
-        """A file-name-safe name of the run: ``family-method-unit-seed``."""
-        return f"{self.family}-{self.method}-{self.unit}-s{self.seed}"
+        """A file-name-safe name of the run: ``family-method-unit-seed`` (an estimator run: ``-g<group size>``
+        before the seed)."""
+        g = f"-g{self.group_size}" if self.family == "estimator" else ""
+        return f"{self.family}-{self.method}-{self.unit}{g}-s{self.seed}"
 
 
 def _allocator(spec: RunSpec, num_train: int) -> Any:
+    if spec.family != "allocator":  # the other families run under GRPO's fixed groups
+        return allocators.Uniform(n=spec.group_size)
     entry = allocators.entry(spec.method)
     kwargs: dict[str, Any] = {"experimental": True} if entry.experimental is not None else {}
     cls = allocators.get(spec.method)
@@ -168,6 +176,35 @@ class _Engine:
         return ids, roll
 
 
+def _estimator_inputs(
+    entry: Any,
+    suite: TaskSuite,
+    ids: Tensor,
+    roll: Rollouts,
+    prompts: Tensor,
+    reference: TinyPolicy | None,
+    history: PromptHistory | None,
+) -> dict[str, Any]:
+    """The inputs an estimator's registry ``entry`` requires, from the run: ``logp`` of the sampled responses (with
+    their ``mask``, also when the estimator only accepts one: per-token log-probs need it), ``mask``,
+    ``ref_logp`` of the base policy, ``prior`` the prompt's mean reward in the run so far (0.5 unseen)."""
+    requires = entry.requires
+    out: dict[str, Any] = {}
+    if "mask" in requires or ("logp" in requires and "mask" in entry.accepts):
+        out["mask"] = roll.mask
+    if "logp" in requires:
+        out["logp"] = roll.logp
+    if "ref_logp" in requires:
+        assert reference is not None
+        with torch.no_grad():
+            ref, _ = reference.log_probs(prompts, roll.tokens)
+        out["ref_logp"] = torch.where(roll.mask, ref, torch.zeros_like(ref))
+    if "prior" in requires:
+        assert history is not None
+        out["prior"] = history.lookup(ids).reward_mean.float()
+    return out
+
+
 @torch.no_grad()
 def _evaluate(policy: TinyPolicy, suite: TaskSuite, ids: Tensor) -> dict[str, Any]:
     roll = policy.sample(suite.prompts(ids), suite.response_limit, temperature=0.0, generator=torch.Generator())
@@ -196,7 +233,15 @@ def run(
     alloc = _allocator(spec, train_ids.numel())
     lengths = ResponseLengths(prior=suite.response_limit / 2)
     loss_fn = losses.get(spec.loss)
-    estimator = advantages.get(spec.estimator)
+    est_name = spec.method if spec.family == "estimator" else spec.estimator
+    estimator = advantages.get(est_name)
+    est_entry = advantages.entry(est_name)
+    est_kwargs: dict[str, Any] = {"experimental": True} if est_entry.experimental is not None else {}
+    reference = copy.deepcopy(policy).requires_grad_(False) if "ref_logp" in est_entry.requires else None
+    history = PromptHistory(unseen="prior") if "prior" in est_entry.requires else None
+    params = inspect.signature(estimator).parameters
+    needs_len = "max_len" in params and params["max_len"].default is inspect.Parameter.empty  # DRPO
+    multi = est_name in _MULTI_REWARD
     rollouts_per_step = spec.group_size * spec.prompts_per_step
     steps: list[dict[str, Any]] = []
     evals = [{"step": 0, "rollouts": 0, "tokens": 0, **_evaluate(policy, suite, eval_ids)}]
@@ -223,9 +268,17 @@ def run(
             ids, roll = batch
             rewards = result.rewards[:n].float()
             group = result.group[:n]
-            adv = estimator(rewards, group).advantages
-            weight = result.weight[:n].float()
             prompts = suite.prompts(ids)
+            inputs = _estimator_inputs(est_entry, suite, ids, roll, prompts, reference, history)
+            if needs_len or ("max_len" in params and "mask" in inputs):  # the response limit
+                inputs["max_len"] = suite.response_limit
+            if multi:  # two rewards per response: the exact answer, and stopping with <eos> (a format reward)
+                stopped = ((roll.tokens == EOS) & roll.mask).any(1).float()
+                inputs["rewards"] = torch.stack([rewards, stopped], dim=1)
+            adv = estimator(inputs.pop("rewards", rewards), group, **inputs, **est_kwargs).advantages
+            if history is not None:
+                history.update(ids, rewards, step=step)
+            weight = result.weight[:n].float()
             for _ in range(spec.inner_steps):
                 logp, entropy = policy.log_probs(prompts, roll.tokens)
                 out = loss_fn(logp, roll.logp, adv, roll.mask, seq_weight=weight)

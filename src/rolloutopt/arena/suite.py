@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rolloutopt import allocators
+from rolloutopt import advantages, allocators
 from rolloutopt._validation import check_int, describe
 from rolloutopt.arena.base import BaseConfig, base_policy
 from rolloutopt.arena.run import FAMILIES, RunSpec, run
@@ -30,20 +30,36 @@ def plan_runs(
     methods: Sequence[str] | None = None,
     seeds: Sequence[int] = (0, 1, 2, 3, 4),
     units: Sequence[str] = ("rollouts", "tokens"),
+    group_sizes: Sequence[int] = (4, 8),
     **sizes: Any,
 ) -> list[RunSpec]:
-    """The runs of a suite: every method of each family (or ``methods``) × ``units`` × ``seeds``, seed-major (so
-    a suite stopped early has every method at the first seeds). ``sizes``: :class:`RunSpec` fields (``steps``,
-    ``group_size``, ...), the same for every run."""
+    """The runs of a suite, seed-major (so a suite stopped early has every method at the first seeds):
+
+    - allocators: every allocator (or those of ``methods``) × ``units``;
+    - estimators: every estimator (or those of ``methods``) × ``group_sizes``, in rollouts, at the same 128 rollouts a step
+      (``128 // G`` prompts of ``G`` rollouts; the baseline is ``grpo`` at the same ``G``).
+
+    ``sizes``: :class:`RunSpec` fields (``steps``, ...), the same for every run."""
     specs = []
+    for family in families:
+        if family not in FAMILIES:
+            raise InputError("families", f"names from {FAMILIES}", repr(family), "pick a family")
+    known = {"allocator": allocators.names(), "estimator": advantages.names()}
+    if methods is not None:
+        unknown = [m for m in methods if not any(m in known[f] for f in families)]
+        if unknown:
+            raise InputError("methods", f"names of the families {tuple(families)}", repr(unknown), "see names()")
     for seed in seeds:
         for family in families:
-            if family not in FAMILIES:
-                raise InputError("families", f"names from {FAMILIES}", repr(family), "pick a family")
-            names = allocators.names() if methods is None else list(methods)
-            for name in names:
-                for unit in units:
-                    specs.append(RunSpec(family, name, seed=seed, unit=unit, **sizes))
+            if family == "allocator":
+                names = known[family] if methods is None else [m for m in methods if m in known[family]]
+                specs += [RunSpec(family, n, seed=seed, unit=u, **sizes) for n in names for u in units]
+            else:
+                names = known[family] if methods is None else [m for m in methods if m in known[family]]
+                for g in group_sizes:
+                    per_step = max(1, 128 // g)
+                    shape = {"group_size": g, "prompts_per_step": per_step, "pool": max(per_step, 32)}
+                    specs += [RunSpec(family, n, seed=seed, **{**shape, **sizes}) for n in names]
     return specs
 
 
