@@ -4,7 +4,7 @@ Pure torch functions on one tensor convention (``[B, T]`` per-token tensors, ``[
 int64 group ids), composed into policy losses; see the documentation site (``docs/design.md``).
 
 The objective side (``advantages``, ``groups``, ``losses``, ``ratios``) is imported eagerly; ``allocators``,
-``control``, ``distributed``, ``kernels``, ``testbed`` and ``integrations`` are imported on first attribute
+``control``, ``distributed``, ``kernels``, ``testbed``, ``arena`` and ``integrations`` are imported on first attribute
 access (``rolloutopt.allocators``), so that ``import rolloutopt`` stays fast.
 """
 
@@ -30,7 +30,7 @@ __all__ = [
     "ratios",
 ]
 
-_LAZY = ("allocators", "control", "distributed", "integrations", "kernels", "testbed")
+_LAZY = ("allocators", "arena", "control", "distributed", "integrations", "kernels", "testbed")
 
 __version__ = "0.1.0"
 
