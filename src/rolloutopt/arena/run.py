@@ -42,6 +42,9 @@ from rolloutopt.testbed.task import EOS, PAD
 __all__ = ["FAMILIES", "RunSpec", "run"]
 
 _KEPT_METRICS = ("clipfrac", "masked_frac", "approx_kl")
+SELECTORS = ("dapo_dynamic_sampling", "dots", "dps", "depo", "greso", "hive", "pilot_commit", "prompt_gdro")
+"""Allocators that choose prompts among more candidates than a batch holds (they see ``pool`` candidates a step);
+the others spread a batch's budget over the batch's prompts (they see ``prompts_per_step``), as in their papers."""
 _MULTI_REWARD = ("gdpo", "gd2po")
 """Estimators of several rewards per response ``[B, K]``."""
 """The loss metrics a run records per step (beside the loss, the gradient norm and the entropy)."""
@@ -56,8 +59,10 @@ class RunSpec:
 
     ``unit``: the budget unit, ``"rollouts"`` (``group_size * prompts_per_step`` rollouts a step) or
     ``"tokens"`` (that many rollouts at the prior expected length, :class:`~rolloutopt.allocators.ResponseLengths`
-    learns the rest). ``pool``: candidate prompts offered per step; every allocator, the baseline ``uniform``
-    (GRPO's ``group_size`` rollouts for each prompt it reaches) included, spends the same budget over it.
+    learns the rest). Each step draws fresh train prompts: ``pool`` candidates for the allocators that select
+    prompts (:data:`SELECTORS`: DAPO's dynamic sampling, DOTS, DPS, DEPO, GRESO, HIVE, Pilot-Commit, Prompt-GDRO),
+    a batch of ``prompts_per_step`` for the others, which spread the budget over a batch (``uniform``: GRPO's
+    ``group_size`` rollouts each; VIGOR, DARS, E3, V0.5, AERO, AR3PO, CoBA, Knapsack, Rollout-GDRO, XRPO).
     """
 
     family: str
@@ -247,7 +252,8 @@ def run(
     evals = [{"step": 0, "rollouts": 0, "tokens": 0, **_evaluate(policy, suite, eval_ids)}]
     total_rollouts = total_tokens = 0
     for step in range(1, spec.steps + 1):
-        pool = train_ids[torch.randperm(train_ids.numel(), generator=gen)[: spec.pool]]
+        width = spec.pool if spec.family == "allocator" and spec.method in SELECTORS else spec.prompts_per_step
+        pool = train_ids[torch.randperm(train_ids.numel(), generator=gen)[:width]]
         engine = _Engine(suite, policy, sample_gen)
         budget: Any = rollouts_per_step
         t0 = time.perf_counter()
