@@ -79,3 +79,17 @@ def test_estimators_are_compared_with_grpo_at_the_same_group_size() -> None:
     assert rows[("rloo", "G=4")].tokens_ratio == pytest.approx(0.5) and rows[("rloo", "G=8")].verdict == "better"
     with pytest.raises(InputError, match="grpo"):
         compare([record("rloo", 0, [0.2, 0.6], 10.0, family="estimator")])
+
+
+def test_draws_without_a_ratio_are_left_out_of_the_interval() -> None:
+    """The baseline misses the target on 1 of 9 seeds and "slow" on 2: a draw has no ratio only when both medians
+    are infinite (rare with 9 seeds), so an interval exists. When the baseline's median does not improve, the target
+    is the start, every run reaches it at 0 tokens, no draw has a ratio and the interval is n/a."""
+    runs = [record("uniform", s, [0.2, 0.4, 0.6] if s else [0.2, 0.2, 0.2], 100.0) for s in range(9)]
+    runs += [record("slow", s, [0.2, 0.3, 0.6] if s > 1 else [0.2, 0.2, 0.2], 100.0) for s in range(9)]
+    rows = {r.method: r for r in compare(runs)}
+    lo, hi = rows["slow"].tokens_interval
+    assert not math.isnan(lo) and lo <= rows["slow"].tokens_ratio <= hi
+    sparse = [record("uniform", s, [0.2, 0.6] if s == 0 else [0.2, 0.2], 100.0) for s in range(3)]
+    sparse += [record("slow", s, [0.2, 0.6] if s == 0 else [0.2, 0.2], 100.0) for s in range(3)]
+    assert all(math.isnan(x) for x in {r.method: r for r in compare(sparse)}["slow"].tokens_interval)

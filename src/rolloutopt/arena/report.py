@@ -9,7 +9,9 @@ tokens at which its held-out accuracy first reaches the target, linearly interpo
 
 **Ratio and interval.** A method's ratio is the median of its runs' tokens to target over the median of the
 baseline's; the 95 % interval is the 2.5 and 97.5 percentiles of that ratio over 2,000 bootstrap draws that resample
-the method's seeds and the baseline's seeds independently (seeded). A method is *better* only when the whole
+the method's seeds and the baseline's seeds independently (seeded); a draw in which neither the method nor the
+baseline reaches the target has no ratio and is left out, and the interval is n/a when more than 10 % of the draws
+are. A method is *better* only when the whole
 interval is below 1, *worse* when it is above 1, and otherwise *not separable from the baseline*. The final
 accuracy difference (method minus baseline, medians) gets the same bootstrap.
 """
@@ -31,6 +33,8 @@ __all__ = ["Comparison", "compare", "load_runs", "to_target", "write_report"]
 BASELINES = {"allocator": "uniform", "estimator": "grpo"}
 TARGET_FRACTION = 0.8
 DRAWS = 2000
+DEFINED = 0.9
+"""An interval needs a ratio in at least this fraction of the bootstrap draws (else it is n/a)."""
 
 
 def load_runs(out_dir: str | Path) -> list[dict[str, Any]]:
@@ -65,8 +69,10 @@ def _bootstrap(a: torch.Tensor, b: torch.Tensor, stat: Any, seed: int) -> tuple[
     ia = torch.randint(0, a.numel(), (DRAWS, a.numel()), generator=gen)
     ib = torch.randint(0, b.numel(), (DRAWS, b.numel()), generator=gen)
     values = torch.tensor([stat(a[ia[k]], b[ib[k]]) for k in range(DRAWS)], dtype=torch.float64)
-    if bool(values.isnan().any()):  # some resample has no ratio: no interval
+    defined = ~values.isnan()  # a resample whose method and baseline both never reach the target has no ratio
+    if float(defined.double().mean()) < DEFINED:
         return math.nan, math.nan
+    values = values[defined]
     lo, hi = torch.quantile(values.clamp(max=1e300), torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
     return (math.inf if lo >= 1e300 else lo), (math.inf if hi >= 1e300 else hi)
 

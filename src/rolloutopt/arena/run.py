@@ -12,7 +12,7 @@ time spent inside the method (the allocator's plan and update); per evaluation t
 and per cell. Everything random comes from generators seeded by the spec's seed.
 
 Allocators run with their paper defaults (``experimental=True`` where reconstructed), except what the arena
-must set: a group size ``n`` is the run's ``group_size``; Pilot-Commit's pilot and commit sizes keep the paper's
+must set: a group size ``n`` is the run's ``group_size`` (not V0.5's ``n``, its round-0 size); Pilot-Commit's pilot and commit sizes keep the paper's
 1:3 ratio (32 + 96) at the run's group size; allocators that count epochs (GRESO, DEPO, E3) get
 ``steps_per_epoch`` = the steps the candidate pools take to cover the train set. AR3PO's reused responses enter
 the allocator's own statistics but not the loss (the arena keeps no response store; their rows have no tokens).
@@ -109,7 +109,7 @@ def _allocator(spec: RunSpec, num_train: int) -> Any:
     kwargs: dict[str, Any] = {"experimental": True} if entry.experimental is not None else {}
     cls = allocators.get(spec.method)
     names = inspect.signature(cls).parameters
-    if "n" in names:
+    if "n" in names and spec.method != "v05_budget":  # V0.5's n is its round-0 size (paper default 4), not a group
         kwargs["n"] = spec.group_size
     if "steps_per_epoch" in names:  # GRESO, DEPO, E3: an epoch is a pass of the candidate pools over the train set
         kwargs["steps_per_epoch"] = max(1, math.ceil(num_train / spec.pool))
