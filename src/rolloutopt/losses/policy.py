@@ -25,6 +25,7 @@ from rolloutopt._validation import (
 )
 from rolloutopt.errors import InputError
 from rolloutopt.groups import Groups, as_groups
+from rolloutopt.losses._metrics import staleness_metrics, weight_metrics
 from rolloutopt.losses.aggregation import AGG_MODES, AggMode, Denominators, aggregate_checked, check_max_len
 from rolloutopt.losses.regularizers import KL
 from rolloutopt.ratios import PPOClip, TokenRatio, TrustOutput
@@ -566,39 +567,6 @@ def aggregate_terms(
     per_token = torch.where(loss_mask, total, torch.zeros_like(total))
     loss = aggregate_checked(per_token, denom_mask, agg, denominators, groups, max_len)
     return AggregatedTerms(loss, per_token, pg, loss_mask, kept, denom_mask)
-
-
-def weight_metrics(weight: FloatBT, mask: BoolBT) -> dict[str, Scalar]:
-    r"""Mean, max and effective-sample-size fraction of per-token weights over ``mask`` (detached).
-
-    ``is_ess`` = :math:`(\sum_t w)^2 / (N \sum_t w^2)` over the N loss tokens: 1 for equal weights, 1/N when
-    one token carries all the weight (verl's ``rollout_is_eff_sample_size`` = ``1/mean((w/mean w)^2)``).
-    """
-    w = weight.detach().nan_to_num(0.0, 0.0, 0.0) * as_weights(mask, weight.dtype)
-    n = mask.sum().clamp(min=1).to(w.dtype)
-    s1, s2 = w.sum(), (w * w).sum()
-    return {
-        "is_weight_mean": s1 / n,
-        "is_weight_max": w.amax() if w.numel() else w.sum(),
-        "is_ess": torch.where(s2 > 0, s1 * s1 / (n * s2), torch.ones_like(s2)),
-    }
-
-
-def staleness_metrics(versions: IntBT, mask: Bool[Tensor, "B T"], policy_version: int | None) -> dict[str, Scalar]:
-    """How many versions behind the trained policy each loss token was generated: mean, max, fraction stale."""
-    v = versions.to(torch.float64)
-    if policy_version is not None:
-        newest: Tensor | int = policy_version
-    elif v.numel() == 0:
-        newest = 0  # an empty batch: nothing is stale
-    else:
-        newest = torch.where(mask, v, torch.full_like(v, -torch.inf)).amax()
-    lag = torch.where(mask, newest - v, torch.zeros_like(v)).to(torch.float32)
-    return {
-        "staleness_mean": masked_mean(lag, mask),
-        "staleness_max": masked_max(lag, mask),
-        "stale_frac": masked_mean(lag > 0, mask),
-    }
 
 
 def _version(v: Any) -> int | None:
