@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,kernels,trl,verl,demo,docs,notebooks]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,kernels,trl,verl,demo,docs,notebooks,ray]'
 	$(PY) -m pip install -q -c constraints.txt --no-deps verl==0.9.1
 	touch $(STAMP)
 

@@ -1,5 +1,6 @@
 """The arena's report: tokens to target by hand, ratios and bootstrap intervals on synthetic records, verdicts,
-and the written summary and figures."""
+the stability and fraction measures by hand, Spearman's correlation by hand, the synthetic ranking, and the written
+summary and figures of all four families."""
 
 from __future__ import annotations
 
@@ -9,7 +10,26 @@ from pathlib import Path
 
 import pytest
 
-from rolloutopt.arena.report import compare, to_target, write_report
+from rolloutopt.arena._stats import ranks, spearman
+from rolloutopt.arena.report import (
+    FAMILIES,
+    cohort,
+    compare,
+    proxy_correlation,
+    to_target,
+    verdict_sentence,
+    write_report,
+)
+from rolloutopt.arena.report_measures import (
+    TRUST_REGION_METRIC,
+    collapsed,
+    final_entropy,
+    grad_spike_frac,
+    measure_run,
+    method_ms,
+    stability,
+    synthetic_ranking,
+)
 from rolloutopt.errors import InputError
 
 
@@ -18,10 +38,17 @@ def evals(acc: list[float], tokens_per_eval: float) -> list[dict[str, float]]:
 
 
 def record(
-    method: str, seed: int, acc: list[float], tokens: float, family: str = "allocator", group_size: int = 8
+    method: str,
+    seed: int,
+    acc: list[float],
+    tokens: float,
+    family: str = "allocator",
+    group_size: int = 8,
+    steps: list[dict[str, float]] | None = None,
+    **spec_extra: object,
 ) -> dict[str, object]:
     spec = {"family": family, "method": method, "unit": "rollouts", "seed": seed, "group_size": group_size}
-    return {"spec": spec, "evals": evals(acc, tokens), "steps": []}
+    return {"spec": {**spec, **spec_extra}, "evals": evals(acc, tokens), "steps": steps or []}
 
 
 def test_tokens_to_target_by_hand() -> None:
@@ -74,9 +101,9 @@ def test_estimators_are_compared_with_grpo_at_the_same_group_size() -> None:
         for g, tokens in ((4, 100.0), (8, 200.0)):
             runs.append(record("grpo", seed, [0.2, 0.4, 0.6], tokens, family="estimator", group_size=g))
             runs.append(record("rloo", seed, [0.2, 0.4, 0.6], tokens / 2, family="estimator", group_size=g))
-    rows = {(r.method, r.unit): r for r in compare(runs)}
-    assert set(rows) == {("grpo", "G=4"), ("rloo", "G=4"), ("grpo", "G=8"), ("rloo", "G=8")}
-    assert rows[("rloo", "G=4")].tokens_ratio == pytest.approx(0.5) and rows[("rloo", "G=8")].verdict == "better"
+    rows = {(r.method, r.cohort): r for r in compare(runs)}
+    assert set(rows) == {("grpo", "g4"), ("rloo", "g4"), ("grpo", "g8"), ("rloo", "g8")}
+    assert rows[("rloo", "g4")].tokens_ratio == pytest.approx(0.5) and rows[("rloo", "g8")].verdict == "better"
     with pytest.raises(InputError, match="grpo"):
         compare([record("rloo", 0, [0.2, 0.6], 10.0, family="estimator")])
 
@@ -93,3 +120,191 @@ def test_draws_without_a_ratio_are_left_out_of_the_interval() -> None:
     sparse = [record("uniform", s, [0.2, 0.6] if s == 0 else [0.2, 0.2], 100.0) for s in range(3)]
     sparse += [record("slow", s, [0.2, 0.6] if s == 0 else [0.2, 0.2], 100.0) for s in range(3)]
     assert all(math.isnan(x) for x in {r.method: r for r in compare(sparse)}["slow"].tokens_interval)
+
+
+def test_cohorts_and_baselines_of_the_four_families() -> None:
+    """A loss run's cohort is its scenario (an old record without one is "sync") and its baseline the grpo preset
+    under the same scenario; a stop rule's cohort is "rollouts" and its baseline "none"."""
+    assert cohort({"family": "allocator", "unit": "tokens"}) == "tokens"
+    assert cohort({"family": "estimator", "group_size": 4}) == "g4"
+    assert cohort({"family": "loss", "scenario": "stale16"}) == "stale16"
+    assert cohort({"family": "loss"}) == "sync"
+    assert cohort({"family": "stop"}) == "rollouts"
+    assert {f: FAMILIES[f].baseline for f in FAMILIES} == {
+        "allocator": "uniform", "estimator": "grpo", "loss": "grpo", "stop": "none"
+    }  # fmt: skip
+    with pytest.raises(InputError, match="family"):
+        cohort({"family": "shaper"})
+    runs = []
+    for seed in range(3):
+        for sc in ("sync", "stale4"):
+            runs.append(record("grpo", seed, [0.2, 0.4, 0.6], 100.0, family="loss", scenario=sc))
+            runs.append(record("dppo_kl", seed, [0.2, 0.4, 0.6], 50.0, family="loss", scenario=sc))
+        runs.append(record("none", seed, [0.2, 0.4, 0.6], 100.0, family="stop"))
+        runs.append(record("dot", seed, [0.2, 0.4, 0.6], 200.0, family="stop"))
+    rows = {(r.family, r.cohort, r.method): r for r in compare(runs)}
+    assert rows[("loss", "stale4", "dppo_kl")].tokens_ratio == pytest.approx(0.5)
+    assert rows[("stop", "rollouts", "dot")].tokens_ratio == pytest.approx(2.0)
+    assert rows[("stop", "rollouts", "dot")].verdict == "worse"
+    with pytest.raises(InputError, match="none"):
+        compare([record("dot", 0, [0.2, 0.6], 10.0, family="stop")])
+
+
+def test_verdict_sentence() -> None:
+    runs = []
+    for seed in range(5):
+        runs.append(record("uniform", seed, [0.2, 0.3, 0.4, 0.5, 0.6], 100.0))
+        runs.append(record("fast", seed, [0.2, 0.3, 0.4, 0.5, 0.6], 50.0))
+        runs.append(record("quick", seed, [0.2, 0.3, 0.4, 0.5, 0.6], 60.0))
+        runs.append(record("same", seed, [0.2, 0.3, 0.4, 0.5, 0.6], 100.0))
+        runs.append(record("never", seed, [0.2, 0.2, 0.2, 0.2, 0.2], 100.0))
+    rows = compare(runs)
+    assert verdict_sentence(rows) == (
+        "`fast` and `quick` reach the target with fewer tokens than `uniform` beyond seed noise; `never` needs more "
+        "(interval above 1); the rest are not separable from `uniform`."
+    )
+    same = [r for r in rows if r.method in ("uniform", "same")]
+    assert verdict_sentence(same) == (
+        "No method reaches the target with fewer tokens than `uniform` beyond seed noise; none needs more: all 1 are "
+        "not separable from `uniform`."
+    )
+    with pytest.raises(InputError, match="one"):
+        verdict_sentence([])
+
+
+def test_stability_measures_by_hand() -> None:
+    """Collapse: 0.40 at best, 0.28 at the end is more than 0.1 below (collapsed); 0.31 is not; a run whose best is
+    its start (0.30) and ends at 0.19 collapsed too. Spikes: grad norms [1] * 8 + [2, 20] and one step without a loss
+    step: median 1, only 20 > 10 x 1, so 1 of 10. Final entropy: entropies 1..12 (one step without): the last 10
+    are 3..12, mean 7.5. Method time: median of 1, 3, 2 ms = 2 ms."""
+    assert collapsed(evals([0.25, 0.40, 0.28], 1.0))
+    assert not collapsed(evals([0.25, 0.40, 0.31], 1.0))
+    assert collapsed(evals([0.30, 0.25, 0.19], 1.0))
+    with pytest.raises(InputError, match="evals"):
+        collapsed([])
+    grads = [{"grad_norm": g} for g in [1.0] * 8 + [2.0, 20.0]]
+    assert grad_spike_frac([*grads, {"reward": 0.5}]) == pytest.approx(0.1)
+    assert math.isnan(grad_spike_frac([{"reward": 0.5}]))
+    ent = [{"entropy": float(e)} for e in range(1, 13)]
+    assert final_entropy([*ent[:5], {"reward": 0.0}, *ent[5:]]) == pytest.approx(7.5)
+    assert method_ms([{"method_seconds": s} for s in (0.001, 0.003, 0.002)]) == pytest.approx(2.0)
+
+
+def test_trust_region_and_stop_fractions_by_hand() -> None:
+    """A loss run reads its preset's own masking metric (dppo_kl: dppo_masked_frac, mean of 0.1 and 0.3 = 0.2); an
+    allocator run reads the spec's loss (grpo: clipfrac). Over two seeds the fraction of collapsed seeds is 1/2 and
+    the other measures are medians (0.2 and 0.4: 0.3)."""
+    steps = [
+        {"dppo_masked_frac": 0.1, "clipfrac": 0.9, "stopped_frac": 0.5, "saved_frac": 0.25},
+        {"dppo_masked_frac": 0.3, "clipfrac": 0.9, "stopped_frac": 0.0, "saved_frac": 0.75},
+    ]
+    m = measure_run(record("dppo_kl", 0, [0.2, 0.4], 1.0, family="loss", steps=steps))
+    assert m.trust_metric == "dppo_masked_frac" and m.trust_frac == pytest.approx(0.2)
+    assert m.stopped_frac == pytest.approx(0.25) and m.saved_frac == pytest.approx(0.5)
+    a = measure_run(record("greso", 0, [0.2, 0.4], 1.0, steps=steps, loss="grpo"))
+    assert a.trust_metric == "clipfrac" and a.trust_frac == pytest.approx(0.9)
+    assert {"dppo_kl", "m2po", "tbpo", "icepop", "opsm", "grpo"} <= set(TRUST_REGION_METRIC)
+    other = [{**s, "dppo_masked_frac": 0.4} for s in steps]
+    runs = [
+        record("dppo_kl", 0, [0.2, 0.5, 0.3], 1.0, family="loss", steps=steps),  # 0.5 -> 0.3: collapsed
+        record("dppo_kl", 1, [0.2, 0.5, 0.5], 1.0, family="loss", steps=other),
+    ]
+    (s,) = stability(runs, cohort)
+    assert (s.cohort, s.seeds, s.collapse_frac) == ("sync", 2, 0.5)
+    assert s.trust_frac == pytest.approx(0.3)
+
+
+def test_spearman_by_hand() -> None:
+    """x = 1..5, y = [5, 6, 7, 8, 7]: y's ranks are [1, 2, 3.5, 5, 3.5] (the two 7s share ranks 3 and 4); centred
+    ranks [-2, -1, 0, 1, 2] and [-2, -1, 0.5, 2, 0.5]: covariance 8, variances 10 and 9.5, rho = 8 / sqrt(95)."""
+    assert ranks([5.0, 6.0, 7.0, 8.0, 7.0]) == [1.0, 2.0, 3.5, 5.0, 3.5]
+    assert spearman([1, 2, 3, 4, 5], [5, 6, 7, 8, 7]) == pytest.approx(8 / math.sqrt(95))
+    assert spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3], [1, math.inf, math.inf]) == pytest.approx(1.5 / math.sqrt(3))  # ∞ ties rank last
+    assert math.isnan(spearman([1, 2], [1, 1])) and math.isnan(spearman([1], [2]))
+    with pytest.raises(InputError):
+        spearman([1, 2], [1])
+
+
+TABLE = """Some text.
+
+| allocator                |  rollouts to target (median) | vs Uniform | zero-var frac |
+|--------------------------|------------------------------|------------|---------------|
+| Uniform (n=8)            |              105,472         |      1.00x |         0.322 |
+| DPS                      |               99,328         |      0.94x |         0.266 |
+| GRESO                    |               91,136         |      0.86x |         0.253 |
+| HIVE (no prompt entropy) |               79,936 (2 seeds missed) |      0.76x |         0.182 |
+
+| allocator | vs Uniform |
+|---|---|
+| DPS | 9.99x |
+"""
+
+
+def test_synthetic_ranking(tmp_path: Path) -> None:
+    path = tmp_path / "allocators.md"
+    path.write_text(TABLE)
+    assert synthetic_ranking(path) == {"uniform": 1.0, "dps": 0.94, "greso": 0.86, "hive": 0.76}
+    real = synthetic_ranking(Path(__file__).parents[2] / "benchmarks" / "results" / "allocators.md")
+    assert len(real) == 19 and real["uniform"] == 1.0 and real["dapo_dynamic_sampling"] == 0.90
+    path.write_text("no table")
+    with pytest.raises(InputError, match="vs Uniform"):
+        synthetic_ranking(path)
+    path.write_text(TABLE.replace("GRESO   ", "Unknown "))
+    with pytest.raises(InputError, match="Unknown"):
+        synthetic_ranking(path)
+
+
+def test_proxy_correlation() -> None:
+    """Arena rollouts-to-target ratios: dps 0.5 (reaches 0.52 at 8 rollouts, uniform at 16), greso 1, hive ∞ (never),
+    uniform 1: ranks [1, 2.5, 4, 2.5] (dps, greso, hive, uniform). Synthetic ratios 0.94, 0.86, 0.76, 1.0: ranks
+    [3, 2, 1, 4]. Centred: [-1.5, 0, 1.5, 0] and [0.5, -0.5, -1.5, 1.5]: covariance -3, variances 4.5 and 5,
+    rho = -3 / sqrt(22.5). "x" is not in the arena and is left out."""
+    runs = []
+    for seed in range(3):
+        runs.append(record("uniform", seed, [0.2, 0.4, 0.6], 100.0))
+        runs.append(record("dps", seed, [0.2, 0.6, 0.6], 100.0))
+        runs.append(record("greso", seed, [0.2, 0.4, 0.6], 100.0))
+        runs.append(record("hive", seed, [0.2, 0.2, 0.2], 100.0))
+    synthetic = {"uniform": 1.0, "dps": 0.94, "greso": 0.86, "hive": 0.76, "x": 2.0}
+    rho, common = proxy_correlation(compare(runs), synthetic)
+    assert common == ["dps", "greso", "hive", "uniform"]
+    assert rho == pytest.approx(-3 / math.sqrt(22.5))
+
+
+def test_write_report_with_every_family(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    steps = [{"step": 1, "grad_norm": 1.0, "entropy": 0.3, "method_seconds": 0.002, "clipfrac": 0.05,
+              "dppo_masked_frac": 0.02, "stopped_frac": 0.4, "saved_frac": 0.3}]  # fmt: skip
+    recs = []
+    for seed in range(3):
+        recs.append(record("uniform", seed, [0.2, 0.4, 0.6], 100.0 + seed, steps=steps))
+        recs.append(record("greso", seed, [0.2, 0.4, 0.6], 60.0 + seed, steps=steps))
+        for sc in ("sync", "mismatch"):
+            recs.append(record("grpo", seed, [0.2, 0.4, 0.6], 100.0, family="loss", steps=steps, scenario=sc))
+            recs.append(record("dppo_kl", seed, [0.2, 0.4, 0.6], 100.0, family="loss", steps=steps, scenario=sc))
+        recs.append(record("none", seed, [0.2, 0.4, 0.6], 100.0, family="stop", steps=steps))
+        recs.append(record("dot", seed, [0.2, 0.4, 0.6], 70.0, family="stop", steps=steps))
+    for k, rec in enumerate(recs):
+        (runs / f"{k:03d}.json").write_text(json.dumps(rec))
+    table = tmp_path / "allocators.md"
+    table.write_text(TABLE)
+    out = tmp_path / "out"
+    text = write_report(runs, out, synthetic=table).read_text()
+    assert "## Loss presets, scenario `sync`: against `grpo`" in text and "scenario `mismatch`" in text
+    assert "## Stop and length rules, budget in rollouts: against `none`" in text
+    assert text.index("scenario `sync`") < text.index("scenario `mismatch`")  # the scenarios' order
+    assert "| paper claims |" in text and "up to 78% fewer tokens on AIME-24" in text and "arXiv 2601.03969" in text
+    assert "**Verdict.** `greso` reaches the target with fewer tokens than `uniform` beyond seed noise." in text
+    assert "| dppo_kl | 0/3 | 0.0% | 0.30 | 2.00 | 2.0% (`dppo_masked_frac`) |" in text
+    assert "| dot | 0/3 | 0.0% | 0.30 | 2.00 | 5.0% (`clipfrac`) | 40.0% | 30.0% |" in text
+    assert "## Synthetic proxy vs the arena" in text and "over 2 allocators present in both" in text
+    assert "stays the fast proxy" in text
+    names = {p.name for p in out.iterdir()}
+    for tag in ("allocator_rollouts", "loss_sync", "loss_mismatch", "stop_rollouts"):
+        assert {f"{tag}_curves.png", f"{tag}_ratios.png"} <= names
+    assert {"loss_fractions.png", "stop_fractions.png"} <= names
+    no_proxy = write_report(runs, tmp_path / "out2", synthetic=None).read_text()
+    assert "nothing to compare" in no_proxy

@@ -1,5 +1,5 @@
-"""One arena run: every allocator by name, in both budget units, runs end to end on a tiny suite and policy;
-a run is deterministic per seed; bad specs are refused."""
+"""One arena run: every allocator by name, in both budget units, every estimator, every loss preset under every
+scenario, runs end to end on a tiny suite and policy; a run is deterministic per seed; bad specs are refused."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import pytest
 
 import rolloutopt.advantages as advantages
 import rolloutopt.allocators as allocators
+import rolloutopt.losses as losses
 from rolloutopt.arena import TaskSuite
 from rolloutopt.arena.base import BaseConfig
-from rolloutopt.arena.run import RunSpec, run
+from rolloutopt.arena.run import SCENARIOS, RunSpec, run
+from rolloutopt.arena.stops import STOP_METHODS
 from rolloutopt.errors import InputError
 
 SUITE = TaskSuite(ops=("reverse", "count"), lengths=(("reverse", (1, 2, 3)), ("count", (2, 3))), per_cell=12, holdout=3)
@@ -44,6 +46,45 @@ def test_every_estimator_runs_by_name(name: str) -> None:
     assert record["steps"][-1]["rollouts"] == 32 and "loss" in record["steps"][-1]
 
 
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("name", losses.names())
+def test_every_loss_preset_runs_under_every_scenario(name: str, scenario: str) -> None:
+    """Every preset by name, with the inputs it reads from the scenario's engine (versions, behaviour and top-K
+    log-probs, confidence, ...), records its loss, gradient norm and clipped or masked fractions."""
+    spec = RunSpec("loss", name, scenario=scenario, steps=2, prompts_per_step=4, group_size=4, eval_every=2)
+    record = run(spec, SUITE, BASE)
+    last = record["steps"][-1]
+    assert last["rollouts"] == 32 and "loss" in last and "grad_norm" in last and "approx_kl" in last
+    assert any(k.endswith("_frac") for k in last)
+    assert record["spec"]["scenario"] == scenario
+
+
+@pytest.mark.filterwarnings("ignore:rolloutopt. a group of size 1:UserWarning")
+@pytest.mark.parametrize("name", STOP_METHODS)
+def test_every_stop_method_runs_by_name(name: str) -> None:
+    """Every stop, truncation and length rule the arena runs, replayed over each step's generation: the tokens it
+    stops are not counted, its share of stopped rows and saved tokens is recorded."""
+    spec = RunSpec("stop", name, steps=2, prompts_per_step=4, group_size=4, eval_every=2)
+    record = run(spec, SUITE, BASE)
+    last = record["steps"][-1]
+    assert 0.0 <= last["stopped_frac"] <= 1.0 and 0.0 <= last["saved_frac"] <= 1.0
+    # the first step generates from the base policy with the same seed as no rule: the rule keeps exactly the
+    # tokens it did not save
+    none = run(RunSpec("stop", "none", steps=1, prompts_per_step=4, group_size=4, eval_every=1), SUITE, BASE)
+    first, full = record["steps"][0], none["steps"][0]["tokens"]
+    assert first["tokens"] == round(full * (1 - first["saved_frac"]))
+
+
+def test_stale_partial_and_mismatched_engines_differ_from_sync() -> None:
+    """Each scenario changes what the preset sees: the same seed under sync and under a stale, partial or FP8
+    engine gives different losses from the second step on (the first step of a stale run is on-policy)."""
+    runs = {sc: run(RunSpec("loss", "grpo", scenario=sc, steps=3, prompts_per_step=4, group_size=4, eval_every=3),
+                    SUITE, BASE) for sc in SCENARIOS}  # fmt: skip
+    sync = runs["sync"]["steps"][-1]["loss"]
+    for sc in ("stale4", "partial", "mismatch"):
+        assert runs[sc]["steps"][-1]["loss"] != sync, sc
+
+
 def test_a_run_is_deterministic_per_seed(tmp_path: Path) -> None:
     spec = RunSpec("allocator", "vigor", steps=3, prompts_per_step=4, group_size=4, pool=8, eval_every=3)
     a, b = run(spec, SUITE, BASE), run(spec, SUITE, BASE)
@@ -63,6 +104,9 @@ def test_a_run_is_deterministic_per_seed(tmp_path: Path) -> None:
         ({"family": "allocator", "method": "uniform", "unit": "seconds"}, "unit"),
         ({"family": "allocator", "method": "uniform", "steps": 0}, "steps"),
         ({"family": "allocator", "method": "uniform", "pool": 2}, "group_size/pool"),
+        ({"family": "loss", "method": "uniform"}, "method"),
+        ({"family": "loss", "method": "grpo", "scenario": "stale2"}, "scenario"),
+        ({"family": "stop", "method": "prune_opd"}, "method"),
     ],
 )
 def test_bad_spec(kwargs: dict[str, object], argument: str) -> None:

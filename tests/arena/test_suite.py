@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from rolloutopt import losses
 from rolloutopt.arena import TaskSuite
 from rolloutopt.arena.base import BaseConfig
 from rolloutopt.arena.cli import summary
-from rolloutopt.arena.run import RunSpec
-from rolloutopt.arena.suite import plan_runs, run_suite
+from rolloutopt.arena.run import SCENARIOS, RunSpec
+from rolloutopt.arena.stops import STOP_METHODS
+from rolloutopt.arena.suite import FAMILY_STEPS, plan_runs, run_suite
 from rolloutopt.cli import main
 from rolloutopt.errors import InputError
 
@@ -41,6 +43,22 @@ def test_plan_is_seed_major_over_methods_and_units() -> None:
         "estimator-grpo-rollouts-g8-s0", "estimator-rloo-rollouts-g8-s0",
     ]  # fmt: skip
     assert [(s.group_size * s.prompts_per_step) for s in est] == [128] * 4
+
+
+def test_plan_of_the_loss_and_stop_families() -> None:
+    """Every preset under every scenario (40 steps by default), every runnable stop rule (60 steps)."""
+    loss = plan_runs(["loss"], methods=["grpo", "tis"], seeds=[0], scenarios=["sync", "stale16"])
+    assert [s.key for s in loss] == [
+        "loss-grpo-rollouts-s0", "loss-tis-rollouts-s0",
+        "loss-grpo-rollouts-stale16-s0", "loss-tis-rollouts-stale16-s0",
+    ]  # fmt: skip
+    assert all(s.steps == FAMILY_STEPS["loss"] for s in loss)
+    assert len(plan_runs(["loss"], seeds=[0])) == len(losses.names()) * len(SCENARIOS)
+    stop = plan_runs(["stop"], seeds=[0, 1])
+    assert [s.method for s in stop[: len(STOP_METHODS)]] == list(STOP_METHODS) and len(stop) == 2 * len(STOP_METHODS)
+    assert plan_runs(["stop"], seeds=[0], steps=7)[0].steps == 7
+    with pytest.raises(InputError, match="scenarios"):
+        plan_runs(["loss"], scenarios=["stale2"])
 
 
 def test_a_suite_resumes_where_it_stopped(tmp_path: Path) -> None:

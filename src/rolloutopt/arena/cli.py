@@ -1,7 +1,9 @@
 """``python -m rolloutopt arena``: run (or resume) an arena suite with a progress bar, then print a summary table.
 
 Each finished run is a JSON file under ``--out`` (default ``benchmarks/results/arena/runs``); a run whose file
-exists is skipped, so an interrupted suite is completed by running the same command again.
+exists is skipped, so an interrupted suite is completed by running the same command again. ``--device cuda`` trains
+on the GPUs (one process per GPU); ``--ray ADDRESS`` runs each run as a task on a Ray cluster (``auto``) or a local
+Ray instance (``local``) instead of local processes.
 """
 
 from __future__ import annotations
@@ -37,7 +39,23 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="seeds (default: 0-4)")
     p.add_argument("--units", nargs="+", default=["rollouts", "tokens"], choices=["rollouts", "tokens"])
     p.add_argument("--steps", type=int, default=RunSpec.steps, help=f"RL steps per run (default: {RunSpec.steps})")
-    p.add_argument("--jobs", type=int, default=2, help="processes (default: 2)")
+    p.add_argument(
+        "--jobs", type=int, default=None, help="processes (default: 2 on the CPU, one per GPU with --device cuda)"
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where each run trains and generates: cpu, cuda (every visible GPU, one process each) or cuda:N "
+        "(default: cpu)",
+    )
+    p.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help="run each run as a Ray task instead of local processes (needs pip install 'rolloutopt[ray]'): auto "
+        "(the running cluster), local (a new Ray instance here) or ray://host:10001; --jobs is then ignored, "
+        "Ray's scheduler fills the cluster (1 CPU a run, and 1 GPU with --device cuda)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"directory of the run files (default: {DEFAULT_OUT})")
     p.add_argument("--plain", action="store_true", help="plain text output even if rich is installed")
     p.add_argument("--no-report", action="store_true", help="skip summary.md and the figures (next to --out)")
@@ -75,6 +93,11 @@ def main(args: argparse.Namespace, out: TextIO | io.TextIOBase) -> None:
         specs = plan_runs(args.family, methods=args.methods, seeds=args.seeds, units=args.units, steps=args.steps)
     except InputError as err:
         raise SystemExit(f"arena: {err}") from None
+    run_args = {"jobs": args.jobs, "device": args.device, "ray_address": args.ray}
+    try:
+        run_suite([], args.out, **run_args)  # checks the arguments (and that ray is installed) before any run
+    except (InputError, ImportError) as err:
+        raise SystemExit(f"arena: {err}") from None
     use_rich = not args.plain
     if use_rich:
         try:
@@ -87,7 +110,7 @@ def main(args: argparse.Namespace, out: TextIO | io.TextIOBase) -> None:
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
         with Progress(*columns, console=console) as progress:
             bar = progress.add_task(f"arena ({len(specs)} runs)", total=len(specs))
-            run_suite(specs, args.out, jobs=args.jobs, on_done=lambda s, p: progress.advance(bar))
+            run_suite(specs, args.out, on_done=lambda s, p: progress.advance(bar), **run_args)
     else:
         done = [0]
 
@@ -95,7 +118,7 @@ def main(args: argparse.Namespace, out: TextIO | io.TextIOBase) -> None:
             done[0] += 1
             print(f"[{done[0]}/{len(specs)}] {spec.key}", file=out, flush=True)
 
-        run_suite(specs, args.out, jobs=args.jobs, on_done=tick)
+        run_suite(specs, args.out, on_done=tick, **run_args)
     print(f"{'family':10} {'method':22} {'unit':8} {'runs':>4} {'start':>6} {'final':>6} {'tokens':>9} {'rollouts':>9}",
           file=out)  # fmt: skip
     for row in summary(args.out):

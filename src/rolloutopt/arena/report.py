@@ -1,40 +1,109 @@
 r"""What the arena's runs say: tokens- and rollouts-to-target against the baseline with bootstrap intervals, final
-accuracy at the fixed budget, and figures.
+accuracy at the fixed budget, stability measures, the fractions of tokens clipped, masked or stopped, the papers'
+claims beside the measured ratios, the synthetic testbed's ranking against the arena's, and figures.
 
-**Target.** For each budget unit, the baseline is ``uniform`` (GRPO's fixed group size over the same candidate
-pools). Its median held-out accuracy over seeds goes from :math:`a_0` (the base policy) to :math:`a_1` at the end;
-the target is :math:`a_0 + 0.8\,(a_1 - a_0)`. A run's *tokens to target* is the cumulative number of generated
-tokens at which its held-out accuracy first reaches the target, linearly interpolated between evaluations
-(infinite when it never does); *rollouts to target* likewise.
+**Families and cohorts** (:data:`FAMILIES`). Runs are compared within a *cohort* of their family, against the
+family's baseline method in the same cohort: an allocator at its budget unit (``rollouts`` or ``tokens``) against
+``uniform``; an estimator at its group size (``g4``, ``g8``) against ``grpo``; a loss preset under its scenario
+(``sync``, ``stale4``, ``stale16``, ``mismatch``, ``partial``; records without one are ``sync``) against the
+``grpo`` preset under the same scenario; a stop, truncation or length rule (one cohort, ``rollouts``) against
+``none``, generation without a rule.
+
+**Target.** The baseline's median held-out accuracy over seeds goes from :math:`a_0` (the base policy) to
+:math:`a_1` at the end; the target is :math:`a_0 + 0.8\,(a_1 - a_0)`. A run's *tokens to target* is the cumulative
+number of generated tokens at which its held-out accuracy first reaches the target, linearly interpolated between
+evaluations (infinite when it never does); *rollouts to target* likewise.
 
 **Ratio and interval.** A method's ratio is the median of its runs' tokens to target over the median of the
 baseline's; the 95 % interval is the 2.5 and 97.5 percentiles of that ratio over 2,000 bootstrap draws that resample
 the method's seeds and the baseline's seeds independently (seeded); a draw in which neither the method nor the
 baseline reaches the target has no ratio and is left out, and the interval is n/a when more than 10 % of the draws
-are. A method is *better* only when the whole
-interval is below 1, *worse* when it is above 1, and otherwise *not separable from the baseline*. The final
-accuracy difference (method minus baseline, medians) gets the same bootstrap.
+are. A method is *better* only when the whole interval is below 1, *worse* when it is above 1, and otherwise *not
+separable from the baseline*. The final accuracy difference (method minus baseline, medians) gets the same
+bootstrap.
+
+**Stability and fractions** (:mod:`rolloutopt.arena.report_measures`): the fraction of seeds that collapsed (final
+held-out accuracy more than 0.1 below the run's own best evaluation), the fraction of steps with a gradient-norm
+spike (above 10x the run's median), the final entropy, the median method time per step, the fraction of tokens the
+loss's trust region clipped or masked, and the stop rules' stopped and saved fractions; medians over seeds.
+
+**Synthetic proxy** (:func:`proxy_correlation`): Spearman's rank correlation between the allocators' rollouts-to-
+target ratios on the synthetic prompt population (``benchmarks/results/allocators.md``) and in the arena.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rolloutopt.arena._stats import bootstrap, delta, median, ratio, spearman
+from rolloutopt.arena.claims import CLAIMS
+from rolloutopt.arena.report_measures import Stability, stability, synthetic_ranking
 from rolloutopt.errors import InputError
 
-__all__ = ["Comparison", "compare", "load_runs", "to_target", "write_report"]
+__all__ = [
+    "FAMILIES",
+    "SCENARIOS",
+    "Comparison",
+    "Family",
+    "cohort",
+    "compare",
+    "load_runs",
+    "proxy_correlation",
+    "to_target",
+    "verdict_sentence",
+    "write_report",
+]
 
-BASELINES = {"allocator": "uniform", "estimator": "grpo"}
+SCENARIOS = ("sync", "stale4", "stale16", "mismatch", "partial")
+"""The loss family's scenarios, in report order (a record without ``scenario`` is ``sync``)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """How the report groups one family's runs: ``cohort(spec)`` names the runs compared with each other,
+    ``baseline`` the method every other one is compared with in its cohort, ``title`` the section heading and
+    ``describe(cohort)`` the cohort's words in it."""
+
+    cohort: Callable[[dict[str, Any]], str]
+    baseline: str
+    title: str
+    describe: Callable[[str], str]
+
+
+FAMILIES: dict[str, Family] = {
+    "allocator": Family(lambda s: str(s["unit"]), "uniform", "Allocators", lambda c: f"budget in {c}"),
+    "estimator": Family(lambda s: f"g{s['group_size']}", "grpo", "Estimators", lambda c: f"group size {c[1:]}"),
+    "loss": Family(lambda s: str(s.get("scenario", "sync")), "grpo", "Loss presets", lambda c: f"scenario `{c}`"),
+    "stop": Family(lambda s: "rollouts", "none", "Stop and length rules", lambda c: f"budget in {c}"),
+}
+"""Family -> its cohort function, baseline and headings."""
+
 TARGET_FRACTION = 0.8
-DRAWS = 2000
-DEFINED = 0.9
-"""An interval needs a ratio in at least this fraction of the bootstrap draws (else it is n/a)."""
+_SYNTHETIC = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "allocators.md"
+
+
+def _family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise InputError("spec['family']", f"one of {tuple(FAMILIES)}", repr(name), "add it to report.FAMILIES")
+    return FAMILIES[name]
+
+
+def cohort(spec: dict[str, Any]) -> str:
+    """The cohort of a run's spec: its family's :attr:`Family.cohort`."""
+    return _family(spec["family"]).cohort(spec)
+
+
+def _cohort_key(family: str, c: str) -> tuple[int, int, str]:
+    """Report order: families as in :data:`FAMILIES`, scenarios as in :data:`SCENARIOS`, else by name."""
+    order = list(FAMILIES).index(family) if family in FAMILIES else len(FAMILIES)
+    return order, SCENARIOS.index(c) if c in SCENARIOS else len(SCENARIOS), c
 
 
 def load_runs(out_dir: str | Path) -> list[dict[str, Any]]:
@@ -57,44 +126,13 @@ def to_target(evals: list[dict[str, Any]], target: float, axis: str) -> float:
     return math.inf
 
 
-def _median(x: torch.Tensor) -> float:
-    """The median of a 1-d tensor, averaging the two middle values (``inf`` counts as larger than any value)."""
-    s = x.sort().values
-    n = s.numel()
-    return float(s[n // 2]) if n % 2 else float((s[n // 2 - 1] + s[n // 2]) / 2)
-
-
-def _bootstrap(a: torch.Tensor, b: torch.Tensor, stat: Any, seed: int) -> tuple[float, float]:
-    gen = torch.Generator().manual_seed(seed)
-    ia = torch.randint(0, a.numel(), (DRAWS, a.numel()), generator=gen)
-    ib = torch.randint(0, b.numel(), (DRAWS, b.numel()), generator=gen)
-    values = torch.tensor([stat(a[ia[k]], b[ib[k]]) for k in range(DRAWS)], dtype=torch.float64)
-    defined = ~values.isnan()  # a resample whose method and baseline both never reach the target has no ratio
-    if float(defined.double().mean()) < DEFINED:
-        return math.nan, math.nan
-    values = values[defined]
-    lo, hi = torch.quantile(values.clamp(max=1e300), torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return (math.inf if lo >= 1e300 else lo), (math.inf if hi >= 1e300 else hi)
-
-
-def _ratio(a: torch.Tensor, b: torch.Tensor) -> float:
-    num, den = _median(a), _median(b)
-    if math.isinf(den) or den == 0:  # the baseline never reached the target, or the target is its start
-        return math.nan if math.isinf(num) or num == den else math.inf if den == 0 else 0.0
-    return num / den
-
-
-def _delta(a: torch.Tensor, b: torch.Tensor) -> float:
-    return _median(a) - _median(b)
-
-
 @dataclass(frozen=True)
 class Comparison:
-    """One method in one budget unit against the baseline (see the module docstring)."""
+    """One method in one cohort against its family's baseline (see the module docstring)."""
 
     family: str
     method: str
-    unit: str
+    cohort: str
     seeds: int
     target: float
     tokens_ratio: float
@@ -113,26 +151,22 @@ class Comparison:
         return "better" if hi < 1 else "worse" if lo > 1 else "not separable"
 
 
-def _cohort(spec: dict[str, Any]) -> str:
-    """Runs compared with each other: an allocator's budget unit, an estimator's group size."""
-    return spec["unit"] if spec["family"] == "allocator" else f"G={spec['group_size']}"
-
-
 def compare(runs: list[dict[str, Any]]) -> list[Comparison]:
-    """A :class:`Comparison` of every (family, method, cohort) with at least one run, against the family's baseline
-    in the same cohort: ``uniform`` at the same budget unit, or the ``grpo`` estimator at the same group size."""
+    """A :class:`Comparison` of every (family, cohort, method) with at least one run, against the family's baseline
+    in the same cohort (:data:`FAMILIES`); an :class:`~rolloutopt.errors.InputError` when a cohort has no baseline
+    run or a family is unknown."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in runs:
         s = r["spec"]
-        groups.setdefault((s["family"], _cohort(s), s["method"]), []).append(r)
+        groups.setdefault((s["family"], cohort(s), s["method"]), []).append(r)
     out = []
-    for family, unit in sorted({(f, c) for f, c, _ in groups}):
-        name = BASELINES[family]
+    for family, unit in sorted({(f, c) for f, c, _ in groups}, key=lambda fc: _cohort_key(*fc)):
+        name = FAMILIES[family].baseline
         base = groups.get((family, unit, name))
         if not base:
             raise InputError("runs", f"runs of the baseline {name!r} ({family}, {unit})", "none", "run them first")
-        a0 = _median(torch.tensor([r["evals"][0]["accuracy"] for r in base]))
-        a1 = _median(torch.tensor([r["evals"][-1]["accuracy"] for r in base]))
+        a0 = median(torch.tensor([r["evals"][0]["accuracy"] for r in base]))
+        a1 = median(torch.tensor([r["evals"][-1]["accuracy"] for r in base]))
         target = a0 + TARGET_FRACTION * (a1 - a0)
         ref = {
             axis: torch.tensor([to_target(r["evals"], target, axis) for r in base]) for axis in ("tokens", "rollouts")
@@ -150,44 +184,153 @@ def compare(runs: list[dict[str, Any]]) -> list[Comparison]:
                 Comparison(
                     family=family,
                     method=method,
-                    unit=unit,
+                    cohort=unit,
                     seeds=len(rs),
                     target=target,
-                    tokens_ratio=_ratio(mine["tokens"], ref["tokens"]),
-                    tokens_interval=_bootstrap(mine["tokens"], ref["tokens"], _ratio, seed),
-                    rollouts_ratio=_ratio(mine["rollouts"], ref["rollouts"]),
-                    rollouts_interval=_bootstrap(mine["rollouts"], ref["rollouts"], _ratio, seed + 1),
-                    final_accuracy=_median(final),
-                    final_delta=_delta(final, ref_final),
-                    final_interval=_bootstrap(final, ref_final, _delta, seed + 2),
+                    tokens_ratio=ratio(mine["tokens"], ref["tokens"]),
+                    tokens_interval=bootstrap(mine["tokens"], ref["tokens"], ratio, seed),
+                    rollouts_ratio=ratio(mine["rollouts"], ref["rollouts"]),
+                    rollouts_interval=bootstrap(mine["rollouts"], ref["rollouts"], ratio, seed + 1),
+                    final_accuracy=median(final),
+                    final_delta=delta(final, ref_final),
+                    final_interval=bootstrap(final, ref_final, delta, seed + 2),
                     reached=int(torch.isfinite(mine["tokens"]).sum()),
                 )
             )
     return out
 
 
+def _names(methods: list[str]) -> str:
+    quoted = [f"`{m}`" for m in methods]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
+
+
+def verdict_sentence(rows: list[Comparison]) -> str:
+    """One sentence on the comparisons of one cohort: the methods that need fewer tokens to reach the target than the
+    baseline beyond noise (the whole interval below 1), those that need more (above 1), and that the rest are not
+    separable from the baseline."""
+    if not rows or len({(r.family, r.cohort) for r in rows}) != 1:
+        raise InputError("rows", "the comparisons of one (family, cohort)", f"{len(rows)} rows", "split them")
+    base = FAMILIES[rows[0].family].baseline
+    others = sorted((r for r in rows if r.method != base), key=lambda r: r.method)
+    better = [r.method for r in others if r.verdict == "better"]
+    worse = [r.method for r in others if r.verdict == "worse"]
+    rest = len(others) - len(better) - len(worse)
+    parts = []
+    if better:
+        verb = "reaches" if len(better) == 1 else "reach"
+        parts.append(f"{_names(better)} {verb} the target with fewer tokens than `{base}` beyond seed noise")
+    else:
+        parts.append(f"no method reaches the target with fewer tokens than `{base}` beyond seed noise")
+    if worse:
+        parts.append(f"{_names(worse)} {'needs' if len(worse) == 1 else 'need'} more (interval above 1)")
+    if rest and (better or worse):
+        parts.append(f"the rest are not separable from `{base}`")
+    elif rest:
+        parts.append(f"none needs more: all {rest} are not separable from `{base}`")
+    text = "; ".join(parts) + "."
+    return text[0].upper() + text[1:]
+
+
+def proxy_correlation(rows: list[Comparison], synthetic: dict[str, float]) -> tuple[float, list[str]]:
+    """Spearman's rank correlation between ``synthetic`` (allocator -> rollouts-to-target ratio on the synthetic
+    population, :func:`~rolloutopt.arena.report_measures.synthetic_ranking`) and the arena's median rollouts-to-
+    target ratios of the allocators at the rollout budget, over the allocators with a ratio in both (an arena ratio
+    of ``inf``, never reached, ranks last); returns the correlation and those allocators."""
+    arena = {
+        r.method: r.rollouts_ratio
+        for r in rows
+        if r.family == "allocator" and r.cohort == "rollouts" and not math.isnan(r.rollouts_ratio)
+    }
+    common = sorted(set(arena) & set(synthetic))
+    return spearman([synthetic[m] for m in common], [arena[m] for m in common]), common
+
+
 def _fmt(x: float) -> str:
     return "∞" if math.isinf(x) else "n/a" if math.isnan(x) else f"{x:.2f}"
 
 
-def write_report(runs_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write ``summary.md`` (one table per unit) and, when matplotlib is installed, ``curves_<unit>.png`` and
-    ``ratios_<unit>.png`` under ``out_dir``; return the summary's path."""
+def _pct(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{100 * x:.1f}%"
+
+
+def _claim(family: str, method: str) -> str:
+    c = CLAIMS.get((family, method))
+    if c is None:
+        return "—"
+    notes = ([f"arXiv {c.arxiv}"] if c.arxiv else []) + ([] if c.quantitative else ["qualitative"])
+    return f"{c.text} ({'; '.join(notes)})"
+
+
+def _stability_table(family: str, sub: list[Stability]) -> list[str]:
+    stop = family == "stop"
+    head = "| method | collapsed seeds | grad-norm spikes | final entropy | method ms/step | clipped or masked |"
+    head += " stopped | tokens saved |" if stop else ""
+    lines = [head, "|---" * (8 if stop else 6) + "|"]
+    for s in sorted(sub, key=lambda s: s.method):
+        row = (
+            f"| {s.method} | {s.collapse_frac * s.seeds:.0f}/{s.seeds} | {_pct(s.spike_frac)} | "
+            f"{_fmt(s.final_entropy)} | {_fmt(s.method_ms)} | {_pct(s.trust_frac)} (`{s.trust_metric}`) |"
+        )
+        if stop:
+            row += f" {_pct(s.stopped_frac)} | {_pct(s.saved_frac)} |"
+        lines.append(row)
+    return lines
+
+
+def _proxy_section(rows: list[Comparison], path: Path | None) -> list[str]:
+    lines = ["## Synthetic proxy vs the arena", ""]
+    if path is None or not path.exists():
+        return [*lines, f"No synthetic results at {path}: nothing to compare.", ""]
+    rho, common = proxy_correlation(rows, synthetic_ranking(path))
+    lines.append(
+        f"Spearman rank correlation between the allocators' rollouts-to-target ratios to `uniform` on the synthetic "
+        f"`PromptPopulation` (`benchmarks/results/allocators.md`) and their median ratios here (rollout budget): "
+        f"**{_fmt(rho)}** over {len(common)} allocators present in both (an allocator that never reaches the "
+        f"target here ranks last; ties share their average rank; 1 is the same order, 0 none, -1 the reverse). "
+        f"The synthetic testbed stays the fast proxy for screening allocators (seconds a run, no policy); this "
+        f"number says how far its ranking carries over to a real policy on this workload."
+    )
+    return [*lines, ""]
+
+
+def write_report(runs_dir: str | Path, out_dir: str | Path, synthetic: str | Path | None = _SYNTHETIC) -> Path:
+    """Write ``summary.md`` under ``out_dir`` and, when matplotlib is installed, the figures
+    (``{family}_{cohort}_curves.png``, ``{family}_{cohort}_ratios.png``, ``loss_fractions.png``,
+    ``stop_fractions.png``); return the summary's path.
+
+    Per family and cohort: the comparison table with the papers' claims (:data:`~rolloutopt.arena.claims.CLAIMS`),
+    one verdict sentence, and the stability and fraction table. Then the synthetic proxy's rank correlation with the
+    arena, from ``synthetic`` (``benchmarks/results/allocators.md`` of the repository by default; the section says
+    so when the file is absent or ``synthetic`` is None)."""
     runs = load_runs(runs_dir)
     rows = compare(runs)
+    stab = {(s.family, s.cohort, s.method): s for s in stability(runs, cohort)}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lines = ["# Arena: every method against its family's baseline", ""]
-    for family, unit in sorted({(r.family, r.unit) for r in rows}):
-        sub = [r for r in rows if (r.family, r.unit) == (family, unit)]
-        what = f"budget in {unit}" if family == "allocator" else f"group size {unit[2:]}"
+    lines = [
+        "# Arena: every method against its family's baseline",
+        "",
+        "Ratios are medians over seeds of tokens (rollouts) to the target accuracy over the baseline's, with 95% "
+        "bootstrap intervals; *better*/*worse* only when the whole tokens interval is below/above 1. Stability: "
+        "seeds whose final held-out accuracy fell more than 0.1 below their own best evaluation (collapsed), steps "
+        "whose gradient norm exceeded 10x the run's median (spikes), mean entropy over the last 10 steps, median "
+        "method time per step, mean fraction of tokens the loss's trust region clipped or masked (its metric in "
+        "backticks); medians over seeds. *Paper claims* paraphrase the method's paper as documented in this "
+        "repository (qualitative where the repository quotes no number); they were measured on other models and "
+        "tasks, not on this workload.",
+        "",
+    ]
+    for family, unit in sorted({(r.family, r.cohort) for r in rows}, key=lambda fc: _cohort_key(*fc)):
+        fam = FAMILIES[family]
+        sub = [r for r in rows if (r.family, r.cohort) == (family, unit)]
         lines += [
-            f"## {family.capitalize()}s, {what}: against `{BASELINES[family]}` (target held-out accuracy "
+            f"## {fam.title}, {fam.describe(unit)}: against `{fam.baseline}` (target held-out accuracy "
             f"{sub[0].target:.3f})",
             "",
             "| method | seeds | reached | tokens to target (ratio, 95% CI) | rollouts to target | final acc. | "
-            "Δ final vs baseline (95% CI) | verdict |",
-            "|---|---|---|---|---|---|---|---|",
+            "Δ final vs baseline (95% CI) | verdict | paper claims |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in sorted(sub, key=lambda r: r.tokens_ratio if not math.isnan(r.tokens_ratio) else math.inf):
             lo, hi = r.tokens_interval
@@ -196,61 +339,15 @@ def write_report(runs_dir: str | Path, out_dir: str | Path) -> Path:
             lines.append(
                 f"| {r.method} | {r.seeds} | {r.reached} | {_fmt(r.tokens_ratio)}x [{_fmt(lo)}, {_fmt(hi)}] | "
                 f"{_fmt(r.rollouts_ratio)}x [{_fmt(rlo)}, {_fmt(rhi)}] | {r.final_accuracy:.3f} | "
-                f"{r.final_delta:+.3f} [{dlo:+.3f}, {dhi:+.3f}] | {r.verdict} |"
+                f"{r.final_delta:+.3f} [{dlo:+.3f}, {dhi:+.3f}] | {r.verdict} | {_claim(family, r.method)} |"
             )
+        lines += ["", f"**Verdict.** {verdict_sentence(sub)}", "", "Stability and fractions:", ""]
+        lines += _stability_table(family, [stab[(family, unit, r.method)] for r in sub])
         lines.append("")
+    lines += _proxy_section(rows, None if synthetic is None else Path(synthetic))
     path = out / "summary.md"
     path.write_text("\n".join(lines))
-    _figures(runs, rows, out)
+    from rolloutopt.arena.report_figures import figures
+
+    figures(runs, rows, list(stab.values()), out)
     return path
-
-
-def _figures(runs: list[dict[str, Any]], rows: list[Comparison], out: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # the figures need the notebooks extra
-        return
-    for family, unit in sorted({(r.family, r.unit) for r in rows}):
-        base = BASELINES[family]
-        tag = f"{family}_{unit.replace('G=', 'g')}"
-        what = f"budget in {unit}" if family == "allocator" else f"group size {unit[2:]}"
-        mine = [r for r in runs if r["spec"]["family"] == family and _cohort(r["spec"]) == unit]
-        fig, ax = plt.subplots(figsize=(8, 5))
-        for method in sorted({r["spec"]["method"] for r in mine}):
-            rs = [r for r in mine if r["spec"]["method"] == method]
-            x = torch.tensor([[e["tokens"] for e in r["evals"]] for r in rs], dtype=torch.float64).mean(0)
-            y = torch.tensor([[e["accuracy"] for e in r["evals"]] for r in rs], dtype=torch.float64)
-            style = {"color": "black", "linewidth": 2.5} if method == base else {"linewidth": 1, "alpha": 0.8}
-            ax.plot(x.tolist(), y.median(0).values.tolist(), label=method, **style)
-            if method == base and y.shape[0] > 1:
-                ax.fill_between(x.tolist(), y.min(0).values.tolist(), y.max(0).values.tolist(), color="grey", alpha=0.2)
-        ax.set_xlabel("generated tokens")
-        ax.set_ylabel("held-out accuracy (median over seeds)")
-        ax.set_title(f"{family.capitalize()}s, {what} (band: {base}'s seed range)")
-        ax.legend(fontsize=6, ncol=2)
-        fig.tight_layout()
-        fig.savefig(out / f"{tag}_curves.png", dpi=120)
-        plt.close(fig)
-        cap = 3.0
-        sub = [r for r in rows if (r.family, r.unit) == (family, unit) and not math.isnan(r.tokens_ratio)]
-        sub.sort(key=lambda r: r.tokens_ratio)
-        ratios = [min(r.tokens_ratio, cap) for r in sub]
-        lo = [0.0 if math.isnan(r.tokens_interval[0]) else max(v - min(r.tokens_interval[0], cap), 0.0)
-              for r, v in zip(sub, ratios, strict=True)]  # fmt: skip
-        hi = [0.0 if math.isnan(r.tokens_interval[1]) else max(min(r.tokens_interval[1], cap) - v, 0.0)
-              for r, v in zip(sub, ratios, strict=True)]  # fmt: skip
-        colors = ["tab:green" if r.verdict == "better" else "tab:red" if r.verdict == "worse" else "tab:grey"
-                  for r in sub]  # fmt: skip
-        fig, ax = plt.subplots(figsize=(8, 5))
-        ys = list(range(len(sub)))
-        ax.barh(ys, ratios, xerr=[lo, hi], color=colors)
-        ax.axvline(1.0, color="black", linewidth=1)
-        ax.set_yticks(ys, [r.method for r in sub], fontsize=7)
-        ax.set_xlabel(f"tokens to target / {base}'s (95% bootstrap interval; capped at {cap:g})")
-        ax.set_title(f"{family.capitalize()}s, {what}")
-        fig.tight_layout()
-        fig.savefig(out / f"{tag}_ratios.png", dpi=120)
-        plt.close(fig)

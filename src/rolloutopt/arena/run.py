@@ -16,6 +16,14 @@ must set: a group size ``n`` is the run's ``group_size`` (not V0.5's ``n``, its 
 1:3 ratio (32 + 96) at the run's group size; allocators that count epochs (GRESO, DEPO, E3) get
 ``steps_per_epoch`` = the steps the candidate pools take to cover the train set. AR3PO's reused responses enter
 the allocator's own statistics but not the loss (the arena keeps no response store; their rows have no tokens).
+
+The **loss** family trains every loss preset by name under a scenario (:data:`SCENARIOS`): synchronous
+on-policy rollouts, rollouts ``k`` = 4 or 16 optimizer steps stale, an engine mismatch (the engine holds FP8
+weights, :meth:`~rolloutopt.testbed.policy.TinyPolicy.quantized`), or partial rollouts (each response starts
+under a policy up to 4 steps old and switches to newer ones mid-way); the engine and the preset's inputs come from
+:class:`~rolloutopt.testbed.engine.ScenarioEngine`. The **stop** family replays a stop, truncation or length rule
+over every generated batch (:mod:`rolloutopt.arena.stops`): a stopped row keeps its tokens up to the stop, the
+rest count as never generated, and its reward and loss weights are the rule's.
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ import inspect
 import math
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
@@ -36,21 +45,36 @@ from rolloutopt.allocators import AllocationResult, PromptHistory, Request, Resp
 from rolloutopt.arena.base import BaseConfig, base_policy
 from rolloutopt.arena.tasks import TaskSuite
 from rolloutopt.errors import InputError
+from rolloutopt.testbed.engine import ScenarioEngine
 from rolloutopt.testbed.policy import Rollouts, TinyPolicy
 from rolloutopt.testbed.task import EOS, PAD
+from rolloutopt.testbed.train import Scenario, preset_inputs
 
-__all__ = ["FAMILIES", "RunSpec", "run"]
+__all__ = ["FAMILIES", "SCENARIOS", "RunSpec", "run"]
 
-_KEPT_METRICS = ("clipfrac", "masked_frac", "approx_kl")
 SELECTORS = ("dapo_dynamic_sampling", "dots", "dps", "depo", "greso", "hive", "pilot_commit", "prompt_gdro")
 """Allocators that choose prompts among more candidates than a batch holds (they see ``pool`` candidates a step);
 the others spread a batch's budget over the batch's prompts (they see ``prompts_per_step``), as in their papers."""
 _MULTI_REWARD = ("gdpo", "gd2po")
 """Estimators of several rewards per response ``[B, K]``."""
-"""The loss metrics a run records per step (beside the loss, the gradient norm and the entropy)."""
 
-FAMILIES = ("allocator", "estimator")
-"""The method families a run can compare (loss presets under scenarios and the stop rules follow)."""
+FAMILIES = ("allocator", "estimator", "loss", "stop")
+"""The method families a run can compare: allocators, advantage estimators, loss presets (under a scenario), and
+stop, truncation and length rules."""
+SCENARIOS: dict[str, tuple[int, bool, bool]] = {
+    "sync": (0, False, False),
+    "stale4": (4, False, False),
+    "stale16": (16, False, False),
+    "mismatch": (0, False, True),
+    "partial": (4, True, False),
+}
+"""Scenario name → (staleness in optimizer steps, partial rollouts, FP8 engine mismatch)."""
+
+
+def _kept(name: str) -> bool:
+    """The loss metrics a run records per step (beside the loss, the gradient norm and the entropy): the
+    approximate KL and every clipped or masked fraction."""
+    return name == "approx_kl" or name == "clipfrac" or name.endswith("_frac")
 
 
 @dataclass(frozen=True)
@@ -78,6 +102,7 @@ class RunSpec:
     loss: str = "grpo"
     estimator: str = "grpo"
     eval_every: int = 10
+    scenario: str = "sync"
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -86,6 +111,14 @@ class RunSpec:
             raise InputError("method", "a registered allocator", repr(self.method), "see allocators.names()")
         if self.family == "estimator" and self.method not in advantages.names():
             raise InputError("method", "a registered advantage estimator", repr(self.method), "see advantages.names()")
+        if self.family == "loss" and self.method not in losses.names():
+            raise InputError("method", "a registered loss preset", repr(self.method), "see losses.names()")
+        if self.family == "stop":
+            from rolloutopt.arena.stops import check_method
+
+            check_method(self.method, "method")
+        if self.scenario not in SCENARIOS:
+            raise InputError("scenario", f"one of {tuple(SCENARIOS)}", repr(self.scenario), "pick a scenario")
         if self.unit not in ("rollouts", "tokens"):
             raise InputError("unit", "'rollouts' or 'tokens'", repr(self.unit), "pick one")
         for name in ("steps", "prompts_per_step", "inner_steps", "eval_every"):
@@ -96,10 +129,11 @@ class RunSpec:
 
     @property
     def key(self) -> str:
-        """A file-name-safe name of the run: ``family-method-unit-seed`` (an estimator run: ``-g<group size>``
-        before the seed)."""
+        """A file-name-safe name of the run: ``family-method-unit-seed`` (an estimator run: ``-g<group size>``,
+        a scenario other than ``sync``: ``-<scenario>``, before the seed)."""
         g = f"-g{self.group_size}" if self.family == "estimator" else ""
-        return f"{self.family}-{self.method}-{self.unit}{g}-s{self.seed}"
+        scen = f"-{self.scenario}" if self.scenario != "sync" else ""
+        return f"{self.family}-{self.method}-{self.unit}{g}{scen}-s{self.seed}"
 
 
 def _allocator(spec: RunSpec, num_train: int) -> Any:
@@ -123,13 +157,42 @@ def _allocator(spec: RunSpec, num_train: int) -> Any:
         return cls(**kwargs)
 
 
-class _Engine:
-    """Generates the rollouts an allocator requests and keeps them, row for row in request order."""
+def _map(roll: Rollouts, fn: Callable[[Tensor], Tensor]) -> Rollouts:
+    """``roll`` with ``fn`` applied to each of its tensors."""
+    parts = {f.name: getattr(roll, f.name) for f in fields(roll)}
+    return Rollouts(**{k: fn(v) if isinstance(v, Tensor) else v for k, v in parts.items()})
 
-    def __init__(self, suite: TaskSuite, policy: TinyPolicy, gen: torch.Generator) -> None:
-        self.suite, self.policy, self.gen = suite, policy, gen
-        self.parts: list[tuple[Tensor, Rollouts]] = []
-        self.seconds = 0.0
+
+def _to(roll: Rollouts, device: torch.device | str) -> Rollouts:
+    """``roll`` with every tensor on ``device``."""
+    return _map(roll, lambda t: t.to(device))
+
+
+def _truncate(roll: Rollouts, mask: Tensor) -> Rollouts:
+    """``roll`` kept where ``mask`` (a subset of its mask): padding tokens and zero log-probs elsewhere."""
+    m = mask.to(roll.mask.device)
+    out = {"tokens": torch.where(m, roll.tokens, torch.full_like(roll.tokens, PAD)), "mask": m}
+    for name in ("logp", "entropy"):
+        out[name] = torch.where(m, getattr(roll, name), torch.zeros_like(getattr(roll, name)))
+    if roll.topk_ids is not None and roll.topk_logp is not None:
+        out["topk_ids"] = torch.where(m[..., None], roll.topk_ids, torch.full_like(roll.topk_ids, PAD))
+        out["topk_logp"] = torch.where(m[..., None], roll.topk_logp, torch.zeros_like(roll.topk_logp))
+    return Rollouts(**out)
+
+
+class _Engine:
+    """Generates the rollouts an allocator requests through the scenario's engine (and the stop rule, if any) and
+    keeps them, row for row in request order."""
+
+    def __init__(
+        self, suite: TaskSuite, policy: TinyPolicy, gen: torch.Generator, scenario: ScenarioEngine, stop: Any
+    ) -> None:
+        self.suite, self.policy, self.gen, self.scenario, self.stop = suite, policy, gen, scenario, stop
+        self.device = next(policy.parameters()).device
+        self.parts: list[dict[str, Any]] = []
+        self.seconds = self.stop_seconds = 0.0
+        self.rows = self.stopped_rows = 0
+        self.full_tokens = self.saved_tokens = 0
 
     def __call__(self, request: Request) -> dict[str, Tensor] | None:
         start = time.perf_counter()
@@ -137,14 +200,32 @@ class _Engine:
             if request.is_probe:
                 return self._probe(request)
             ids = request.prompt_ids.repeat_interleave(request.counts)
-            roll = self.policy.sample(self.suite.prompts(ids), self.suite.response_limit, generator=self.gen)
-            self.parts.append((ids, roll))
-            lengths = roll.mask.sum(1)
-            out: dict[str, Tensor] = {"rewards": self.suite.reward(ids, roll.tokens, roll.mask)}
+            prompts = self.suite.prompts(ids).to(self.device)
+            roll, versions = self.scenario.sample(prompts, self.suite.response_limit, self.gen)
+            rewards = self.suite.reward(ids, roll.tokens.cpu(), roll.mask.cpu())
+            part: dict[str, Any] = {"ids": ids, "versions": versions, "seq_weight": None, "token_weight": None}
+            if self.stop is not None:
+                group = torch.arange(request.prompt_ids.numel()).repeat_interleave(request.counts)
+                outcome = self.stop.apply(ids, _to(roll, "cpu"), rewards, group, self.suite.reward)
+                self.stop_seconds += outcome.seconds
+                self.rows += ids.numel()
+                self.stopped_rows += round(outcome.stopped_frac * ids.numel())
+                full = roll.num_tokens
+                roll = _truncate(roll, outcome.mask)
+                self.full_tokens += full
+                self.saved_tokens += full - roll.num_tokens
+                rewards = outcome.rewards.float()
+                part["seq_weight"] = outcome.seq_weight.float()
+                if outcome.token_weight is not None:
+                    part["token_weight"] = outcome.token_weight.float()
+            part["roll"] = roll
+            self.parts.append(part)
+            lengths = roll.mask.sum(1).cpu()
+            out: dict[str, Tensor] = {"rewards": rewards}
             if "tokens" in request.signals:
                 out["tokens"] = lengths.double()
             if "entropy" in request.signals:
-                out["entropy"] = (roll.entropy * roll.mask).sum(1) / lengths.clamp(min=1)
+                out["entropy"] = ((roll.entropy * roll.mask).sum(1).cpu() / lengths.clamp(min=1)).float()
             return out
         finally:
             self.seconds += time.perf_counter() - start
@@ -154,66 +235,120 @@ class _Engine:
         """Probe signals: the prompt's mean next-token entropy over its positions (one prefill pass)."""
         out: dict[str, Tensor] = {}
         if "prompt_entropy" in request.signals:
-            prompts = self.suite.prompts(request.prompt_ids)
+            prompts = self.suite.prompts(request.prompt_ids).to(self.device)
             logits, _ = self.policy(prompts)
             logsm = torch.log_softmax(logits.float(), -1)
             ent = -(logsm.exp() * logsm).sum(-1)
             real = prompts != PAD
-            out["prompt_entropy"] = (ent * real).sum(1) / real.sum(1)
+            out["prompt_entropy"] = ((ent * real).sum(1) / real.sum(1)).cpu()
         return out
 
-    def batch(self, result: AllocationResult) -> tuple[Tensor, Rollouts] | None:
-        """The generated rows of ``result`` (its first ``counts.sum()`` rows, in request order) as one batch; None
-        when nothing was generated."""
+    def batch(self, result: AllocationResult) -> dict[str, Any] | None:
+        """The generated rows of ``result`` (its first ``counts.sum()`` rows, in request order) as one batch:
+        ``ids``, ``roll``, ``versions``, and the stop rule's ``seq_weight`` / ``token_weight`` (None without);
+        None when nothing was generated."""
         if not self.parts:
             return None
-        ids = torch.cat([i for i, _ in self.parts])
-        width = max(r.tokens.shape[1] for _, r in self.parts)
+        ids = torch.cat([p["ids"] for p in self.parts])
+        width = max(p["roll"].tokens.shape[1] for p in self.parts)
 
-        def cat(name: str, fill: float | int) -> Tensor:
-            ts = [getattr(r, name) for _, r in self.parts]
-            return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill) for t in ts])
+        def cat(ts: list[Tensor], fill: float | int) -> Tensor:
+            return torch.cat([torch.nn.functional.pad(t, (0, 0) * (t.ndim - 2) + (0, width - t.shape[1]), value=fill)
+                              for t in ts])  # fmt: skip
 
-        roll = Rollouts(tokens=cat("tokens", PAD), mask=cat("mask", False), logp=cat("logp", 0.0),
-                        entropy=cat("entropy", 0.0))  # fmt: skip
+        rolls = [p["roll"] for p in self.parts]
+        topk = all(r.topk_ids is not None for r in rolls)
+        roll = Rollouts(
+            tokens=cat([r.tokens for r in rolls], PAD), mask=cat([r.mask for r in rolls], False),
+            logp=cat([r.logp for r in rolls], 0.0), entropy=cat([r.entropy for r in rolls], 0.0),
+            topk_ids=cat([r.topk_ids for r in rolls], PAD) if topk else None,
+            topk_logp=cat([r.topk_logp for r in rolls], 0.0) if topk else None,
+        )  # fmt: skip
         n = int(result.counts.sum())
         assert torch.equal(ids, result.prompt_ids[:n]), "the engine's rows follow the result's"
-        return ids, roll
+        out = {"ids": ids, "roll": roll, "versions": cat([p["versions"] for p in self.parts], 0)}
+        for name in ("seq_weight", "token_weight"):
+            if any(p[name] is not None for p in self.parts):
+                ones = [torch.ones(p["ids"].numel()) if name == "seq_weight" else torch.ones(p["roll"].mask.shape)
+                        for p in self.parts]  # fmt: skip
+                vals = [p[name] if p[name] is not None else o for p, o in zip(self.parts, ones, strict=True)]
+                out[name] = torch.cat(vals) if name == "seq_weight" else cat(vals, 0.0)
+            else:
+                out[name] = None
+        return out
 
 
-def _estimator_inputs(
-    entry: Any,
-    suite: TaskSuite,
-    ids: Tensor,
-    roll: Rollouts,
-    prompts: Tensor,
-    reference: TinyPolicy | None,
-    history: PromptHistory | None,
-) -> dict[str, Any]:
-    """The inputs an estimator's registry ``entry`` requires, from the run: ``logp`` of the sampled responses (with
-    their ``mask``, also when the estimator only accepts one: per-token log-probs need it), ``mask``,
-    ``ref_logp`` of the base policy, ``prior`` the prompt's mean reward in the run so far (0.5 unseen)."""
-    requires = entry.requires
-    out: dict[str, Any] = {}
-    if "mask" in requires or ("logp" in requires and "mask" in entry.accepts):
-        out["mask"] = roll.mask
-    if "logp" in requires:
-        out["logp"] = roll.logp
-    if "ref_logp" in requires:
-        assert reference is not None
-        with torch.no_grad():
-            ref, _ = reference.log_probs(prompts, roll.tokens)
-        out["ref_logp"] = torch.where(roll.mask, ref, torch.zeros_like(ref))
-    if "prior" in requires:
-        assert history is not None
-        out["prior"] = history.lookup(ids).reward_mean.float()
+class _Estimator:
+    """The run's advantage estimator by name, called with the inputs its registry entry declares: ``logp`` of the
+    sampled responses (with their ``mask``, also when the estimator only accepts one: per-token log-probs need it),
+    ``mask``, ``ref_logp`` of the base policy, ``prior`` the prompt's mean reward in the run so far (0.5 unseen),
+    ``max_len`` the response limit, and for GDPO/GD2PO two rewards per response (the exact answer, and stopping
+    with ``<eos>``, a format reward)."""
+
+    def __init__(self, name: str, suite: TaskSuite, base: TinyPolicy) -> None:
+        self.fn = advantages.get(name)
+        self.entry = advantages.entry(name)
+        self.suite = suite
+        self.kwargs: dict[str, Any] = {"experimental": True} if self.entry.experimental is not None else {}
+        self.reference = copy.deepcopy(base).requires_grad_(False) if "ref_logp" in self.entry.requires else None
+        self.history = PromptHistory(unseen="prior") if "prior" in self.entry.requires else None
+        params = inspect.signature(self.fn).parameters
+        self.needs_len = "max_len" in params and params["max_len"].default is inspect.Parameter.empty  # DRPO
+        self.takes_len = "max_len" in params
+        self.multi = name in _MULTI_REWARD
+
+    def __call__(self, ids: Tensor, roll: Rollouts, rewards: Tensor, group: Tensor, step: int) -> Tensor:
+        """The advantages ``[B]`` or ``[B, T]`` of a batch (CPU tensors); updates the running prior."""
+        requires, accepts = self.entry.requires, self.entry.accepts
+        inputs: dict[str, Any] = {}
+        if "mask" in requires or ("logp" in requires and "mask" in accepts):
+            inputs["mask"] = roll.mask
+        if "logp" in requires:
+            inputs["logp"] = roll.logp
+        if "ref_logp" in requires:
+            assert self.reference is not None
+            with torch.no_grad():
+                ref, _ = self.reference.log_probs(self.suite.prompts(ids), roll.tokens)
+            inputs["ref_logp"] = torch.where(roll.mask, ref, torch.zeros_like(ref))
+        if "prior" in requires:
+            assert self.history is not None
+            inputs["prior"] = self.history.lookup(ids).reward_mean.float()
+        if self.needs_len or (self.takes_len and "mask" in inputs):  # the response limit
+            inputs["max_len"] = self.suite.response_limit
+        if self.multi:
+            stopped = ((roll.tokens == EOS) & roll.mask).any(1).float()
+            rewards = torch.stack([rewards, stopped], dim=1)
+        adv = self.fn(rewards, group, **inputs, **self.kwargs).advantages
+        if self.history is not None:
+            self.history.update(ids, rewards if not self.multi else rewards[:, 0], step=step)
+        return adv
+
+
+def _survivors_advantages(
+    estimator: _Estimator, batch: dict[str, Any], rewards: Tensor, group: Tensor, weight: Tensor, step: int
+) -> Tensor:
+    """The advantages of a batch, computed over the rows a stop rule kept (weight > 0; ARRoL and DUET give pruned
+    or aborted rows weight 0 and re-batch the survivors): the other rows get advantage 0 and carry no loss."""
+    roll = _to(batch["roll"], "cpu")
+    keep = weight > 0
+    if batch["seq_weight"] is None or bool(keep.all()):
+        return estimator(batch["ids"], roll, rewards, group, step)
+    adv = estimator(batch["ids"][keep], _map(roll, lambda t: t[keep]), rewards[keep], group[keep], step)
+    out = torch.zeros((keep.numel(), *adv.shape[1:]), dtype=adv.dtype)
+    if adv.ndim == 2 and adv.shape[1] != roll.mask.shape[1]:  # token advantages over the survivors' width
+        out = torch.zeros((keep.numel(), roll.mask.shape[1]), dtype=adv.dtype)
+        out[keep, : adv.shape[1]] = adv
+    else:
+        out[keep] = adv
     return out
 
 
 @torch.no_grad()
 def _evaluate(policy: TinyPolicy, suite: TaskSuite, ids: Tensor) -> dict[str, Any]:
-    roll = policy.sample(suite.prompts(ids), suite.response_limit, temperature=0.0, generator=torch.Generator())
-    r = suite.reward(ids, roll.tokens, roll.mask)
+    dev = next(policy.parameters()).device
+    prompts = suite.prompts(ids).to(dev)
+    roll = policy.sample(prompts, suite.response_limit, temperature=0.0, generator=torch.Generator(device=dev))
+    r = suite.reward(ids, roll.tokens.cpu(), roll.mask.cpu())
     cells: dict[str, list[float]] = {}
     for cell, value in zip(suite.describe_cells(ids), r.tolist(), strict=True):
         cells.setdefault(cell, []).append(value)
@@ -221,32 +356,51 @@ def _evaluate(policy: TinyPolicy, suite: TaskSuite, ids: Tensor) -> dict[str, An
 
 
 def run(
-    spec: RunSpec, suite: TaskSuite | None = None, base: BaseConfig | None = None, *, progress: Any = None
+    spec: RunSpec,
+    suite: TaskSuite | None = None,
+    base: BaseConfig | None = None,
+    *,
+    progress: Any = None,
+    device: str | torch.device = "cpu",
 ) -> dict[str, Any]:
     """Run ``spec`` and return its record (JSON-serialisable): the spec, per-step and per-evaluation rows.
 
-    ``progress``: an optional callable ``progress(step)`` called after every step.
+    ``progress``: an optional callable ``progress(step)`` called after every step. ``device``: where the policy
+    generates and trains (e.g. ``"cuda"``); rewards, the allocator and the estimator run on the CPU. Results on
+    another device follow its own random streams (the same seed on CPU and GPU gives different runs).
     """
     suite = TaskSuite() if suite is None else suite
     base = BaseConfig() if base is None else base
-    policy = copy.deepcopy(base_policy(suite, base))
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InputError("device", "a torch device", repr(device), "pass e.g. 'cpu' or 'cuda'") from None
+    start_policy = copy.deepcopy(base_policy(suite, base))
+    policy = copy.deepcopy(start_policy).to(dev)
     policy.train()
     opt = torch.optim.Adam(policy.parameters(), lr=spec.lr)
     train_ids, eval_ids = suite.split()
     gen = torch.Generator().manual_seed(spec.seed)
-    sample_gen = torch.Generator().manual_seed(spec.seed + 1)
+    sample_gen = torch.Generator(device=dev).manual_seed(spec.seed + 1)
     alloc = _allocator(spec, train_ids.numel())
     lengths = ResponseLengths(prior=suite.response_limit / 2)
-    loss_fn = losses.get(spec.loss)
-    est_name = spec.method if spec.family == "estimator" else spec.estimator
-    estimator = advantages.get(est_name)
-    est_entry = advantages.entry(est_name)
-    est_kwargs: dict[str, Any] = {"experimental": True} if est_entry.experimental is not None else {}
-    reference = copy.deepcopy(policy).requires_grad_(False) if "ref_logp" in est_entry.requires else None
-    history = PromptHistory(unseen="prior") if "prior" in est_entry.requires else None
-    params = inspect.signature(estimator).parameters
-    needs_len = "max_len" in params and params["max_len"].default is inspect.Parameter.empty  # DRPO
-    multi = est_name in _MULTI_REWARD
+    loss_name = spec.method if spec.family == "loss" else spec.loss
+    loss_fn = losses.get(loss_name)
+    call_kw: dict[str, Any] = {"experimental": True} if getattr(loss_fn, "experimental", None) else {}
+    estimator = _Estimator(spec.method if spec.family == "estimator" else spec.estimator, suite, start_policy)
+    stop = None
+    if spec.family == "stop":
+        from rolloutopt.arena.stops import StopMethod
+
+        stop = StopMethod(spec.method, spec.seed, group_size=spec.group_size, response_limit=suite.response_limit)
+    staleness, partial, fp8 = SCENARIOS[spec.scenario]
+    inputs_used = preset_inputs(loss_name)
+    scen = Scenario(0.0, staleness, partial, inputs_used, getattr(loss_fn, "experimental", None))
+    scen_engine = ScenarioEngine(
+        scen, generator=torch.Generator().manual_seed(spec.seed + 3), record_topk=0 if stop is None else stop.topk,
+        perturb=(lambda p, g: p.quantized()) if fp8 else None,
+        reference=copy.deepcopy(policy).requires_grad_(False) if "ref_logp" in inputs_used else None,
+    )  # fmt: skip
     rollouts_per_step = spec.group_size * spec.prompts_per_step
     steps: list[dict[str, Any]] = []
     evals = [{"step": 0, "rollouts": 0, "tokens": 0, **_evaluate(policy, suite, eval_ids)}]
@@ -254,50 +408,52 @@ def run(
     for step in range(1, spec.steps + 1):
         width = spec.pool if spec.family == "allocator" and spec.method in SELECTORS else spec.prompts_per_step
         pool = train_ids[torch.randperm(train_ids.numel(), generator=gen)[:width]]
-        engine = _Engine(suite, policy, sample_gen)
+        policy.eval()
+        scen_engine.advance(policy, step)
+        engine = _Engine(suite, policy, sample_gen, scen_engine, stop)
         budget: Any = rollouts_per_step
         t0 = time.perf_counter()
         if spec.unit == "tokens":
             budget = lengths.budget(int(rollouts_per_step * lengths.prior), pool)
-        policy.eval()
         result = run_step(alloc, pool, budget, engine)
         if spec.unit == "tokens":
             lengths.update(result)
-        method_seconds = time.perf_counter() - t0 - engine.seconds
+        method_seconds = time.perf_counter() - t0 - engine.seconds + engine.stop_seconds
         policy.train()
         batch = engine.batch(result)
-        n = 0 if batch is None else batch[0].numel()
+        n = 0 if batch is None else batch["ids"].numel()
         total_rollouts += n
-        total_tokens += 0 if batch is None else batch[1].num_tokens
+        total_tokens += 0 if batch is None else batch["roll"].num_tokens
         metrics: dict[str, float] = {}
+        if stop is not None:
+            metrics["stopped_frac"] = engine.stopped_rows / max(engine.rows, 1)
+            metrics["saved_frac"] = engine.saved_tokens / max(engine.full_tokens, 1)
         if batch is not None and bool((result.weight[:n] > 0).any()):
-            ids, roll = batch
-            rewards = result.rewards[:n].float()
-            group = result.group[:n]
-            prompts = suite.prompts(ids)
-            inputs = _estimator_inputs(est_entry, suite, ids, roll, prompts, reference, history)
-            if needs_len or ("max_len" in params and "mask" in inputs):  # the response limit
-                inputs["max_len"] = suite.response_limit
-            if multi:  # two rewards per response: the exact answer, and stopping with <eos> (a format reward)
-                stopped = ((roll.tokens == EOS) & roll.mask).any(1).float()
-                inputs["rewards"] = torch.stack([rewards, stopped], dim=1)
-            adv = estimator(inputs.pop("rewards", rewards), group, **inputs, **est_kwargs).advantages
-            if history is not None:
-                history.update(ids, rewards, step=step)
+            rewards, group = result.rewards[:n].float(), result.group[:n]
             weight = result.weight[:n].float()
+            if batch["seq_weight"] is not None:
+                weight = weight * batch["seq_weight"]
+            adv = _survivors_advantages(estimator, batch, rewards, group, weight, step)
+            prompts = suite.prompts(batch["ids"]).to(dev)
+            old_logp, inputs = scen_engine.loss_inputs(
+                policy, prompts, batch["roll"], batch["versions"], group=group.to(dev), max_len=suite.response_limit
+            )
+            if batch["token_weight"] is not None:
+                inputs["is_weights"] = batch["token_weight"].to(dev)
             for _ in range(spec.inner_steps):
-                logp, entropy = policy.log_probs(prompts, roll.tokens)
-                out = loss_fn(logp, roll.logp, adv, roll.mask, seq_weight=weight)
+                logp, entropy = scen_engine.forward(policy, prompts, batch["roll"], inputs)
+                out = loss_fn(logp, old_logp, adv.to(dev), batch["roll"].mask, seq_weight=weight.to(dev),
+                              **call_kw, **inputs)  # fmt: skip
                 opt.zero_grad(set_to_none=True)
                 out.loss.backward()  # type: ignore[no-untyped-call]
                 grad = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0))
                 opt.step()
-                values = {k: float(v) for k, v in out.metrics.items() if k in _KEPT_METRICS}
+                values = {k: float(v) for k, v in out.metrics.items() if _kept(k)}
                 values.update(loss=float(out.loss.detach()), grad_norm=grad)
                 for k, x in values.items():
                     metrics[k] = metrics.get(k, 0.0) + x / spec.inner_steps
-            ent = (entropy.detach() * roll.mask).sum() / roll.mask.sum().clamp(min=1)
-            metrics["entropy"] = float(ent)
+            mask = batch["roll"].mask
+            metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
         steps.append(
             {
                 "step": step,

@@ -131,8 +131,8 @@ class TinyPolicy(nn.Module):
             out, h = self.rnn(self.embed(tokens), state)
             return self.head(out), h
         n = tokens.shape[1]
-        x = self.embed(tokens) + self.pos(torch.arange(n))
-        causal = torch.triu(torch.full((n, n), float("-inf")), diagonal=1)
+        x = self.embed(tokens) + self.pos(torch.arange(n, device=tokens.device))
+        causal = torch.triu(torch.full((n, n), float("-inf"), device=tokens.device), diagonal=1)
         x = self.blocks(x, mask=causal, is_causal=True)
         return self.head(self.norm(x)), None
 
@@ -184,6 +184,31 @@ class TinyPolicy(nn.Module):
             for p in engine.parameters():
                 rms = float(p.pow(2).mean().sqrt())
                 p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype), alpha=scale * rms)
+        return engine
+
+    @torch.no_grad()
+    def quantized(self, dtype: torch.dtype = torch.float8_e4m3fn) -> TinyPolicy:
+        r"""A frozen copy whose weight matrices are rounded to ``dtype``, as an FP8 (or bf16) rollout engine holds
+        them; computation stays in float32. An 8-bit format gets a per-tensor scale, as FP8 engines use:
+
+        .. math::  s = \max|W| / m_{dtype}, \qquad \tilde W = s \cdot \operatorname{round}_{dtype}(W / s)
+
+        with :math:`m_{dtype}` the largest finite value of ``dtype`` (448 for ``float8_e4m3fn``); a wider format
+        (bf16, fp16) is rounded directly, :math:`\tilde W = \operatorname{round}_{dtype}(W)`. Only parameters
+        with two or more dimensions (embeddings, linear and attention weights) are rounded; biases and norms stay
+        float32, as in FP8 inference engines. Deterministic (no randomness).
+        """
+        if not isinstance(dtype, torch.dtype) or dtype.is_complex or not dtype.is_floating_point:
+            raise InputError("dtype", "a real floating torch dtype", repr(dtype), "pass e.g. torch.float8_e4m3fn")
+        engine = copy.deepcopy(self)
+        engine.requires_grad_(False)
+        info = torch.finfo(dtype)
+        for p in engine.parameters():
+            if p.ndim >= 2 and info.bits <= 8:
+                scale = p.abs().max().clamp(min=1e-12) / info.max
+                p.copy_((p / scale).to(dtype).to(p.dtype) * scale)
+            elif p.ndim >= 2:
+                p.copy_(p.to(dtype).to(p.dtype))
         return engine
 
     def sample(
@@ -254,12 +279,15 @@ def sample_from(
             "None" if source is None else f"{source.dtype} {tuple(source.shape)}",
             "pass the index of the generating policy at each position",
         )
-    rows = torch.arange(b)
+    dev = prompts.device
+    rows = torch.arange(b, device=dev)
+    if source is not None:
+        source = source.to(dev)
     outs = [m(prompts) for m in models]
     states = [h for _, h in outs]
     lasts = [logits[:, -1] for logits, _ in outs]
     seq = prompts
-    alive = torch.ones(b, dtype=torch.bool)
+    alive = torch.ones(b, dtype=torch.bool, device=dev)
     toks, lps, ents, masks, kids, klps = [], [], [], [], [], []
     for t in range(max_new_tokens):
         last = lasts[0] if len(lasts) == 1 else torch.stack(lasts)[source[:, t], rows]  # type: ignore[index]

@@ -27,19 +27,17 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from rolloutopt import advantages, losses
 from rolloutopt._validation import check_int, check_real
 from rolloutopt.errors import InputError
-from rolloutopt.ratios import tail_confidence
-from rolloutopt.testbed.policy import TinyPolicy, sample_from
+from rolloutopt.testbed.engine import ENGINE_INPUTS, VERSION_INPUTS, ScenarioEngine
+from rolloutopt.testbed.policy import TinyPolicy
 from rolloutopt.testbed.task import VOCAB_SIZE, ReverseTask
 from rolloutopt.typing import IntP
 
@@ -53,6 +51,7 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "evaluate",
+    "preset_inputs",
     "scenario",
     "train",
 ]
@@ -61,8 +60,6 @@ MISMATCH = 0.05
 """Default relative weight noise of a mismatched rollout engine (:meth:`TinyPolicy.perturbed`)."""
 STALENESS = 2
 """Default number of policy versions (training steps) a stale rollout engine lags behind."""
-CONFIDENCE_TOPK = 5
-"""ECHO's token confidence is the mean probability of the top-5 tokens (arXiv 2602.02150)."""
 
 SUPPLIED_INPUTS: tuple[str, ...] = (
     "behav_logp",
@@ -79,9 +76,6 @@ SUPPLIED_INPUTS: tuple[str, ...] = (
 )
 """The optional loss inputs the loop can supply; a preset that requires any other one is refused."""
 
-_ENGINE_INPUTS = ("behav_logp", "topk_behav_logp", "topk_logp", "sampled_in_topk")
-_VERSION_INPUTS = ("versions", "policy_version")
-_TOPK_INPUTS = ("topk_logp", "topk_behav_logp", "sampled_in_topk")
 _STALE_PRESETS = frozenset({"decoupled_ppo", "m2po", "m2po_clip", "sat", "cumulative", "pnpo"})
 """Presets built for stale rollouts whose inputs do not say so (they read at most ``behav_logp``): AReaL's
 decoupled PPO, M2PO (both forms), SAT and the prefix ratios."""
@@ -184,26 +178,21 @@ class Scenario:
         return ", ".join(parts)
 
 
-def scenario(config: TrainConfig) -> Scenario:
-    """The scenario :func:`train` simulates for ``config`` and the optional inputs it passes to the preset.
+def preset_inputs(loss: str, entropy_coef: float = 0.0) -> tuple[str, ...]:
+    """The optional inputs (of :data:`SUPPLIED_INPUTS`) the loop passes to the preset ``loss``, sorted.
 
-    The preset's consumed inputs are its ``requires`` and ``accepts`` (the inputs every configuration accepts,
-    ``seq_weight``, ``is_weights`` and ``denominators``, are not passed), plus ``entropy`` when
-    ``entropy_coef != 0``. Defaults (``config.mismatch`` / ``config.staleness`` None): staleness
-    :data:`STALENESS` for presets that read ``versions`` or ``policy_version`` and for the presets built for stale
-    rollouts (decoupled PPO, M2PO, SAT, the prefix ratios); otherwise a mismatch :data:`MISMATCH` for presets that
-    read the engine's log-probs (``behav_logp``, top-K) and for DPPO's divergence masks; nothing for the others.
-    Presets that read ``versions`` get partial rollouts. An InputError names a required input the loop cannot
-    supply.
+    They are its ``requires`` and ``accepts`` (the inputs every configuration accepts, ``seq_weight``,
+    ``is_weights`` and ``denominators``, are not passed), plus ``entropy`` when ``entropy_coef != 0``. An
+    InputError names an unknown preset, or a required input the loop cannot supply.
     """
-    if not isinstance(config.loss, str) or config.loss not in losses.PRESETS:
+    if not isinstance(loss, str) or loss not in losses.PRESETS:
         raise InputError(
             "loss",
             f"a registered loss preset ({', '.join(losses.names())})",
-            repr(config.loss),
+            repr(loss),
             "pick one of the listed names, or register yours with rolloutopt.losses.register",
         )
-    preset = losses.get(config.loss)
+    preset = losses.get(loss)
     requires = tuple(getattr(preset, "requires", ()))
     accepts = tuple(getattr(preset, "accepts", ()))
     missing = [n for n in requires if n not in SUPPLIED_INPUTS]
@@ -211,14 +200,29 @@ def scenario(config: TrainConfig) -> Scenario:
         raise InputError(
             "loss",
             f"a preset whose required inputs the testbed supplies ({', '.join(SUPPLIED_INPUTS)})",
-            f"{config.loss!r}, which requires {', '.join(missing)}",
+            f"{loss!r}, which requires {', '.join(missing)}",
             "train it in your own loop, or pick another preset",
         )
     consumed = {n for n in (*requires, *accepts) if n in SUPPLIED_INPUTS and n != "entropy"}
-    if config.entropy_coef != 0 or "entropy" in requires:
+    if entropy_coef != 0 or "entropy" in requires:
         consumed.add("entropy")
-    stale = bool(consumed & set(_VERSION_INPUTS)) or config.loss in _STALE_PRESETS
-    engine = bool(consumed & set(_ENGINE_INPUTS)) or config.loss in _MISMATCH_PRESETS
+    return tuple(sorted(consumed))
+
+
+def scenario(config: TrainConfig) -> Scenario:
+    """The scenario :func:`train` simulates for ``config`` and the optional inputs it passes to the preset.
+
+    The preset's consumed inputs are :func:`preset_inputs`. Defaults (``config.mismatch`` / ``config.staleness`` None): staleness
+    :data:`STALENESS` for presets that read ``versions`` or ``policy_version`` and for the presets built for stale
+    rollouts (decoupled PPO, M2PO, SAT, the prefix ratios); otherwise a mismatch :data:`MISMATCH` for presets that
+    read the engine's log-probs (``behav_logp``, top-K) and for DPPO's divergence masks; nothing for the others.
+    Presets that read ``versions`` get partial rollouts. An InputError names a required input the loop cannot
+    supply.
+    """
+    consumed = set(preset_inputs(config.loss, config.entropy_coef))
+    preset = losses.get(config.loss)
+    stale = bool(consumed & set(VERSION_INPUTS)) or config.loss in _STALE_PRESETS
+    engine = bool(consumed & set(ENGINE_INPUTS)) or config.loss in _MISMATCH_PRESETS
     staleness = (STALENESS if stale else 0) if config.staleness is None else config.staleness
     mismatch = (MISMATCH if engine and not stale else 0.0) if config.mismatch is None else float(config.mismatch)
     return Scenario(
@@ -300,19 +304,6 @@ def evaluate(
     )
 
 
-def _snapshot(policy: TinyPolicy) -> TinyPolicy:
-    frozen = copy.deepcopy(policy)
-    frozen.requires_grad_(False)
-    return frozen
-
-
-def _switch_points(b: int, width: int, switches: int, gen: torch.Generator) -> Tensor:
-    """Source index ``[b, width]`` of a partial rollout: ``switches`` sorted random positions in ``[0, width]`` per
-    row; the index at ``t`` is how many of them are ``<= t`` (0 = the oldest snapshot, ``switches`` = newest)."""
-    cuts = torch.randint(0, width + 1, (b, switches), generator=gen).sort(-1).values
-    return (cuts[:, None, :] <= torch.arange(width)[None, :, None]).sum(-1)
-
-
 def train(config: TrainConfig | None = None, *, callback: Callable[[StepRecord], None] | None = None) -> TrainResult:
     """Run GRPO advantages and the ``config.loss`` preset on :class:`~rolloutopt.testbed.task.ReverseTask` with a
     :class:`TinyPolicy`, on the CPU.
@@ -327,10 +318,6 @@ def train(config: TrainConfig | None = None, *, callback: Callable[[StepRecord],
     cfg = config if config is not None else TrainConfig()
     loss_fn = losses.get(cfg.loss)
     scen = scenario(cfg)
-    needs = set(scen.inputs)
-    decoupled = "behav_logp" in needs
-    n_topk = cfg.topk if needs & set(_TOPK_INPUTS) else 0
-    n_sample_topk = max(n_topk, CONFIDENCE_TOPK if "confidence" in needs else 0)
     task = ReverseTask(cfg.length, cfg.holdout, seed=cfg.seed)
     train_ids, eval_ids = task.split()
     if eval_ids.numel() == 0:
@@ -340,11 +327,13 @@ def train(config: TrainConfig | None = None, *, callback: Callable[[StepRecord],
     opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
     sample_gen = torch.Generator().manual_seed(cfg.seed + 1)
     eval_seed = cfg.seed + 2
-    scenario_gen = torch.Generator().manual_seed(cfg.seed + 3)
+    reference = copy.deepcopy(policy).requires_grad_(False) if "ref_logp" in scen.inputs else None
+    engine = ScenarioEngine(
+        scen, generator=torch.Generator().manual_seed(cfg.seed + 3), topk=cfg.topk, temperature=cfg.temperature,
+        reference=reference,
+    )  # fmt: skip
     group = torch.arange(cfg.prompts_per_step, dtype=torch.int64).repeat_interleave(cfg.group_size)
     width = task.max_response_len
-    snapshots: deque[TinyPolicy] = deque(maxlen=scen.staleness + 1)
-    reference = _snapshot(policy) if "ref_logp" in needs else None
     call_kw: dict[str, Any] = {"entropy_coef": cfg.entropy_coef}
     if scen.experimental is not None:
         call_kw["experimental"] = True
@@ -357,75 +346,16 @@ def train(config: TrainConfig | None = None, *, callback: Callable[[StepRecord],
         pick = torch.randint(train_ids.numel(), (cfg.prompts_per_step,), generator=sample_gen)
         ids = train_ids[pick].repeat_interleave(cfg.group_size)
         prompts = task.prompts(ids)
-        # The rollout engine: the policy itself, or snapshots of the last `staleness` versions (oldest first),
-        # each perturbed when there is a mismatch; `source` picks the generating snapshot per token.
-        engines: list[TinyPolicy] = [policy]
-        source: Tensor | None = None
-        if scen.staleness > 0:
-            snapshots.append(_snapshot(policy))
-            engines = list(snapshots) if scen.partial else [snapshots[0]]
-            if scen.partial and len(engines) > 1:
-                source = _switch_points(ids.numel(), width, len(engines) - 1, scenario_gen)
-        if scen.mismatch > 0:
-            engines = [e.perturbed(scen.mismatch, scenario_gen) for e in engines]
-        roll = sample_from(
-            engines, prompts, width, temperature=cfg.temperature, generator=sample_gen, source=source,
-            topk=n_sample_topk,
-        )  # fmt: skip
+        engine.advance(policy, step)
+        roll, versions = engine.sample(prompts, width, sample_gen)
         mask = roll.mask
         rewards = task.reward(ids, roll.tokens, mask)
         adv = advantages.grpo(rewards, group)
-
-        inputs: dict[str, Any] = {}
-        stage_inputs: dict[str, Any] = {}
-        old_logp = roll.logp
-        if decoupled:
-            with torch.no_grad():
-                recompute, _ = policy.log_probs(prompts, roll.tokens, temperature=cfg.temperature)
-            old_logp = torch.where(mask, recompute, torch.zeros_like(recompute))
-            inputs["behav_logp"] = roll.logp
-        if needs & set(_VERSION_INPUTS):
-            oldest = step - (len(snapshots) - 1) if scen.staleness > 0 else step
-            versions = torch.full(mask.shape, oldest, dtype=torch.int64)
-            if source is not None:
-                versions = versions + source[:, : mask.shape[1]]
-            if "versions" in needs:
-                inputs["versions"] = versions
-            if "policy_version" in needs:
-                inputs["policy_version"] = step
-        topk_ids: Tensor | None = None
-        if n_sample_topk > 0:
-            assert roll.topk_ids is not None and roll.topk_logp is not None
-            topk_ids = roll.topk_ids[..., :n_topk]
-            if "topk_behav_logp" in needs:
-                inputs["topk_behav_logp"] = roll.topk_logp[..., :n_topk]
-            if "sampled_in_topk" in needs:
-                stage_inputs["sampled_in_topk"] = (topk_ids == roll.tokens[..., None]).any(-1) & mask
-            if "confidence" in needs:
-                token_conf = roll.topk_logp[..., :CONFIDENCE_TOPK].exp().mean(-1)
-                inputs["confidence"] = tail_confidence(token_conf, mask)
-        if "max_len" in needs:
-            inputs["max_len"] = width
-        if "group" in needs:
-            inputs["group"] = group
-        if reference is not None:
-            with torch.no_grad():
-                inputs["ref_logp"], _ = reference.log_probs(prompts, roll.tokens, temperature=cfg.temperature)
-        if stage_inputs:
-            inputs["stage_inputs"] = stage_inputs
+        old_logp, inputs = engine.loss_inputs(policy, prompts, roll, versions, group=group, max_len=width)
 
         sums: dict[str, float] = {}
         for _ in range(cfg.inner_steps):
-            if "topk_logp" in needs:
-                assert topk_ids is not None
-                logsm = policy.log_softmax(prompts, roll.tokens, temperature=cfg.temperature)
-                logp = logsm.gather(-1, roll.tokens[..., None]).squeeze(-1)
-                entropy = -(logsm.exp() * logsm).sum(-1)
-                inputs["topk_logp"] = logsm.gather(-1, topk_ids)
-            else:
-                logp, entropy = policy.log_probs(prompts, roll.tokens, temperature=cfg.temperature)
-            if "entropy" in needs:
-                inputs["entropy"] = entropy
+            logp, entropy = engine.forward(policy, prompts, roll, inputs)
             out = loss_fn(logp, old_logp, adv.advantages, mask, **call_kw, **inputs)
             opt.zero_grad(set_to_none=True)
             out.loss.backward()  # type: ignore[no-untyped-call]
