@@ -54,8 +54,11 @@ def test_every_method_runs_on_real_rollouts(policy: TinyPolicy, name: str) -> No
         assert out.seq_weight.shape == (b,) and bool((out.seq_weight >= 0).all())
         assert out.token_weight is None or (out.token_weight.shape == (b, t) and bool((out.token_weight >= 0).all()))
         assert 0.0 <= out.stopped_frac <= 1.0 and 0.0 <= out.saved_frac <= 1.0 and out.seconds >= 0.0
-        kept = int(out.mask.sum())
-        assert out.saved_frac == pytest.approx(1.0 - kept / int(roll.mask.sum()))
+        assert not bool((out.mask & ~out.generated).any()) and not bool((out.generated & ~roll.mask).any())
+        generated = int(out.generated.sum())
+        assert out.saved_frac == pytest.approx(1.0 - generated / int(roll.mask.sum()))
+        if name in ("dler_difficulty_penalty", "dot", "jet_reward", "soft_compression_penalty"):
+            assert torch.equal(out.generated, roll.mask)  # acts after the group was generated: nothing saved
         if name in ("arrol", "duet_abort", "echo_pruning"):  # no terminal reward: a cut row is rescored by the suite
             cut = (out.mask != roll.mask).any(1)
             want = torch.where(cut, SUITE.reward(ids, roll.tokens, out.mask), rewards)
@@ -141,6 +144,7 @@ def test_dler_cuts_the_over_long_row_and_zeroes_its_reward() -> None:
     out = method.apply(IDS, roll, torch.tensor([1.0, 1.0]), ONE_GROUP, _count_reward)
     assert out.mask.tolist() == [[True, True, False, False], [True, True, False, False]]
     assert out.rewards.tolist() == [0.0, 1.0] and out.stopped_frac == 0.5 and out.saved_frac == pytest.approx(2 / 6)
+    assert torch.equal(out.generated, out.mask)  # a length cap known before sampling: the cut tokens are never made
     default = StopMethod("dler_truncation_penalty", 0, group_size=2, response_limit=9)
     assert default._posthoc_kwargs["max_len"] == 4  # the arena's H = response_limit // 2
 

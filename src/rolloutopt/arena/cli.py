@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rolloutopt.arena.report import write_report
-from rolloutopt.arena.run import FAMILIES, RunSpec
-from rolloutopt.arena.suite import plan_runs, run_suite
+from rolloutopt.arena.report_readme import update_readme
+from rolloutopt.arena.run import FAMILIES, SCENARIOS, RunSpec
+from rolloutopt.arena.suite import FAMILY_STEPS, plan_runs, run_suite
 from rolloutopt.errors import InputError
 
 __all__ = ["add_parser", "main", "summary"]
@@ -38,7 +39,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--methods", nargs="+", default=None, metavar="NAME", help="only these methods (default: all)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="seeds (default: 0-4)")
     p.add_argument("--units", nargs="+", default=["rollouts", "tokens"], choices=["rollouts", "tokens"])
-    p.add_argument("--steps", type=int, default=RunSpec.steps, help=f"RL steps per run (default: {RunSpec.steps})")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"RL steps per run (default per family: {', '.join(f'{k} {v}' for k, v in FAMILY_STEPS.items())})",
+    )
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS),
+                   help="scenarios of the loss family (default: all)")  # fmt: skip
     p.add_argument(
         "--jobs", type=int, default=None, help="processes (default: 2 on the CPU, one per GPU with --device cuda)"
     )
@@ -59,6 +67,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"directory of the run files (default: {DEFAULT_OUT})")
     p.add_argument("--plain", action="store_true", help="plain text output even if rich is installed")
     p.add_argument("--no-report", action="store_true", help="skip summary.md and the figures (next to --out)")
+    p.add_argument(
+        "--readme",
+        action="store_true",
+        help="then rewrite the arena column of README.md's Features table (in the current directory) from --out",
+    )
     return p
 
 
@@ -90,7 +103,9 @@ def summary(out_dir: Path) -> list[dict[str, Any]]:
 def main(args: argparse.Namespace, out: TextIO | io.TextIOBase) -> None:
     """Run the suite of parsed ``arena`` arguments and print its summary."""
     try:
-        specs = plan_runs(args.family, methods=args.methods, seeds=args.seeds, units=args.units, steps=args.steps)
+        sizes = {} if args.steps is None else {"steps": args.steps}
+        specs = plan_runs(args.family, methods=args.methods, seeds=args.seeds, units=args.units,
+                          scenarios=args.scenarios, **sizes)  # fmt: skip
     except InputError as err:
         raise SystemExit(f"arena: {err}") from None
     run_args = {"jobs": args.jobs, "device": args.device, "ray_address": args.ray}
@@ -134,3 +149,12 @@ def main(args: argparse.Namespace, out: TextIO | io.TextIOBase) -> None:
             print(f"no report: {err}", file=out)
         else:
             print(f"report: {path}", file=out)
+    if args.readme:
+        readme = Path("README.md")
+        if not readme.exists():
+            raise SystemExit(f"arena: --readme needs README.md in the current directory ({Path.cwd()})")
+        try:
+            readme.write_text(update_readme(readme, args.out), encoding="utf-8")
+        except InputError as err:
+            raise SystemExit(f"arena: {err}") from None
+        print(f"readme: {readme.resolve()}", file=out)

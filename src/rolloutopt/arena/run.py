@@ -203,24 +203,26 @@ class _Engine:
             prompts = self.suite.prompts(ids).to(self.device)
             roll, versions = self.scenario.sample(prompts, self.suite.response_limit, self.gen)
             rewards = self.suite.reward(ids, roll.tokens.cpu(), roll.mask.cpu())
-            part: dict[str, Any] = {"ids": ids, "versions": versions, "seq_weight": None, "token_weight": None}
+            part: dict[str, Any] = {"ids": ids, "versions": versions, "seq_weight": None, "token_weight": None,
+                                    "generated": roll.mask.sum(1)}  # fmt: skip
             if self.stop is not None:
                 group = torch.arange(request.prompt_ids.numel()).repeat_interleave(request.counts)
                 outcome = self.stop.apply(ids, _to(roll, "cpu"), rewards, group, self.suite.reward)
                 self.stop_seconds += outcome.seconds
                 self.rows += ids.numel()
                 self.stopped_rows += round(outcome.stopped_frac * ids.numel())
-                full = roll.num_tokens
+                generated = outcome.generated.sum(1)
+                self.full_tokens += roll.num_tokens
+                self.saved_tokens += roll.num_tokens - int(generated.sum())
                 roll = _truncate(roll, outcome.mask)
-                self.full_tokens += full
-                self.saved_tokens += full - roll.num_tokens
+                part["generated"] = generated
                 rewards = outcome.rewards.float()
                 part["seq_weight"] = outcome.seq_weight.float()
                 if outcome.token_weight is not None:
                     part["token_weight"] = outcome.token_weight.float()
             part["roll"] = roll
             self.parts.append(part)
-            lengths = roll.mask.sum(1).cpu()
+            lengths = part["generated"].cpu()
             out: dict[str, Tensor] = {"rewards": rewards}
             if "tokens" in request.signals:
                 out["tokens"] = lengths.double()
@@ -245,8 +247,9 @@ class _Engine:
 
     def batch(self, result: AllocationResult) -> dict[str, Any] | None:
         """The generated rows of ``result`` (its first ``counts.sum()`` rows, in request order) as one batch:
-        ``ids``, ``roll``, ``versions``, and the stop rule's ``seq_weight`` / ``token_weight`` (None without);
-        None when nothing was generated."""
+        ``ids``, ``roll`` (the tokens in the loss), ``versions``, ``generated`` (the number of tokens generated:
+        more than ``roll``'s when a post-hoc rule truncated after generation), and the stop rule's ``seq_weight`` /
+        ``token_weight`` (None without); None when nothing was generated."""
         if not self.parts:
             return None
         ids = torch.cat([p["ids"] for p in self.parts])
@@ -266,7 +269,8 @@ class _Engine:
         )  # fmt: skip
         n = int(result.counts.sum())
         assert torch.equal(ids, result.prompt_ids[:n]), "the engine's rows follow the result's"
-        out = {"ids": ids, "roll": roll, "versions": cat([p["versions"] for p in self.parts], 0)}
+        out = {"ids": ids, "roll": roll, "versions": cat([p["versions"] for p in self.parts], 0),
+               "generated": int(sum(int(p["generated"].sum()) for p in self.parts))}  # fmt: skip
         for name in ("seq_weight", "token_weight"):
             if any(p[name] is not None for p in self.parts):
                 ones = [torch.ones(p["ids"].numel()) if name == "seq_weight" else torch.ones(p["roll"].mask.shape)
@@ -423,7 +427,7 @@ def run(
         batch = engine.batch(result)
         n = 0 if batch is None else batch["ids"].numel()
         total_rollouts += n
-        total_tokens += 0 if batch is None else batch["roll"].num_tokens
+        total_tokens += 0 if batch is None else batch["generated"]
         metrics: dict[str, float] = {}
         if stop is not None:
             metrics["stopped_frac"] = engine.stopped_rows / max(engine.rows, 1)

@@ -120,6 +120,10 @@ _POSTHOC: tuple[str, ...] = (
     "soft_compression_penalty",
 )
 
+_GENERATION_CAPS: tuple[str, ...] = ("dler_truncation_penalty",)
+"""Post-hoc rules whose truncation is a length cap known before sampling (DLER truncates generation at its
+``max_len``): the tokens past it are never generated. The other post-hoc rules act after seeing the group."""
+
 STOP_METHODS: tuple[str, ...] = ("none", *_STREAMING, *_POSTHOC)
 """What the arena can run: ``"none"`` (the baseline), the streaming stop rules of ``rolloutopt.control`` that the
 arena can feed, and the post-hoc length rules (``rolloutopt.control.posthoc``) it can apply."""
@@ -243,19 +247,24 @@ class StopOutcome:
     """What a stop method made of one step's rollouts.
 
     Attributes:
-        mask: bool ``[B, T]``, the tokens kept (generated and in the loss): a subset of the rollouts' mask.
+        mask: bool ``[B, T]``, the tokens in the loss: a subset of the rollouts' mask.
+        generated: bool ``[B, T]``, the tokens a run with the rule generates: ``mask`` for a streaming rule and
+            for a generation cap known before sampling (DLER's fixed truncation length); the full rollouts for a
+            post-hoc rule that truncates or reshapes after seeing the group (the tokens were generated).
         rewards: float32 ``[B]``, the rewards after the rule (recomputed on truncated responses, or the rule's
             terminal or reshaped rewards).
         seq_weight: float32 ``[B]``, the row loss weights (1 where the rule implies none; 0 drops a row).
         token_weight: float32 ``[B, T]`` token loss weights, or None (every rule run here implies none).
         stopped_frac: fraction of rows the rule stopped or truncated (a streaming rule: rows whose mask it cut;
             a post-hoc rule: the rows it changed, its ``truncated``).
-        saved_frac: fraction of the full generation's tokens not kept, :math:`1 - \\sum m' / \\sum m`.
+        saved_frac: fraction of the full generation's tokens not generated, :math:`1 - \\sum g / \\sum m` with
+            :math:`g` = ``generated``.
         seconds: wall-clock seconds inside the rule (driving it, its updates; the reward recomputation excluded).
         metrics: the rule's own metrics, as floats.
     """
 
     mask: BoolBT
+    generated: BoolBT
     rewards: FloatB
     seq_weight: FloatB
     token_weight: FloatBT | None
@@ -381,7 +390,7 @@ class StopMethod:
         r = rewards.to(torch.float32)
         ones = torch.ones(r.shape, dtype=torch.float32, device=r.device)
         if self.name == "none":
-            return StopOutcome(mask.clone(), r.clone(), ones, None, 0.0, 0.0, time.perf_counter() - start)
+            return StopOutcome(mask.clone(), mask.clone(), r.clone(), ones, None, 0.0, 0.0, time.perf_counter() - start)
         if self.name in _POSTHOC:
             return self._apply_posthoc(ids, roll, mask, r, group, ones, start)
         return self._apply_streaming(ids, roll, mask, r, group, ones, reward_fn, start)
@@ -422,13 +431,15 @@ class StopMethod:
         else:
             out = fn(r, lengths, group, mask=mask, **kw)
         new_mask = out.mask.to(torch.bool) & mask
+        generated = new_mask if self.name in _GENERATION_CAPS else mask
         return StopOutcome(
             mask=new_mask,
+            generated=generated,
             rewards=out.rewards.to(torch.float32),
             seq_weight=ones,
             token_weight=None,
             stopped_frac=float(out.truncated.float().mean()) if r.numel() else 0.0,
-            saved_frac=_saved(mask, new_mask),
+            saved_frac=_saved(mask, generated),
             seconds=time.perf_counter() - start,
             metrics={k: float(v) for k, v in out.metrics.items()},
         )
@@ -469,6 +480,7 @@ class StopMethod:
         metrics = {k: float(v) for k, v in res.metrics.items()}
         return StopOutcome(
             mask=new_mask,
+            generated=new_mask,
             rewards=new_r,
             seq_weight=seq_weight,
             token_weight=token_weight,
