@@ -79,7 +79,7 @@ def test_missing_ray_is_a_clean_error(monkeypatch: pytest.MonkeyPatch, tmp_path:
         main([*ARGS, "--ray", "auto", "--out", str(tmp_path / "runs")], out=io.StringIO())
 
 
-def test_the_device_reaches_run_only_off_the_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_the_device_reaches_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     seen: list[dict[str, Any]] = []
 
     def fake_run(spec: RunSpec, suite_: Any = None, base: Any = None, **kwargs: Any) -> dict[str, Any]:
@@ -89,7 +89,7 @@ def test_the_device_reaches_run_only_off_the_cpu(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(suite, "run", fake_run)
     spec = RunSpec("allocator", "uniform", **SIZES)
     run_suite([spec], tmp_path / "cpu", suite=SUITE, base=BASE, jobs=1)
-    assert seen == [{}]  # a run() without the device keyword still works on the CPU
+    assert seen == [{"device": "cpu"}]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     run_suite([spec], tmp_path / "gpu", suite=SUITE, base=BASE, device="cuda:0")  # jobs: 1 per GPU, in-process
     assert seen[-1] == {"device": "cuda:0"} and (tmp_path / "gpu" / f"{spec.key}.json").exists()

@@ -20,7 +20,7 @@ import torch
 
 from rolloutopt._validation import check_int, describe
 from rolloutopt.arena.base import BaseConfig, _key, base_policy, cache_dir
-from rolloutopt.arena.run import RunSpec
+from rolloutopt.arena.run import RunSpec, run, write_record
 from rolloutopt.arena.tasks import TaskSuite
 from rolloutopt.errors import InputError
 
@@ -52,11 +52,9 @@ def _task(
     spec: RunSpec, suite: TaskSuite, base: BaseConfig, state: dict[str, torch.Tensor], device: str, threads: int
 ) -> dict[str, Any]:
     """One remote run: its record (the driver writes it)."""
-    from rolloutopt.arena.suite import _record
-
     torch.set_num_threads(threads)
     _seed_cache(suite, base, state)
-    return _record(spec, suite, base, device)
+    return run(spec, suite, base, device=device)
 
 
 def run_with_ray(
@@ -89,7 +87,6 @@ def run_with_ray(
     missing = [s.key for s in todo_specs if s not in paths]
     if missing:
         raise InputError("paths", "a path for every spec", f"none for {missing[:3]}", "pass paths[spec] for each")
-    from rolloutopt.arena.suite import _write
 
     ray = import_ray()
     written: list[Path] = []
@@ -112,7 +109,7 @@ def run_with_ray(
                 except Exception as err:  # keep writing the others; the first failure is raised at the end
                     error = error or err
                     continue
-                written.append(_write(record, paths[spec]))
+                written.append(write_record(record, paths[spec]))
                 if on_done is not None:
                     on_done(spec, paths[spec])
         if error is not None:

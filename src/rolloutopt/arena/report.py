@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +42,7 @@ import torch
 
 from rolloutopt.arena._stats import bootstrap, delta, median, ratio, spearman
 from rolloutopt.arena.claims import CLAIMS
+from rolloutopt.arena.cohorts import FAMILIES, SCENARIOS, Comparison, Family, cohort, cohort_key
 from rolloutopt.arena.report_measures import Stability, stability, synthetic_ranking
 from rolloutopt.errors import InputError
 
@@ -61,49 +60,8 @@ __all__ = [
     "write_report",
 ]
 
-SCENARIOS = ("sync", "stale4", "stale16", "mismatch", "partial")
-"""The loss family's scenarios, in report order (a record without ``scenario`` is ``sync``)."""
-
-
-@dataclass(frozen=True)
-class Family:
-    """How the report groups one family's runs: ``cohort(spec)`` names the runs compared with each other,
-    ``baseline`` the method every other one is compared with in its cohort, ``title`` the section heading and
-    ``describe(cohort)`` the cohort's words in it."""
-
-    cohort: Callable[[dict[str, Any]], str]
-    baseline: str
-    title: str
-    describe: Callable[[str], str]
-
-
-FAMILIES: dict[str, Family] = {
-    "allocator": Family(lambda s: str(s["unit"]), "uniform", "Allocators", lambda c: f"budget in {c}"),
-    "estimator": Family(lambda s: f"g{s['group_size']}", "grpo", "Estimators", lambda c: f"group size {c[1:]}"),
-    "loss": Family(lambda s: str(s.get("scenario", "sync")), "grpo", "Loss presets", lambda c: f"scenario `{c}`"),
-    "stop": Family(lambda s: "rollouts", "none", "Stop and length rules", lambda c: f"budget in {c}"),
-}
-"""Family -> its cohort function, baseline and headings."""
-
 TARGET_FRACTION = 0.8
 _SYNTHETIC = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "allocators.md"
-
-
-def _family(name: str) -> Family:
-    if name not in FAMILIES:
-        raise InputError("spec['family']", f"one of {tuple(FAMILIES)}", repr(name), "add it to report.FAMILIES")
-    return FAMILIES[name]
-
-
-def cohort(spec: dict[str, Any]) -> str:
-    """The cohort of a run's spec: its family's :attr:`Family.cohort`."""
-    return _family(spec["family"]).cohort(spec)
-
-
-def _cohort_key(family: str, c: str) -> tuple[int, int, str]:
-    """Report order: families as in :data:`FAMILIES`, scenarios as in :data:`SCENARIOS`, else by name."""
-    order = list(FAMILIES).index(family) if family in FAMILIES else len(FAMILIES)
-    return order, SCENARIOS.index(c) if c in SCENARIOS else len(SCENARIOS), c
 
 
 def load_runs(out_dir: str | Path) -> list[dict[str, Any]]:
@@ -126,31 +84,6 @@ def to_target(evals: list[dict[str, Any]], target: float, axis: str) -> float:
     return math.inf
 
 
-@dataclass(frozen=True)
-class Comparison:
-    """One method in one cohort against its family's baseline (see the module docstring)."""
-
-    family: str
-    method: str
-    cohort: str
-    seeds: int
-    target: float
-    tokens_ratio: float
-    tokens_interval: tuple[float, float]
-    rollouts_ratio: float
-    rollouts_interval: tuple[float, float]
-    final_accuracy: float
-    final_delta: float
-    final_interval: tuple[float, float]
-    reached: int
-
-    @property
-    def verdict(self) -> str:
-        """``"better"``, ``"worse"`` or ``"not separable"`` (tokens to target; the interval decides)."""
-        lo, hi = self.tokens_interval
-        return "better" if hi < 1 else "worse" if lo > 1 else "not separable"
-
-
 def compare(runs: list[dict[str, Any]]) -> list[Comparison]:
     """A :class:`Comparison` of every (family, cohort, method) with at least one run, against the family's baseline
     in the same cohort (:data:`FAMILIES`); an :class:`~rolloutopt.errors.InputError` when a cohort has no baseline
@@ -160,7 +93,7 @@ def compare(runs: list[dict[str, Any]]) -> list[Comparison]:
         s = r["spec"]
         groups.setdefault((s["family"], cohort(s), s["method"]), []).append(r)
     out = []
-    for family, unit in sorted({(f, c) for f, c, _ in groups}, key=lambda fc: _cohort_key(*fc)):
+    for family, unit in sorted({(f, c) for f, c, _ in groups}, key=lambda fc: cohort_key(*fc)):
         name = FAMILIES[family].baseline
         base = groups.get((family, unit, name))
         if not base:
@@ -321,7 +254,7 @@ def write_report(runs_dir: str | Path, out_dir: str | Path, synthetic: str | Pat
         "tasks, not on this workload.",
         "",
     ]
-    for family, unit in sorted({(r.family, r.cohort) for r in rows}, key=lambda fc: _cohort_key(*fc)):
+    for family, unit in sorted({(r.family, r.cohort) for r in rows}, key=lambda fc: cohort_key(*fc)):
         fam = FAMILIES[family]
         sub = [r for r in rows if (r.family, r.cohort) == (family, unit)]
         lines += [

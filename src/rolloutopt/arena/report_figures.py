@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from rolloutopt.arena.report import FAMILIES, SCENARIOS, Comparison, cohort
+from rolloutopt.arena.cohorts import FAMILIES, SCENARIOS, Comparison, cohort
 from rolloutopt.arena.report_measures import Stability
 
 __all__ = ["figures"]

@@ -30,11 +30,14 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,7 +53,7 @@ from rolloutopt.testbed.policy import Rollouts, TinyPolicy
 from rolloutopt.testbed.task import EOS, PAD
 from rolloutopt.testbed.train import Scenario, preset_inputs
 
-__all__ = ["FAMILIES", "SCENARIOS", "RunSpec", "run"]
+__all__ = ["FAMILIES", "SCENARIOS", "RunSpec", "run", "write_record"]
 
 SELECTORS = ("dapo_dynamic_sampling", "dots", "dps", "depo", "greso", "hive", "pilot_commit", "prompt_gdro")
 """Allocators that choose prompts among more candidates than a batch holds (they see ``pool`` candidates a step);
@@ -475,3 +478,13 @@ def run(
         if progress is not None:
             progress(step)
     return {"spec": asdict(spec), "suite": asdict(suite), "base": asdict(base), "steps": steps, "evals": evals}
+
+
+def write_record(record: dict[str, Any], path: str | Path) -> Path:
+    """Write a run's ``record`` as JSON at ``path`` atomically (a temporary file, then ``os.replace``), so that an
+    interrupted suite never leaves a partial file that a resume would skip."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+    return Path(path)

@@ -4,8 +4,6 @@ JSON file as it finishes, and skipped when its file exists (a suite interrupted 
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from multiprocessing import get_context
@@ -17,7 +15,7 @@ import torch
 from rolloutopt import advantages, allocators, losses
 from rolloutopt._validation import check_int, describe
 from rolloutopt.arena.base import BaseConfig, base_policy
-from rolloutopt.arena.run import FAMILIES, SCENARIOS, RunSpec, run
+from rolloutopt.arena.run import FAMILIES, SCENARIOS, RunSpec, run, write_record
 from rolloutopt.arena.tasks import TaskSuite
 from rolloutopt.errors import InputError
 
@@ -94,26 +92,11 @@ def _pin(slots: Any) -> None:
     _WORKER_DEVICE = f"cuda:{slots.get()}"
 
 
-def _record(spec: RunSpec, suite: TaskSuite, base: BaseConfig, device: str = "cpu") -> dict[str, Any]:
-    """The record of ``spec`` on ``device`` (``device`` is passed to :func:`run` only when it is not the CPU)."""
-    kwargs: dict[str, Any] = {} if device == "cpu" else {"device": device}
-    return run(spec, suite, base, **kwargs)
-
-
-def _write(record: dict[str, Any], path: str | Path) -> Path:
-    """Write ``record`` as JSON at ``path`` atomically (a temporary file, then ``os.replace``)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, path)
-    return Path(path)
-
-
 def _one(spec: RunSpec, suite: TaskSuite, base: BaseConfig, path: str, device: str = "cpu") -> str:
     torch.set_num_threads(1)
     if device == "cuda" and _WORKER_DEVICE is not None:
         device = _WORKER_DEVICE
-    _write(_record(spec, suite, base, device), path)
+    write_record(run(spec, suite, base, device=device), path)
     return path
 
 

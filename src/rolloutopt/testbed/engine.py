@@ -25,7 +25,8 @@ from __future__ import annotations
 import copy
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -33,16 +34,47 @@ from torch import Tensor
 from rolloutopt.ratios import tail_confidence
 from rolloutopt.testbed.policy import Rollouts, TinyPolicy, sample_from
 
-if TYPE_CHECKING:
-    from rolloutopt.testbed.train import Scenario
-
-__all__ = ["CONFIDENCE_TOPK", "ENGINE_INPUTS", "VERSION_INPUTS", "ScenarioEngine"]
+__all__ = ["CONFIDENCE_TOPK", "ENGINE_INPUTS", "VERSION_INPUTS", "Scenario", "ScenarioEngine"]
 
 CONFIDENCE_TOPK = 5
 """ECHO's token confidence is the mean probability of the top-5 tokens (arXiv 2602.02150)."""
 ENGINE_INPUTS = ("behav_logp", "topk_behav_logp", "topk_logp", "sampled_in_topk")
 VERSION_INPUTS = ("versions", "policy_version")
 _TOPK_INPUTS = ("topk_logp", "topk_behav_logp", "sampled_in_topk")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What :func:`train` simulates for a preset, and the optional inputs it passes to the loss.
+
+    Attributes:
+        mismatch: relative weight noise of the rollout engine (0: the engine is the trainer's policy).
+        staleness: policy versions the engine lags behind (0: on-policy rollouts).
+        partial: whether responses switch policy version mid-way (partial rollouts).
+        inputs: the optional inputs passed to the preset, sorted.
+        experimental: why the preset is experimental (it then runs with ``experimental=True``), or None.
+    """
+
+    mismatch: float
+    staleness: int
+    partial: bool
+    inputs: tuple[str, ...]
+    experimental: str | None = None
+
+    @property
+    def simulated(self) -> bool:
+        """Whether rollouts come from an engine other than the trained policy."""
+        return self.mismatch > 0 or self.staleness > 0
+
+    def describe(self) -> str:
+        """One line, e.g. ``"engine mismatch (weight noise 0.05), staleness 2"``; empty when nothing is simulated."""
+        parts = []
+        if self.mismatch > 0:
+            parts.append(f"engine mismatch (weight noise {self.mismatch:g})")
+        if self.staleness > 0:
+            kind = "partial rollouts, staleness up to" if self.partial else "staleness"
+            parts.append(f"{kind} {self.staleness} step{'s' if self.staleness != 1 else ''}")
+        return ", ".join(parts)
 
 
 def _snapshot(policy: TinyPolicy) -> TinyPolicy:

@@ -36,7 +36,7 @@ import torch
 from rolloutopt import advantages, losses
 from rolloutopt._validation import check_int, check_real
 from rolloutopt.errors import InputError
-from rolloutopt.testbed.engine import ENGINE_INPUTS, VERSION_INPUTS, ScenarioEngine
+from rolloutopt.testbed.engine import ENGINE_INPUTS, VERSION_INPUTS, Scenario, ScenarioEngine
 from rolloutopt.testbed.policy import TinyPolicy
 from rolloutopt.testbed.task import VOCAB_SIZE, ReverseTask
 from rolloutopt.typing import IntP
@@ -142,40 +142,6 @@ class TrainConfig:
         if not isinstance(self.entropy_coef, (int, float)) or not math.isfinite(self.entropy_coef):
             raise InputError("entropy_coef", "a finite float", repr(self.entropy_coef), "pass e.g. 0.0")
         scenario(self)  # validates the loss name and that the loop can supply the preset's inputs
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """What :func:`train` simulates for a preset, and the optional inputs it passes to the loss.
-
-    Attributes:
-        mismatch: relative weight noise of the rollout engine (0: the engine is the trainer's policy).
-        staleness: policy versions the engine lags behind (0: on-policy rollouts).
-        partial: whether responses switch policy version mid-way (partial rollouts).
-        inputs: the optional inputs passed to the preset, sorted.
-        experimental: why the preset is experimental (it then runs with ``experimental=True``), or None.
-    """
-
-    mismatch: float
-    staleness: int
-    partial: bool
-    inputs: tuple[str, ...]
-    experimental: str | None = None
-
-    @property
-    def simulated(self) -> bool:
-        """Whether rollouts come from an engine other than the trained policy."""
-        return self.mismatch > 0 or self.staleness > 0
-
-    def describe(self) -> str:
-        """One line, e.g. ``"engine mismatch (weight noise 0.05), staleness 2"``; empty when nothing is simulated."""
-        parts = []
-        if self.mismatch > 0:
-            parts.append(f"engine mismatch (weight noise {self.mismatch:g})")
-        if self.staleness > 0:
-            kind = "partial rollouts, staleness up to" if self.partial else "staleness"
-            parts.append(f"{kind} {self.staleness} step{'s' if self.staleness != 1 else ''}")
-        return ", ".join(parts)
 
 
 def preset_inputs(loss: str, entropy_coef: float = 0.0) -> tuple[str, ...]:

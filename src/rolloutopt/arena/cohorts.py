@@ -1,0 +1,80 @@
+"""How the arena's report groups runs: each family's cohorts and baseline (:data:`FAMILIES`), and the
+:class:`Comparison` of one method in one cohort against that baseline (computed by
+:func:`rolloutopt.arena.report.compare`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rolloutopt.arena.run import SCENARIOS as _RUN_SCENARIOS
+from rolloutopt.errors import InputError
+
+__all__ = ["FAMILIES", "SCENARIOS", "Comparison", "Family", "cohort", "cohort_key"]
+
+SCENARIOS = tuple(_RUN_SCENARIOS)
+"""The loss family's scenarios, in report order (a record without ``scenario`` is ``sync``)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """How the report groups one family's runs: ``cohort(spec)`` names the runs compared with each other,
+    ``baseline`` the method every other one is compared with in its cohort, ``title`` the section heading and
+    ``describe(cohort)`` the cohort's words in it."""
+
+    cohort: Callable[[dict[str, Any]], str]
+    baseline: str
+    title: str
+    describe: Callable[[str], str]
+
+
+FAMILIES: dict[str, Family] = {
+    "allocator": Family(lambda s: str(s["unit"]), "uniform", "Allocators", lambda c: f"budget in {c}"),
+    "estimator": Family(lambda s: f"g{s['group_size']}", "grpo", "Estimators", lambda c: f"group size {c[1:]}"),
+    "loss": Family(lambda s: str(s.get("scenario", "sync")), "grpo", "Loss presets", lambda c: f"scenario `{c}`"),
+    "stop": Family(lambda s: "rollouts", "none", "Stop and length rules", lambda c: f"budget in {c}"),
+}
+"""Family -> its cohort function, baseline and headings."""
+
+
+def _family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise InputError("spec['family']", f"one of {tuple(FAMILIES)}", repr(name), "add it to report.FAMILIES")
+    return FAMILIES[name]
+
+
+def cohort(spec: dict[str, Any]) -> str:
+    """The cohort of a run's spec: its family's :attr:`Family.cohort`."""
+    return _family(spec["family"]).cohort(spec)
+
+
+def cohort_key(family: str, c: str) -> tuple[int, int, str]:
+    """Report order: families as in :data:`FAMILIES`, scenarios as in :data:`SCENARIOS`, else by name."""
+    order = list(FAMILIES).index(family) if family in FAMILIES else len(FAMILIES)
+    return order, SCENARIOS.index(c) if c in SCENARIOS else len(SCENARIOS), c
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One method in one cohort against its family's baseline (see the module docstring)."""
+
+    family: str
+    method: str
+    cohort: str
+    seeds: int
+    target: float
+    tokens_ratio: float
+    tokens_interval: tuple[float, float]
+    rollouts_ratio: float
+    rollouts_interval: tuple[float, float]
+    final_accuracy: float
+    final_delta: float
+    final_interval: tuple[float, float]
+    reached: int
+
+    @property
+    def verdict(self) -> str:
+        """``"better"``, ``"worse"`` or ``"not separable"`` (tokens to target; the interval decides)."""
+        lo, hi = self.tokens_interval
+        return "better" if hi < 1 else "worse" if lo > 1 else "not separable"
