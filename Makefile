@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 JOBS ?= 2
 
-.PHONY: demo test lint typecheck pytest docs bench arena clean
+.PHONY: demo test lint typecheck pytest docs bench arena arena-long clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 # the arena's default suite (resumable: finished runs under benchmarks/results/arena/runs are skipped)
 arena: $(STAMP)
 	$(PY) -m rolloutopt arena --jobs $(JOBS)
+
+# longer allocator runs (150 steps, rollout budget, 5 seeds; about 40 minutes on 2 cores), beside the default suite
+arena-long: $(STAMP)
+	$(PY) -m rolloutopt arena --family allocator --units rollouts --steps 150 --out benchmarks/results/arena/long/runs --jobs $(JOBS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks docs_ext

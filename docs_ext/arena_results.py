@@ -26,13 +26,29 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "arena"
 README = ROOT / "README.md"
 MARKER = "<!-- arena-summary -->"
+LONG_MARKER = "<!-- arena-long-summary -->"
+LONG = RESULTS / "long"
 FAMILY_WORDS = {"allocator": "allocators", "estimator": "estimators", "loss": "loss presets", "stop": "stop rules"}
 
 
 def on_files(files: Files, config: Any) -> Files:
-    for png in sorted(RESULTS.glob("*.png")):
-        files.append(File(f"arena/{png.name}", str(RESULTS.parent), config["site_dir"], config["use_directory_urls"]))
+    for png in [*sorted(RESULTS.glob("*.png")), *sorted(LONG.glob("*.png"))]:
+        name = png.relative_to(RESULTS).as_posix()
+        files.append(File(f"arena/{name}", str(RESULTS.parent), config["site_dir"], config["use_directory_urls"]))
     return files
+
+
+def long_section(markdown: str) -> str:
+    """``docs/arena.md`` with ``<!-- arena-long-summary -->`` replaced by the longer runs' summary
+    (``benchmarks/results/arena/long/summary.md``, headings one level down, without anchors) and figures."""
+    path = LONG / "summary.md"
+    if LONG_MARKER not in markdown:
+        return markdown
+    if not path.exists():
+        return markdown.replace(LONG_MARKER, "*The longer runs are not committed yet: run `make arena-long`.*")
+    body = "\n".join(line for line in path.read_text().splitlines() if not line.startswith("# "))
+    figures = "\n\n".join(f"![long {png.stem}](arena/long/{png.name})" for png in sorted(LONG.glob("*.png")))
+    return markdown.replace(LONG_MARKER, body.replace("## ", "#### ") + "\n\n" + figures)
 
 
 def _titles() -> dict[str, str]:
@@ -103,7 +119,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
     summary_path = RESULTS / "summary.md"
     summary = summary_path.read_text() if summary_path.exists() else None
     if MARKER in markdown:
-        return arena_page(markdown, summary)
+        return long_section(arena_page(markdown, summary))
     if page.file.src_uri.startswith("methods/") and README.exists():
         return method_page(markdown, README.read_text(encoding="utf-8"), summary)
     return markdown

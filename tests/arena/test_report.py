@@ -308,3 +308,22 @@ def test_write_report_with_every_family(tmp_path: Path) -> None:
     assert {"loss_fractions.png", "stop_fractions.png"} <= names
     no_proxy = write_report(runs, tmp_path / "out2", synthetic=None).read_text()
     assert "nothing to compare" in no_proxy
+
+
+def test_a_baseline_that_does_not_improve_hands_the_verdict_to_the_final_accuracy() -> None:
+    """grpo falls from 0.3 to 0.2 on every seed; a preset that ends at 0.3 on every seed is better by the final
+    accuracy (+0.1, the whole bootstrap interval above 0), one that ends at 0.1 worse; tokens to target are 0 for
+    both (the target 0.22 is below the start)."""
+
+    def rec(method: str, end: float, seed: int) -> dict[str, Any]:
+        evals = [{"step": 0, "rollouts": 0, "tokens": 0, "accuracy": 0.3},
+                 {"step": 10, "rollouts": 100, "tokens": 500, "accuracy": end}]  # fmt: skip
+        spec = {"family": "loss", "method": method, "seed": seed, "scenario": "stale16", "unit": "rollouts"}
+        return {"spec": spec, "steps": [], "evals": evals}
+
+    runs = [rec(m, e, s) for m, e in (("grpo", 0.2), ("tis", 0.3), ("m2po", 0.1)) for s in range(3)]
+    rows = {r.method: r for r in compare(runs)}
+    assert rows["tis"].measure == "final" and rows["tis"].final_delta == pytest.approx(0.1)
+    assert rows["tis"].verdict == "better" and rows["m2po"].verdict == "worse" and rows["grpo"].verdict == "not separable"
+    text = verdict_sentence(list(rows.values()))
+    assert "final accuracy decides" in text and "`tis` ends with a higher final accuracy" in text

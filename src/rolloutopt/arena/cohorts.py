@@ -72,9 +72,16 @@ class Comparison:
     final_delta: float
     final_interval: tuple[float, float]
     reached: int
+    measure: str = "tokens"
 
     @property
     def verdict(self) -> str:
-        """``"better"``, ``"worse"`` or ``"not separable"`` (tokens to target; the interval decides)."""
+        """``"better"``, ``"worse"`` or ``"not separable"``, decided by the interval of :attr:`measure`: tokens to
+        target (better when the whole interval is below 1), or, in a cohort whose baseline ends no better than it
+        started (``measure == "final"``: the target is the start, every run "reaches" it at step 0), the final
+        accuracy's difference to the baseline (better when the whole interval is above 0)."""
+        if self.measure == "final":
+            lo, hi = self.final_interval
+            return "better" if lo > 0 else "worse" if hi < 0 else "not separable"
         lo, hi = self.tokens_interval
         return "better" if hi < 1 else "worse" if lo > 1 else "not separable"

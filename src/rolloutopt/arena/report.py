@@ -20,7 +20,9 @@ the method's seeds and the baseline's seeds independently (seeded); a draw in wh
 baseline reaches the target has no ratio and is left out, and the interval is n/a when more than 10 % of the draws
 are. A method is *better* only when the whole interval is below 1, *worse* when it is above 1, and otherwise *not
 separable from the baseline*. The final accuracy difference (method minus baseline, medians) gets the same
-bootstrap.
+bootstrap. **A baseline that does not improve** (:math:`a_1 \le a_0`, e.g. ``grpo`` on rollouts 16 steps stale)
+leaves no target to reach (every run is at it at step 0); in such a cohort the final accuracy difference decides
+the verdict (better when its whole interval is above 0, worse when below).
 
 **Stability and fractions** (:mod:`rolloutopt.arena.report_measures`): the fraction of seeds that collapsed (final
 held-out accuracy more than 0.1 below the run's own best evaluation), the fraction of steps with a gradient-norm
@@ -101,6 +103,7 @@ def compare(runs: list[dict[str, Any]]) -> list[Comparison]:
         a0 = median(torch.tensor([r["evals"][0]["accuracy"] for r in base]))
         a1 = median(torch.tensor([r["evals"][-1]["accuracy"] for r in base]))
         target = a0 + TARGET_FRACTION * (a1 - a0)
+        measure = "tokens" if a1 > a0 else "final"  # a baseline that does not improve has no target to reach
         ref = {
             axis: torch.tensor([to_target(r["evals"], target, axis) for r in base]) for axis in ("tokens", "rollouts")
         }
@@ -128,6 +131,7 @@ def compare(runs: list[dict[str, Any]]) -> list[Comparison]:
                     final_delta=delta(final, ref_final),
                     final_interval=bootstrap(final, ref_final, delta, seed + 2),
                     reached=int(torch.isfinite(mine["tokens"]).sum()),
+                    measure=measure,
                 )
             )
     return out
@@ -150,17 +154,26 @@ def verdict_sentence(rows: list[Comparison]) -> str:
     worse = [r.method for r in others if r.verdict == "worse"]
     rest = len(others) - len(better) - len(worse)
     parts = []
-    if better:
-        verb = "reaches" if len(better) == 1 else "reach"
-        parts.append(f"{_names(better)} {verb} the target with fewer tokens than `{base}` beyond seed noise")
+    final = rows[0].measure == "final"
+    if final:
+        parts.append(f"`{base}` ends no better than it started, so the final accuracy decides")
+        what, more = "a higher final accuracy than", "lower (interval below 0)"
     else:
-        parts.append(f"no method reaches the target with fewer tokens than `{base}` beyond seed noise")
+        what, more = "the target with fewer tokens than", "more (interval above 1)"
+    if better:
+        verb = (
+            ("ends with" if len(better) == 1 else "end with") if final else ("reaches" if len(better) == 1 else "reach")
+        )
+        parts.append(f"{_names(better)} {verb} {what} `{base}` beyond seed noise")
+    else:
+        parts.append(f"no method {'ends with' if final else 'reaches'} {what} `{base}` beyond seed noise")
     if worse:
-        parts.append(f"{_names(worse)} {'needs' if len(worse) == 1 else 'need'} more (interval above 1)")
+        verb = ("ends" if len(worse) == 1 else "end") if final else ("needs" if len(worse) == 1 else "need")
+        parts.append(f"{_names(worse)} {verb} {more}")
     if rest and (better or worse):
         parts.append(f"the rest are not separable from `{base}`")
     elif rest:
-        parts.append(f"none needs more: all {rest} are not separable from `{base}`")
+        parts.append(f"none {'ends lower' if final else 'needs more'}: all {rest} are not separable from `{base}`")
     text = "; ".join(parts) + "."
     return text[0].upper() + text[1:]
 

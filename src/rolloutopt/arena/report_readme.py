@@ -145,11 +145,17 @@ def _text(family: str, method: str, rows: dict[str, Comparison], saved: float) -
     parts = []
     for c in separable:
         r = rows[c]
-        lo, hi = r.tokens_interval
         label = f"{_label(family, c)}: " if len(cohorts) > 1 else ""
-        parts.append(
-            f"{label}{r.verdict} than `{base}`, {_fmt(r.tokens_ratio)}x tokens to target [{_fmt(lo)}, {_fmt(hi)}]"
-        )
+        if r.measure == "final":  # the baseline did not improve: the final accuracy decided
+            lo, hi = r.final_interval
+            parts.append(
+                f"{label}{r.verdict} than `{base}`, final accuracy {r.final_delta:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+            )
+        else:
+            lo, hi = r.tokens_interval
+            parts.append(
+                f"{label}{r.verdict} than `{base}`, {_fmt(r.tokens_ratio)}x tokens to target [{_fmt(lo)}, {_fmt(hi)}]"
+            )
     if rest and not separable and not missing:
         where = f" in {len(rest)} scenarios" if family == "loss" and len(rest) > 1 else ""
         parts.append(f"not separable from `{base}`{where}")
