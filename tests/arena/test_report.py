@@ -324,6 +324,8 @@ def test_a_baseline_that_does_not_improve_hands_the_verdict_to_the_final_accurac
     runs = [rec(m, e, s) for m, e in (("grpo", 0.2), ("tis", 0.3), ("m2po", 0.1)) for s in range(3)]
     rows = {r.method: r for r in compare(runs)}
     assert rows["tis"].measure == "final" and rows["tis"].final_delta == pytest.approx(0.1)
-    assert rows["tis"].verdict == "better" and rows["m2po"].verdict == "worse" and rows["grpo"].verdict == "not separable"
+    assert (
+        rows["tis"].verdict == "better" and rows["m2po"].verdict == "worse" and rows["grpo"].verdict == "not separable"
+    )
     text = verdict_sentence(list(rows.values()))
     assert "final accuracy decides" in text and "`tis` ends with a higher final accuracy" in text

@@ -8,6 +8,8 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+from jaxtyping import Float
+from torch import Tensor
 
 from rolloutopt.errors import InputError
 
@@ -19,7 +21,7 @@ DEFINED = 0.9
 """An interval needs a value in at least this fraction of the bootstrap draws (else it is n/a)."""
 
 
-def median(x: torch.Tensor) -> float:
+def median(x: Float[Tensor, " n"]) -> float:
     """The median of a 1-d tensor, averaging the two middle values (``inf`` counts as larger than any value)."""
     s = x.sort().values
     n = s.numel()
@@ -33,7 +35,7 @@ def nanmedian(values: Sequence[float]) -> float:
 
 
 def bootstrap(
-    a: torch.Tensor, b: torch.Tensor, stat: Callable[[torch.Tensor, torch.Tensor], float], seed: int
+    a: Float[Tensor, " n"], b: Float[Tensor, " m"], stat: Callable[[Tensor, Tensor], float], seed: int
 ) -> tuple[float, float]:
     """The 2.5 and 97.5 percentiles of ``stat(a*, b*)`` over :data:`DRAWS` draws that resample ``a`` and ``b``
     independently (generator seeded with ``seed``); draws whose statistic is NaN are left out, and the interval is
@@ -50,7 +52,7 @@ def bootstrap(
     return (math.inf if lo >= 1e300 else lo), (math.inf if hi >= 1e300 else hi)
 
 
-def ratio(a: torch.Tensor, b: torch.Tensor) -> float:
+def ratio(a: Float[Tensor, " n"], b: Float[Tensor, " m"]) -> float:
     """``median(a) / median(b)``: NaN when both are infinite (or both 0), ``inf`` over 0, 0 over ``inf``."""
     num, den = median(a), median(b)
     if math.isinf(den) or den == 0:  # the baseline never reached the target, or the target is its start
@@ -58,7 +60,7 @@ def ratio(a: torch.Tensor, b: torch.Tensor) -> float:
     return num / den
 
 
-def delta(a: torch.Tensor, b: torch.Tensor) -> float:
+def delta(a: Float[Tensor, " n"], b: Float[Tensor, " m"]) -> float:
     """``median(a) - median(b)``."""
     return median(a) - median(b)
 

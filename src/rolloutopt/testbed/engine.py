@@ -29,10 +29,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from jaxtyping import Int
 from torch import Tensor
 
 from rolloutopt.ratios import tail_confidence
 from rolloutopt.testbed.policy import Rollouts, TinyPolicy, sample_from
+from rolloutopt.typing import FloatBT, IntB, IntBT
 
 __all__ = ["CONFIDENCE_TOPK", "ENGINE_INPUTS", "VERSION_INPUTS", "Scenario", "ScenarioEngine"]
 
@@ -140,7 +142,7 @@ class ScenarioEngine:
         """The version of the oldest engine of this step."""
         return self.step - (len(self.snapshots) - 1) if self.scenario.staleness > 0 else self.step
 
-    def sample(self, prompts: Tensor, width: int, generator: torch.Generator) -> tuple[Rollouts, Tensor]:
+    def sample(self, prompts: Int[Tensor, "B L"], width: int, generator: torch.Generator) -> tuple[Rollouts, IntBT]:
         """Rollouts of ``prompts [B, L]`` (at most ``width`` tokens) and the generating version ``[B, T]`` (int64)
         of every token."""
         if not self.engines:
@@ -158,8 +160,15 @@ class ScenarioEngine:
         return roll, versions
 
     def loss_inputs(
-        self, policy: TinyPolicy, prompts: Tensor, roll: Rollouts, versions: Tensor, *, group: Tensor, max_len: int
-    ) -> tuple[Tensor, dict[str, Any]]:
+        self,
+        policy: TinyPolicy,
+        prompts: Int[Tensor, "B L"],
+        roll: Rollouts,
+        versions: IntBT,
+        *,
+        group: IntB,
+        max_len: int,
+    ) -> tuple[FloatBT, dict[str, Any]]:
         """``old_logp`` and the preset's optional inputs for a batch of this step (see the module docstring)."""
         needs, mask = self.needs, roll.mask
         inputs: dict[str, Any] = {}
@@ -198,8 +207,8 @@ class ScenarioEngine:
         return old_logp, inputs
 
     def forward(
-        self, policy: TinyPolicy, prompts: Tensor, roll: Rollouts, inputs: dict[str, Any]
-    ) -> tuple[Tensor, Tensor]:
+        self, policy: TinyPolicy, prompts: Int[Tensor, "B L"], roll: Rollouts, inputs: dict[str, Any]
+    ) -> tuple[FloatBT, FloatBT]:
         """The trained policy's log-probs and entropies ``[B, T]`` of the sampled tokens (with gradients); sets
         ``inputs["topk_logp"]`` (at the engine's top-K ids) and ``inputs["entropy"]`` where the preset reads them."""
         if "topk_logp" in self.needs:
