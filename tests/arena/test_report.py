@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from rolloutopt.arena._stats import ranks, spearman
 from rolloutopt.arena.report import (
@@ -329,3 +330,23 @@ def test_a_baseline_that_does_not_improve_hands_the_verdict_to_the_final_accurac
     )
     text = verdict_sentence(list(rows.values()))
     assert "final accuracy decides" in text and "`tis` ends with a higher final accuracy" in text
+
+
+def test_the_bootstrap_equals_its_loop_over_draws() -> None:
+    """The draws are computed at once; each equals ``stat`` of that draw's resamples, computed one by one (same
+    generator, same draws), including infinite tokens-to-target and the draws with no ratio left out."""
+    from rolloutopt.arena import _stats
+
+    tokens = (torch.tensor([300.0, 420.0, math.inf, 380.0, 510.0]), torch.tensor([400.0, math.inf, 460.0, 350.0]))
+    accuracy = torch.tensor([0.31, 0.42, 0.38, 0.29, 0.35])  # the final accuracies that delta compares
+    for stat, seed, (a, b) in ((_stats.ratio, 3, tokens), (_stats.delta, 4, (accuracy, accuracy.flip(0)[:4]))):
+        gen = torch.Generator().manual_seed(seed)
+        ia = torch.randint(0, a.numel(), (_stats.DRAWS, a.numel()), generator=gen)
+        ib = torch.randint(0, b.numel(), (_stats.DRAWS, b.numel()), generator=gen)
+        loop = torch.tensor([stat(a[ia[k]], b[ib[k]]) for k in range(_stats.DRAWS)], dtype=torch.float64)
+        loop = loop[~loop.isnan()].clamp(max=1e300)
+        want = torch.quantile(loop, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+        want = [math.inf if w >= 1e300 else w for w in want]
+        assert _stats.bootstrap(a, b, stat, seed) == pytest.approx(tuple(want), nan_ok=True)
+    with pytest.raises(InputError, match="stat"):
+        _stats.bootstrap(accuracy, accuracy, lambda x, y: 0.0, 0)

@@ -34,16 +34,44 @@ def nanmedian(values: Sequence[float]) -> float:
     return median(torch.tensor(kept, dtype=torch.float64)) if kept else math.nan
 
 
+def _medians(x: Float[Tensor, "d n"]) -> Float[Tensor, " d"]:
+    """:func:`median` of every row of ``x`` (the same rule, row by row, in ``x``'s dtype), as float64."""
+    s = x.sort(dim=1).values
+    n = s.shape[1]
+    m = s[:, n // 2] if n % 2 else (s[:, n // 2 - 1] + s[:, n // 2]) / 2
+    return m.double()
+
+
+def _ratio(num: Float[Tensor, " d"], den: Float[Tensor, " d"]) -> Float[Tensor, " d"]:
+    """``num / den`` elementwise with :func:`ratio`'s rules for an infinite or zero ``den``."""
+    special = torch.where(
+        num.isinf() | (num == den), torch.full_like(num, math.nan),
+        torch.where(den == 0, torch.full_like(num, math.inf), torch.zeros_like(num)),
+    )  # fmt: skip
+    return torch.where(den.isinf() | (den == 0), special, num / den)
+
+
+def _delta(a: Float[Tensor, " d"], b: Float[Tensor, " d"]) -> Float[Tensor, " d"]:
+    return a - b
+
+
 def bootstrap(
     a: Float[Tensor, " n"], b: Float[Tensor, " m"], stat: Callable[[Tensor, Tensor], float], seed: int
 ) -> tuple[float, float]:
     """The 2.5 and 97.5 percentiles of ``stat(a*, b*)`` over :data:`DRAWS` draws that resample ``a`` and ``b``
     independently (generator seeded with ``seed``); draws whose statistic is NaN are left out, and the interval is
-    ``(nan, nan)`` when they are more than ``1 - DEFINED`` of the draws."""
+    ``(nan, nan)`` when they are more than ``1 - DEFINED`` of the draws. ``stat`` is :func:`ratio` or
+    :func:`delta` (both functions of the two medians: the draws are computed at once)."""
     gen = torch.Generator().manual_seed(seed)
     ia = torch.randint(0, a.numel(), (DRAWS, a.numel()), generator=gen)
     ib = torch.randint(0, b.numel(), (DRAWS, b.numel()), generator=gen)
-    values = torch.tensor([stat(a[ia[k]], b[ib[k]]) for k in range(DRAWS)], dtype=torch.float64)
+    if stat is ratio:
+        of_medians = _ratio
+    elif stat is delta:
+        of_medians = _delta
+    else:
+        raise InputError("stat", "ratio or delta", repr(stat), "pass rolloutopt.arena._stats.ratio or delta")
+    values = of_medians(_medians(a[ia]), _medians(b[ib]))
     defined = ~values.isnan()  # a resample whose method and baseline both never reach the target has no ratio
     if float(defined.double().mean()) < DEFINED:
         return math.nan, math.nan
