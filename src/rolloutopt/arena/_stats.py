@@ -65,6 +65,7 @@ def bootstrap(
     gen = torch.Generator().manual_seed(seed)
     ia = torch.randint(0, a.numel(), (DRAWS, a.numel()), generator=gen)
     ib = torch.randint(0, b.numel(), (DRAWS, b.numel()), generator=gen)
+    of_medians: Callable[[Tensor, Tensor], Tensor]
     if stat is ratio:
         of_medians = _ratio
     elif stat is delta:
