@@ -69,3 +69,43 @@ def test_bad_config(kwargs: dict[str, object], argument: str) -> None:
     with pytest.raises(InputError) as err:
         BaseConfig(**kwargs)  # type: ignore[arg-type]
     assert err.value.argument == argument
+
+
+def test_rambling_targets_repeat_the_prompts_digits_to_the_limit() -> None:
+    """By hand: ``count`` of 9 3 6 (length 3) rambles ``9 3 6 9 3 6 …`` to the response limit, with no <eos>."""
+    from rolloutopt.arena.base import _rambling
+    from rolloutopt.testbed.task import EOS
+
+    suite = TaskSuite(ops=("count",), lengths=(("count", (3,)),), per_cell=8, holdout=2)
+    ids = suite.split()[0][:3]
+    prompts, out = suite.prompts(ids), _rambling(suite, ids)
+    assert out.shape == (3, suite.response_limit) and not bool((out == EOS).any())
+    for row, target in zip(prompts.tolist(), out.tolist(), strict=True):
+        digits = [t for t in row if t < 10]
+        assert target == [digits[i % len(digits)] for i in range(suite.response_limit)]
+
+
+def test_a_rambling_base_keeps_the_default_cache_key_at_zero_and_differs_above() -> None:
+    from rolloutopt.arena.base import _key
+
+    assert _key(SUITE, TINY) == _key(SUITE, BaseConfig(hidden=16, steps=20, batch_size=16, ramble=0.0))
+    assert _key(SUITE, TINY) != _key(SUITE, BaseConfig(hidden=16, steps=20, batch_size=16, ramble=0.5))
+    with pytest.raises(InputError) as err:
+        BaseConfig(ramble=1.5)
+    assert err.value.argument == "ramble"
+
+
+def test_a_rambling_base_generates_longer_failures(tmp_path: Path) -> None:
+    """Warmed up to ramble on every long prompt (here: reverse of length 3, beyond warm_length + 1 = 2), the
+    policy's responses to those prompts are longer than the plain base policy's."""
+    suite = TaskSuite(ops=("reverse",), lengths=(("reverse", (1, 3)),), per_cell=16, holdout=4)
+    plain = BaseConfig(hidden=16, steps=60, batch_size=16, warm_length=1, next_fraction=0.0)
+    rambling = BaseConfig(hidden=16, steps=60, batch_size=16, warm_length=1, next_fraction=0.0, ramble=1.0)
+    ids = suite.split()[0]
+    long = ids[suite.decode_ids(ids)[1] == 3]
+    lengths = []
+    for config in (plain, rambling):
+        policy = base_policy(suite, config, directory=tmp_path)
+        roll = policy.sample(suite.prompts(long), suite.response_limit, temperature=0.0, generator=torch.Generator())
+        lengths.append(float(roll.mask.sum(1).float().mean()))
+    assert lengths[1] >= lengths[0] + 2  # here 6.6 of at most 7 tokens against 2.0 (the answer and <eos>)

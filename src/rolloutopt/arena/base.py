@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from rolloutopt._validation import check_int, check_real
 from rolloutopt.arena.tasks import ARENA_VOCAB_SIZE, TaskSuite
@@ -35,6 +36,12 @@ class BaseConfig:
     ``warm_length``: the train prompts of cells of length at most this are warmed up, and ``next_fraction`` of
     those of the next length (default 2 and 0.25: the policy starts solving the shortest reverse/sort/add/count
     prompts, some of the next length, and none of the long ones).
+
+    ``ramble``: the fraction of the train prompts of the longer cells (length above ``warm_length + 1``) that are
+    warmed up on a *rambling* response: the prompt's digits repeated to the response limit, with no ``<eos>``. A
+    base policy warmed up so keeps generating to the limit on many prompts beyond it, as an LLM does on problems
+    beyond its competence, which gives token budgets and stop rules something to save. Default 0 (a base policy
+    that ends every response with ``<eos>``, the one the committed arena results use).
     """
 
     hidden: int = 64
@@ -45,6 +52,7 @@ class BaseConfig:
     batch_size: int = 128
     lr: float = 3e-3
     seed: int = 0
+    ramble: float = 0.0
 
     def __post_init__(self) -> None:
         check_int(self.hidden, "hidden", 1, "pass e.g. 64")
@@ -56,6 +64,7 @@ class BaseConfig:
         check_int(self.batch_size, "batch_size", 1, "pass e.g. 128")
         check_real(self.lr, "lr", 0.0, 1.0, "pass e.g. 3e-3", open_low=True)
         check_int(self.seed, "seed", 0, "pass e.g. 0")
+        check_real(self.ramble, "ramble", 0.0, 1.0, "pass e.g. 0.5 (0: no rambling responses)")
 
 
 def cache_dir() -> Path:
@@ -76,8 +85,22 @@ def build_policy(suite: TaskSuite, config: BaseConfig) -> TinyPolicy:
 
 
 def _key(suite: TaskSuite, config: BaseConfig) -> str:
-    blob = json.dumps({"suite": asdict(suite), "base": asdict(config), "torch": torch.__version__}, sort_keys=True)
+    settings = asdict(config)
+    if settings["ramble"] == 0.0:  # the key of the settings before the option existed: the same cached policy
+        del settings["ramble"]
+    blob = json.dumps({"suite": asdict(suite), "base": settings, "torch": torch.__version__}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _rambling(suite: TaskSuite, prompt_ids: Tensor) -> Tensor:
+    """Rambling targets ``[N, response_limit]``: each prompt's digits (the operands, in order) repeated cyclically
+    to the response limit, no ``<eos>``."""
+    prompts = suite.prompts(prompt_ids)
+    digits = prompts < 10  # the digit tokens come first in the vocabulary
+    count = digits.sum(1, keepdim=True)
+    order = torch.where(digits, torch.arange(prompts.shape[1]), prompts.shape[1]).sort(1).values  # digit positions
+    pos = torch.arange(suite.response_limit)[None, :] % count
+    return prompts.gather(1, order.gather(1, pos))
 
 
 def _warm_up(suite: TaskSuite, config: BaseConfig) -> TinyPolicy:
@@ -90,10 +113,16 @@ def _warm_up(suite: TaskSuite, config: BaseConfig) -> TinyPolicy:
     if config.steps == 0 or pool.numel() == 0:
         return policy
     prompts, (answers, lens) = suite.prompts(pool), suite.answers(pool)
-    width = answers.shape[1] + 1
-    targets = torch.cat([answers, torch.full((pool.numel(), 1), EOS)], dim=1)
+    width = max(answers.shape[1] + 1, suite.response_limit if config.ramble > 0 else 0)
+    targets = torch.cat([answers, torch.full((pool.numel(), width - answers.shape[1]), EOS)], dim=1)
     targets.scatter_(1, lens[:, None], EOS)
     keep = torch.arange(width)[None, :] <= lens[:, None]  # the answer and its <eos>
+    if config.ramble > 0:
+        far = train[(length > config.warm_length + 1) & (torch.rand(train.shape, generator=gen) < config.ramble)]
+        prompts = torch.cat([prompts, suite.prompts(far)])
+        targets = torch.cat([targets, _rambling(suite, far)])
+        keep = torch.cat([keep, torch.ones((far.numel(), width), dtype=torch.bool)])
+        pool = torch.cat([pool, far])
     opt = torch.optim.Adam(policy.parameters(), lr=config.lr)
     policy.train()
     for _ in range(config.steps):

@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any, TextIO
 
+from rolloutopt.arena.base import BaseConfig
 from rolloutopt.arena.report import write_report
 from rolloutopt.arena.report_readme import update_readme
 from rolloutopt.arena.run import FAMILIES, SCENARIOS, RunSpec
@@ -45,6 +46,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=None,
         help=f"RL steps per run (default per family: {', '.join(f'{k} {v}' for k, v in FAMILY_STEPS.items())})",
     )
+    p.add_argument("--ramble", type=float, default=0.0, metavar="FRACTION",
+                   help="base policy warmed up to ramble to the length limit on this fraction of the long prompts "
+                   "(default 0: the committed results' base policy; use another --out)")  # fmt: skip
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS),
                    help="scenarios of the loss family (default: all)")  # fmt: skip
     p.add_argument(
@@ -106,9 +110,10 @@ def main(args: argparse.Namespace, out: TextIO | io.TextIOBase) -> None:
         sizes = {} if args.steps is None else {"steps": args.steps}
         specs = plan_runs(args.family, methods=args.methods, seeds=args.seeds, units=args.units,
                           scenarios=args.scenarios, **sizes)  # fmt: skip
+        base = BaseConfig(ramble=args.ramble)
     except InputError as err:
         raise SystemExit(f"arena: {err}") from None
-    run_args = {"jobs": args.jobs, "device": args.device, "ray_address": args.ray}
+    run_args = {"jobs": args.jobs, "device": args.device, "ray_address": args.ray, "base": base}
     try:
         run_suite([], args.out, **run_args)  # checks the arguments (and that ray is installed) before any run
     except (InputError, ImportError) as err:
