@@ -5,7 +5,8 @@
 (``benchmarks/results/arena/*.png`` as ``arena/<name>.png``), so the page always shows the committed results,
 written by ``python -m rolloutopt arena`` (``rolloutopt.arena.report``). The first heading of each family's
 results gets the anchor ``arena-<family>`` (``arena-allocator``, ``arena-estimator``, ``arena-loss``,
-``arena-stop``).
+``arena-stop``). The result sets beside the default suite (:data:`EXTRA`: the longer runs, the rambling base
+policy's runs) replace their own markers, ``<!-- arena-<name>-summary -->``, the same way.
 
 Each method page (``docs/methods/*.md``) gets an "In the arena" section, before its API section (the ``:::``
 blocks) or at its end: for every arena method the page documents
@@ -26,29 +27,34 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "arena"
 README = ROOT / "README.md"
 MARKER = "<!-- arena-summary -->"
-LONG_MARKER = "<!-- arena-long-summary -->"
-LONG = RESULTS / "long"
+EXTRA = {"long": "make arena-long", "ramble": "the --ramble runs"}
+"""Result sets beside the default suite: ``benchmarks/results/arena/<name>/``, shown where ``docs/arena.md`` holds
+``<!-- arena-<name>-summary -->``."""
 FAMILY_WORDS = {"allocator": "allocators", "estimator": "estimators", "loss": "loss presets", "stop": "stop rules"}
 
 
 def on_files(files: Files, config: Any) -> Files:
-    for png in [*sorted(RESULTS.glob("*.png")), *sorted(LONG.glob("*.png"))]:
+    extra = [png for name in EXTRA for png in sorted((RESULTS / name).glob("*.png"))]
+    for png in [*sorted(RESULTS.glob("*.png")), *extra]:
         name = png.relative_to(RESULTS).as_posix()
         files.append(File(f"arena/{name}", str(RESULTS.parent), config["site_dir"], config["use_directory_urls"]))
     return files
 
 
-def long_section(markdown: str) -> str:
-    """``docs/arena.md`` with ``<!-- arena-long-summary -->`` replaced by the longer runs' summary
-    (``benchmarks/results/arena/long/summary.md``, headings one level down, without anchors) and figures."""
-    path = LONG / "summary.md"
-    if LONG_MARKER not in markdown:
+def extra_section(markdown: str, name: str, directory: Path | None = None) -> str:
+    """``docs/arena.md`` with ``<!-- arena-<name>-summary -->`` replaced by that result set's summary
+    (``benchmarks/results/arena/<name>/summary.md``, or ``directory``'s; headings four levels down, without anchors)
+    and figures; a note when it is not committed."""
+    where = RESULTS / name if directory is None else directory
+    marker = f"<!-- arena-{name}-summary -->"
+    if marker not in markdown:
         return markdown
+    path = where / "summary.md"
     if not path.exists():
-        return markdown.replace(LONG_MARKER, "*The longer runs are not committed yet: run `make arena-long`.*")
+        return markdown.replace(marker, f"*These results are not committed yet: run {EXTRA[name]}.*")
     body = "\n".join(line for line in path.read_text().splitlines() if not line.startswith("# "))
-    figures = "\n\n".join(f"![long {png.stem}](arena/long/{png.name})" for png in sorted(LONG.glob("*.png")))
-    return markdown.replace(LONG_MARKER, body.replace("## ", "#### ") + "\n\n" + figures)
+    figures = "\n\n".join(f"![{name} {png.stem}](arena/{name}/{png.name})" for png in sorted(where.glob("*.png")))
+    return markdown.replace(marker, body.replace("## ", "#### ") + "\n\n" + figures)
 
 
 def _titles() -> dict[str, str]:
@@ -119,7 +125,10 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
     summary_path = RESULTS / "summary.md"
     summary = summary_path.read_text() if summary_path.exists() else None
     if MARKER in markdown:
-        return long_section(arena_page(markdown, summary))
+        page = arena_page(markdown, summary)
+        for name in EXTRA:
+            page = extra_section(page, name)
+        return page
     if page.file.src_uri.startswith("methods/") and README.exists():
         return method_page(markdown, README.read_text(encoding="utf-8"), summary)
     return markdown

@@ -107,16 +107,15 @@ def test_every_arena_method_is_on_a_method_page() -> None:
     }
 
 
-def test_the_long_runs_replace_their_marker(hook: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_long_runs_replace_their_marker(hook: ModuleType, tmp_path: Path) -> None:
     """``<!-- arena-long-summary -->`` becomes the longer runs' summary (headings four levels down) and figures, or a
     note to run ``make arena-long`` when none is committed."""
-    mod = hook
-    monkeypatch.setattr(mod, "LONG", tmp_path)
-    page = f"intro\n\n{mod.LONG_MARKER}\n\nend"
-    assert "make arena-long" in mod.long_section(page) and mod.LONG_MARKER not in mod.long_section(page)
+    page = "intro\n\n<!-- arena-long-summary -->\n\nend"
+    out = hook.extra_section(page, "long", tmp_path)
+    assert "make arena-long" in out and "<!-- arena-long-summary -->" not in out
     (tmp_path / "summary.md").write_text("# title\n\n## Allocators, budget in rollouts\n\nbody\n")
     (tmp_path / "allocator_rollouts_curves.png").write_bytes(b"")
-    out = mod.long_section(page)
+    out = hook.extra_section(page, "long", tmp_path)
     assert "#### Allocators, budget in rollouts" in out and "# title" not in out
     assert "![long allocator_rollouts_curves](arena/long/allocator_rollouts_curves.png)" in out
-    assert mod.long_section("no marker") == "no marker"
+    assert hook.extra_section("no marker", "long", tmp_path) == "no marker"
