@@ -33,8 +33,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "arena",
         help="compare methods side by side: RL from a warmed-up tiny policy on a graded digit-task suite",
         description="Runs every method of the chosen families by name (allocators at equal rollout and token "
-        "budgets, advantage estimators at group sizes 4 and 8), over several seeds; resumable (finished runs are "
-        "skipped).",
+        "budgets, advantage estimators at group sizes 4 and 8, loss presets under five scenarios, stop and length "
+        "rules), over several seeds; resumable (finished runs are skipped).",
     )
     p.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES, help="families (default: all)")
     p.add_argument("--methods", nargs="+", default=None, metavar="NAME", help="only these methods (default: all)")
