@@ -11,7 +11,7 @@ from typing import Any
 from rolloutopt.arena.run import SCENARIOS as _RUN_SCENARIOS
 from rolloutopt.errors import InputError
 
-__all__ = ["FAMILIES", "SCENARIOS", "Comparison", "Family", "cohort", "cohort_key"]
+__all__ = ["FAMILIES", "SCENARIOS", "Comparison", "Family", "cohort", "cohort_key", "group_runs"]
 
 SCENARIOS = tuple(_RUN_SCENARIOS)
 """The loss family's scenarios, in report order (a record without ``scenario`` is ``sync``)."""
@@ -85,3 +85,14 @@ class Comparison:
             return "better" if lo > 0 else "worse" if hi < 0 else "not separable"
         lo, hi = self.tokens_interval
         return "better" if hi < 1 else "worse" if lo > 1 else "not separable"
+
+
+def group_runs(
+    runs: list[dict[str, Any]], by: Callable[[dict[str, Any]], str] = cohort
+) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
+    """The run records by (family, cohort, method), in the order they come; ``by(spec)`` names a run's cohort."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        s = r["spec"]
+        groups.setdefault((s["family"], by(s), s["method"]), []).append(r)
+    return groups

@@ -44,7 +44,7 @@ import torch
 
 from rolloutopt.arena._stats import bootstrap, delta, median, ratio, spearman
 from rolloutopt.arena.claims import CLAIMS
-from rolloutopt.arena.cohorts import FAMILIES, SCENARIOS, Comparison, Family, cohort, cohort_key
+from rolloutopt.arena.cohorts import FAMILIES, SCENARIOS, Comparison, Family, cohort, cohort_key, group_runs
 from rolloutopt.arena.report_measures import Stability, stability, synthetic_ranking
 from rolloutopt.errors import InputError
 
@@ -90,10 +90,7 @@ def compare(runs: list[dict[str, Any]]) -> list[Comparison]:
     """A :class:`Comparison` of every (family, cohort, method) with at least one run, against the family's baseline
     in the same cohort (:data:`FAMILIES`); an :class:`~rolloutopt.errors.InputError` when a cohort has no baseline
     run or a family is unknown."""
-    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
-    for r in runs:
-        s = r["spec"]
-        groups.setdefault((s["family"], cohort(s), s["method"]), []).append(r)
+    groups = group_runs(runs)
     out = []
     for family, unit in sorted({(f, c) for f, c, _ in groups}, key=lambda fc: cohort_key(*fc)):
         name = FAMILIES[family].baseline

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rolloutopt.arena._stats import nanmedian
+from rolloutopt.arena.cohorts import group_runs
 from rolloutopt.errors import InputError
 
 __all__ = [
@@ -197,10 +198,7 @@ class Stability:
 def stability(runs: list[dict[str, Any]], cohort: Callable[[dict[str, Any]], str]) -> list[Stability]:
     """:class:`Stability` of every (family, cohort, method) in ``runs``, sorted; ``cohort(spec)`` names a run's
     cohort (the report's family table)."""
-    groups: dict[tuple[str, str, str], list[RunMeasures]] = {}
-    for r in runs:
-        s = r["spec"]
-        groups.setdefault((s["family"], cohort(s), s["method"]), []).append(measure_run(r))
+    groups = {key: [measure_run(r) for r in rs] for key, rs in group_runs(runs, cohort).items()}
     out = []
     for (family, c, method), ms in sorted(groups.items()):
         metrics = sorted({m.trust_metric for m in ms})
