@@ -95,9 +95,9 @@ def test_cells_of_hand_made_runs(tiny_runs: Path) -> None:
     assert cells[("allocator", "uniform")] == "the baseline of the allocator family"
     assert cells[("allocator", "dps")] == "not run yet"
     assert cells[("estimator", "rloo")] == "G=4: not separable; G=8: not run yet"
-    assert cells[("loss", "dapo")] == "not separable from `grpo` in 5 scenarios"
+    assert cells[("loss", "dapo")] == "not separable from `grpo` in 6 scenarios"
     assert cells[("loss", "gspo")] == (
-        "stale16: worse than `grpo`, ∞x tokens to target [∞, ∞]; sync, stale4, mismatch, partial: not separable"
+        "stale16: worse than `grpo`, ∞x tokens to target [∞, ∞]; sync, stale4, mismatch, april, copris: not separable"
     )
     assert cells[("stop", "dot")] == "saves 25.0% tokens, not separable from `none`"
     assert cells[("stop", "none")] == "the baseline of the stop family"
@@ -107,10 +107,13 @@ def test_cells_of_hand_made_runs(tiny_runs: Path) -> None:
     assert set(arena_keys()) <= set(cells)
 
 
-def test_a_cohort_without_its_baseline_is_not_run_yet(tmp_path: Path) -> None:
-    runs = [record("allocator", "greso", s, CURVE, 100.0, unit="rollouts") for s in range(2)]
+def test_a_cohort_without_its_baseline_is_not_run_yet_and_two_seeds_are_too_few(tmp_path: Path) -> None:
+    runs = [record("allocator", "greso", s, CURVE, 100.0, unit="rollouts") for s in range(3)]
     runs += [record("allocator", m, s, CURVE, 100.0, unit="tokens") for s in range(2) for m in ("uniform", "greso")]
     cells = method_cells(write(runs, tmp_path / "runs"))
+    assert cells[("allocator", "greso")] == "tokens: too few seeds; rollouts: not run yet"
+    runs += [record("allocator", m, 2, CURVE, 100.0, unit="tokens") for m in ("uniform", "greso")]
+    cells = method_cells(write(runs, tmp_path / "runs3"))
     assert cells[("allocator", "greso")] == "tokens: not separable; rollouts: not run yet"
 
 

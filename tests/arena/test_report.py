@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rolloutopt.arena._stats import ranks, spearman
+from rolloutopt.arena.cohorts import MIN_SEEDS
 from rolloutopt.arena.report import (
     FAMILIES,
     cohort,
@@ -171,6 +172,30 @@ def test_verdict_sentence() -> None:
     )
     with pytest.raises(InputError, match="one"):
         verdict_sentence([])
+
+
+def test_fewer_than_three_seeds_get_no_verdict() -> None:
+    """A method twice as fast as uniform on every seed is better with 3 seeds each; with 2 of its own, or with 3
+    against a baseline of 2, the bootstrap interval is a point and the verdict is "too few seeds", said so in the
+    sentence; a baseline with 2 seeds leaves its whole cohort without a verdict."""
+    curve = [0.2, 0.3, 0.4, 0.5, 0.6]
+    runs = [record("uniform", s, curve, 100.0) for s in range(3)]
+    runs += [record("fast", s, curve, 50.0) for s in range(3)] + [record("twice", s, curve, 50.0) for s in range(2)]
+    runs += [record("slow", s, curve, 200.0) for s in range(3)]
+    rows = {r.method: r for r in compare(runs)}
+    assert MIN_SEEDS == 3
+    assert rows["fast"].verdict == "better" and rows["twice"].verdict == "too few seeds"
+    assert rows["twice"].tokens_interval == pytest.approx((0.5, 0.5)) and rows["twice"].baseline_seeds == 3
+    assert verdict_sentence(list(rows.values())) == (
+        "`fast` reaches the target with fewer tokens than `uniform` beyond seed noise; `slow` needs more (interval "
+        "above 1); `twice` has fewer than 3 seeds, too few for a verdict."
+    )
+    thin = [r for r in runs if not (r["spec"]["method"] == "uniform" and r["spec"]["seed"] == 2)]
+    rows = {r.method: r for r in compare(thin)}
+    assert {r.verdict for r in rows.values()} == {"too few seeds"}
+    assert verdict_sentence(list(rows.values())) == (
+        "`uniform` has 2 of the 3 seeds a verdict needs: no verdict in this cohort yet."
+    )
 
 
 def test_stability_measures_by_hand() -> None:

@@ -75,14 +75,19 @@ def test_every_stop_method_runs_by_name(name: str) -> None:
     assert first["tokens"] == round(full * (1 - first["saved_frac"]))
 
 
-def test_stale_partial_and_mismatched_engines_differ_from_sync() -> None:
-    """Each scenario changes what the preset sees: the same seed under sync and under a stale, partial or FP8
-    engine gives different losses from the second step on (the first step of a stale run is on-policy)."""
+def test_stale_buffered_and_mismatched_engines_differ_from_sync() -> None:
+    """Each scenario changes what the preset sees: the same seed under sync and under a stale, buffered or FP8
+    engine gives different losses from the second step on (the first step of a stale run is on-policy); a buffered
+    run records its rounds (resumed rollouts, off-policy fraction, aborted requests, ticks)."""
     runs = {sc: run(RunSpec("loss", "grpo", scenario=sc, steps=3, prompts_per_step=4, group_size=4, eval_every=3),
                     SUITE, BASE) for sc in SCENARIOS}  # fmt: skip
     sync = runs["sync"]["steps"][-1]["loss"]
-    for sc in ("stale4", "partial", "mismatch"):
+    for sc in ("stale4", "april", "copris", "mismatch"):
         assert runs[sc]["steps"][-1]["loss"] != sync, sc
+    for sc in ("april", "copris"):
+        steps = runs[sc]["steps"]
+        assert all(s["aborted_requests"] >= 0 and s["ticks"] > 0 for s in steps)
+        assert steps[0]["off_policy_fraction"] == 0.0 and steps[0]["resumed_rollouts"] == 0.0
 
 
 def test_a_run_is_deterministic_per_seed(tmp_path: Path) -> None:
@@ -106,6 +111,7 @@ def test_a_run_is_deterministic_per_seed(tmp_path: Path) -> None:
         ({"family": "allocator", "method": "uniform", "pool": 2}, "group_size/pool"),
         ({"family": "loss", "method": "uniform"}, "method"),
         ({"family": "loss", "method": "grpo", "scenario": "stale2"}, "scenario"),
+        ({"family": "allocator", "method": "uniform", "scenario": "april"}, "scenario"),
         ({"family": "stop", "method": "prune_opd"}, "method"),
     ],
 )

@@ -263,6 +263,49 @@ def test_sample_from_switches_policy_per_token(arch: str) -> None:
         torch.testing.assert_close(one.logp, both.logp, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("arch", ["gru", "transformer"])
+def test_sample_from_continues_a_prefix(arch: str) -> None:
+    """Forcing each row's first tokens of a sample (fewer than it has, so never its <eos>) and sampling on with the
+    same generator gives that very sample back (forced positions consume their draw), log-probs and top-K too; a
+    row without prefix is sampled as without any."""
+    (policy,) = _policies(arch, 1)
+    prompts = ReverseTask(3, 0).prompts(torch.arange(0, 1000, 37))
+    full = sample_from([policy], prompts, 6, temperature=1.3, generator=torch.Generator().manual_seed(8), topk=3)
+    lengths = full.mask.sum(1)
+    plen = torch.minimum(torch.arange(prompts.shape[0]) % 4, lengths - 1)
+    assert int(plen.max()) > 0 and int(plen.min()) == 0
+    prefix = torch.where(full.mask, full.tokens, PAD)[:, : int(plen.max())]
+    again = sample_from([policy], prompts, 6, temperature=1.3, generator=torch.Generator().manual_seed(8), topk=3,
+                        prefix=prefix, prefix_len=plen)  # fmt: skip
+    assert torch.equal(again.tokens, full.tokens) and torch.equal(again.mask, full.mask)
+    torch.testing.assert_close(again.logp, full.logp, atol=1e-6, rtol=1e-6)
+    assert again.topk_ids is not None and full.topk_ids is not None and torch.equal(again.topk_ids, full.topk_ids)
+    # a different continuation after the same prefix: the prefix is kept, the rest is drawn anew
+    other = sample_from([policy], prompts, 6, temperature=1.3, generator=torch.Generator().manual_seed(9),
+                        prefix=prefix, prefix_len=plen)  # fmt: skip
+    forced = torch.arange(prefix.shape[1])[None, :] < plen[:, None]
+    assert torch.equal(other.tokens[:, : prefix.shape[1]][forced], prefix[forced])
+
+
+def test_sample_from_refuses_a_bad_prefix() -> None:
+    (policy,) = _policies("transformer", 1)
+    prompts = ReverseTask(2, 0).prompts(torch.arange(3))
+    gen = torch.Generator()
+    two = torch.full((3, 2), 1, dtype=torch.int64)
+    bad = [
+        ({"prefix": two}, "prefix/prefix_len"),
+        ({"prefix": two, "prefix_len": torch.tensor([1, 1])}, "prefix/prefix_len"),
+        ({"prefix": two, "prefix_len": torch.tensor([1, 5, 0])}, "prefix/prefix_len"),  # >= max_new_tokens
+        ({"prefix": two, "prefix_len": torch.tensor([1, 3, 0])}, "prefix_len"),  # longer than the prefix tensor
+        ({"prefix": torch.tensor([[1, EOS]] * 3), "prefix_len": torch.tensor([2, 0, 0])}, "prefix"),
+        ({"prefix": two.float(), "prefix_len": torch.tensor([1, 1, 1])}, "prefix/prefix_len"),
+    ]
+    for kwargs, argument in bad:
+        with pytest.raises(rolloutopt.InputError) as err:
+            sample_from([policy], prompts, 5, generator=gen, **kwargs)  # type: ignore[arg-type]
+        assert err.value.argument == argument, kwargs
+
+
 def test_sample_from_records_the_top_k() -> None:
     (policy,) = _policies("transformer", 1)
     prompts = ReverseTask(3, 0).prompts(torch.arange(0, 1000, 61))

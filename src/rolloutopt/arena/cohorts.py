@@ -11,7 +11,12 @@ from typing import Any
 from rolloutopt.arena.run import SCENARIOS as _RUN_SCENARIOS
 from rolloutopt.errors import InputError
 
-__all__ = ["FAMILIES", "SCENARIOS", "Comparison", "Family", "cohort", "cohort_key", "group_runs"]
+__all__ = ["FAMILIES", "MIN_SEEDS", "SCENARIOS", "Comparison", "Family", "cohort", "cohort_key", "group_runs"]
+
+MIN_SEEDS = 3
+"""The fewest seeds, of the method and of its baseline each, on which :attr:`Comparison.verdict` judges: with 1 or 2
+the bootstrap resamples (nearly) one value and its interval collapses to a point, so any difference would read as
+*better* or *worse*."""
 
 SCENARIOS = tuple(_RUN_SCENARIOS)
 """The loss family's scenarios, in report order (a record without ``scenario`` is ``sync``)."""
@@ -63,6 +68,7 @@ class Comparison:
     method: str
     cohort: str
     seeds: int
+    baseline_seeds: int
     target: float
     tokens_ratio: float
     tokens_interval: tuple[float, float]
@@ -79,7 +85,10 @@ class Comparison:
         """``"better"``, ``"worse"`` or ``"not separable"``, decided by the interval of :attr:`measure`: tokens to
         target (better when the whole interval is below 1), or, in a cohort whose baseline ends no better than it
         started (``measure == "final"``: the target is the start, every run "reaches" it at step 0), the final
-        accuracy's difference to the baseline (better when the whole interval is above 0)."""
+        accuracy's difference to the baseline (better when the whole interval is above 0). ``"too few seeds"``
+        when the method or the baseline has fewer than :data:`MIN_SEEDS` runs."""
+        if min(self.seeds, self.baseline_seeds) < MIN_SEEDS:
+            return "too few seeds"
         if self.measure == "final":
             lo, hi = self.final_interval
             return "better" if lo > 0 else "worse" if hi < 0 else "not separable"

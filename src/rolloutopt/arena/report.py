@@ -5,7 +5,7 @@ claims beside the measured ratios, the synthetic testbed's ranking against the a
 **Families and cohorts** (:data:`FAMILIES`). Runs are compared within a *cohort* of their family, against the
 family's baseline method in the same cohort: an allocator at its budget unit (``rollouts`` or ``tokens``) against
 ``uniform``; an estimator at its group size (``g4``, ``g8``) against ``grpo``; a loss preset under its scenario
-(``sync``, ``stale4``, ``stale16``, ``mismatch``, ``partial``; records without one are ``sync``) against the
+(``sync``, ``stale4``, ``stale16``, ``mismatch``, ``april``, ``copris``; records without one are ``sync``) against the
 ``grpo`` preset under the same scenario; a stop, truncation or length rule (one cohort, ``rollouts``) against
 ``none``, generation without a rule.
 
@@ -19,7 +19,8 @@ baseline's; the 95 % interval is the 2.5 and 97.5 percentiles of that ratio over
 the method's seeds and the baseline's seeds independently (seeded); a draw in which neither the method nor the
 baseline reaches the target has no ratio and is left out, and the interval is n/a when more than 10 % of the draws
 are. A method is *better* only when the whole interval is below 1, *worse* when it is above 1, and otherwise *not
-separable from the baseline*. The final accuracy difference (method minus baseline, medians) gets the same
+separable from the baseline*; a method or baseline with fewer than 3 seeds
+(:data:`~rolloutopt.arena.cohorts.MIN_SEEDS`) gets no verdict (*too few seeds*). The final accuracy difference (method minus baseline, medians) gets the same
 bootstrap. **A baseline that does not improve** (:math:`a_1 \le a_0`, e.g. ``grpo`` on rollouts 16 steps stale)
 leaves no target to reach (every run is at it at step 0); in such a cohort the final accuracy difference decides
 the verdict (better when its whole interval is above 0, worse when below).
@@ -44,7 +45,7 @@ import torch
 
 from rolloutopt.arena._stats import bootstrap, delta, median, ratio, spearman
 from rolloutopt.arena.claims import CLAIMS
-from rolloutopt.arena.cohorts import FAMILIES, SCENARIOS, Comparison, Family, cohort, cohort_key, group_runs
+from rolloutopt.arena.cohorts import FAMILIES, MIN_SEEDS, SCENARIOS, Comparison, Family, cohort, cohort_key, group_runs
 from rolloutopt.arena.report_measures import Stability, stability, synthetic_ranking
 from rolloutopt.errors import InputError
 
@@ -119,6 +120,7 @@ def compare(runs: list[dict[str, Any]]) -> list[Comparison]:
                     method=method,
                     cohort=unit,
                     seeds=len(rs),
+                    baseline_seeds=len(base),
                     target=target,
                     tokens_ratio=ratio(mine["tokens"], ref["tokens"]),
                     tokens_interval=bootstrap(mine["tokens"], ref["tokens"], ratio, seed),
@@ -141,15 +143,21 @@ def _names(methods: list[str]) -> str:
 
 def verdict_sentence(rows: list[Comparison]) -> str:
     """One sentence on the comparisons of one cohort: the methods that need fewer tokens to reach the target than the
-    baseline beyond noise (the whole interval below 1), those that need more (above 1), and that the rest are not
-    separable from the baseline."""
+    baseline beyond noise (the whole interval below 1), those that need more (above 1), that the rest are not
+    separable from the baseline, and which have too few seeds for a verdict (all of them when the baseline has)."""
     if not rows or len({(r.family, r.cohort) for r in rows}) != 1:
         raise InputError("rows", "the comparisons of one (family, cohort)", f"{len(rows)} rows", "split them")
     base = FAMILIES[rows[0].family].baseline
     others = sorted((r for r in rows if r.method != base), key=lambda r: r.method)
     better = [r.method for r in others if r.verdict == "better"]
     worse = [r.method for r in others if r.verdict == "worse"]
-    rest = len(others) - len(better) - len(worse)
+    if rows[0].baseline_seeds < MIN_SEEDS:
+        return (
+            f"`{base}` has {rows[0].baseline_seeds} of the {MIN_SEEDS} seeds a verdict needs: no verdict in this "
+            "cohort yet."
+        )
+    few = [r.method for r in others if r.verdict == "too few seeds"]
+    rest = len(others) - len(better) - len(worse) - len(few)
     parts = []
     final = rows[0].measure == "final"
     if final:
@@ -171,6 +179,9 @@ def verdict_sentence(rows: list[Comparison]) -> str:
         parts.append(f"the rest are not separable from `{base}`")
     elif rest:
         parts.append(f"none {'ends lower' if final else 'needs more'}: all {rest} are not separable from `{base}`")
+    if few:
+        has = "has" if len(few) == 1 else "have"
+        parts.append(f"{_names(few)} {has} fewer than {MIN_SEEDS} seeds, too few for a verdict")
     text = "; ".join(parts) + "."
     return text[0].upper() + text[1:]
 

@@ -4,8 +4,9 @@ Every method the arena knows has one short result text (:func:`method_cells`), k
 
 - an arena method with runs: per cohort, its tokens-to-target ratio against the family's baseline with the 95 %
   bootstrap interval where the report's verdict (:attr:`~rolloutopt.arena.report.Comparison.verdict`) is *better*
-  or *worse*, else ``not separable``; ``not separable from `uniform``` when every cohort is; the cohorts without
-  runs (or whose baseline has none yet) are ``not run yet``; a stop rule adds the fraction of tokens it saved;
+  or *worse*, ``too few seeds`` where the method or the baseline has fewer than
+  :data:`~rolloutopt.arena.cohorts.MIN_SEEDS` runs, else ``not separable``; ``not separable from `uniform``` when
+  every cohort is; the cohorts without runs (or whose baseline has none yet) are ``not run yet``; a stop rule adds the fraction of tokens it saved;
 - the family's baseline: ``the baseline of the ... family``;
 - a stop or length rule the arena refuses (:data:`~rolloutopt.arena.stops.REFUSED`): ``refused:`` and a short
   reason (:data:`SHORT_REASONS`).
@@ -140,8 +141,9 @@ def _text(family: str, method: str, rows: dict[str, Comparison], saved: float) -
     cohorts = [*COHORTS.get(family, ()), *sorted(set(rows) - set(COHORTS.get(family, ())))]
     present = [c for c in cohorts if c in rows]
     missing = [c for c in cohorts if c not in rows]
-    separable = [c for c in present if rows[c].verdict != "not separable"]
-    rest = [c for c in present if c not in separable]
+    separable = [c for c in present if rows[c].verdict in ("better", "worse")]
+    few = [c for c in present if rows[c].verdict == "too few seeds"]
+    rest = [c for c in present if rows[c].verdict == "not separable"]
     parts = []
     for c in separable:
         r = rows[c]
@@ -156,11 +158,13 @@ def _text(family: str, method: str, rows: dict[str, Comparison], saved: float) -
             parts.append(
                 f"{label}{r.verdict} than `{base}`, {_fmt(r.tokens_ratio)}x tokens to target [{_fmt(lo)}, {_fmt(hi)}]"
             )
-    if rest and not separable and not missing:
+    if rest and not separable and not missing and not few:
         where = f" in {len(rest)} scenarios" if family == "loss" and len(rest) > 1 else ""
         parts.append(f"not separable from `{base}`{where}")
     elif rest:
         parts.append(f"{', '.join(_label(family, c) for c in rest)}: not separable")
+    if few:
+        parts.append(f"{', '.join(_label(family, c) for c in few)}: too few seeds")
     if missing:
         parts.append(f"{', '.join(_label(family, c) for c in missing)}: not run yet")
     text = "; ".join(parts)

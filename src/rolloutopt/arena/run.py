@@ -19,8 +19,9 @@ the allocator's own statistics but not the loss (the arena keeps no response sto
 
 The **loss** family trains every loss preset by name under a scenario (:data:`SCENARIOS`): synchronous
 on-policy rollouts, rollouts ``k`` = 4 or 16 optimizer steps stale, an engine mismatch (the engine holds FP8
-weights, :meth:`~rolloutopt.testbed.policy.TinyPolicy.quantized`), or partial rollouts (each response starts
-under a policy up to 4 steps old and switches to newer ones mid-way); the engine and the preset's inputs come from
+weights, :meth:`~rolloutopt.testbed.policy.TinyPolicy.quantized`), or partial rollouts driven by APRIL's or
+CoPRIS's buffer (:mod:`rolloutopt.arena.buffers`: the scheduler picks what runs and what is resumed, the policy
+continues a resumed response from its prefix); the engine and the preset's inputs come from
 :class:`~rolloutopt.testbed.engine.ScenarioEngine`. The **stop** family replays a stop, truncation or length rule
 over every generated batch (:mod:`rolloutopt.arena.stops`): a stopped row keeps its tokens up to the stop, the
 rest count as never generated, and its reward and loss weights are the rule's.
@@ -46,6 +47,7 @@ from torch import Tensor
 from rolloutopt import advantages, allocators, losses
 from rolloutopt.allocators import AllocationResult, PromptHistory, Request, ResponseLengths, run_step
 from rolloutopt.arena.base import BaseConfig, base_policy
+from rolloutopt.arena.buffers import BUFFER_METRICS, BufferedEngine
 from rolloutopt.arena.tasks import TaskSuite
 from rolloutopt.errors import InputError
 from rolloutopt.testbed.engine import ScenarioEngine
@@ -64,14 +66,16 @@ _MULTI_REWARD = ("gdpo", "gd2po")
 FAMILIES = ("allocator", "estimator", "loss", "stop")
 """The method families a run can compare: allocators, advantage estimators, loss presets (under a scenario), and
 stop, truncation and length rules."""
-SCENARIOS: dict[str, tuple[int, bool, bool]] = {
-    "sync": (0, False, False),
-    "stale4": (4, False, False),
-    "stale16": (16, False, False),
-    "mismatch": (0, False, True),
-    "partial": (4, True, False),
+SCENARIOS: dict[str, tuple[int, bool, str | None]] = {
+    "sync": (0, False, None),
+    "stale4": (4, False, None),
+    "stale16": (16, False, None),
+    "mismatch": (0, True, None),
+    "april": (0, False, "april"),
+    "copris": (0, False, "copris"),
 }
-"""Scenario name → (staleness in optimizer steps, partial rollouts, FP8 engine mismatch)."""
+"""Scenario name → (staleness in optimizer steps, FP8 engine mismatch, partial-rollout buffer of
+:mod:`rolloutopt.arena.buffers` or None)."""
 
 
 def _kept(name: str) -> bool:
@@ -122,6 +126,10 @@ class RunSpec:
             check_method(self.method, "method")
         if self.scenario not in SCENARIOS:
             raise InputError("scenario", f"one of {tuple(SCENARIOS)}", repr(self.scenario), "pick a scenario")
+        if SCENARIOS[self.scenario][2] is not None and self.family != "loss":
+            raise InputError(
+                "scenario", "a buffer scenario only for the loss family", repr(self.scenario), "use 'sync'"
+            )
         if self.unit not in ("rollouts", "tokens"):
             raise InputError("unit", "'rollouts' or 'tokens'", repr(self.unit), "pick one")
         for name in ("steps", "prompts_per_step", "inner_steps", "eval_every"):
@@ -400,44 +408,57 @@ def run(
         from rolloutopt.arena.stops import StopMethod
 
         stop = StopMethod(spec.method, spec.seed, group_size=spec.group_size, response_limit=suite.response_limit)
-    staleness, partial, fp8 = SCENARIOS[spec.scenario]
+    staleness, fp8, buffer = SCENARIOS[spec.scenario]
     inputs_used = preset_inputs(loss_name)
-    scen = Scenario(0.0, staleness, partial, inputs_used, getattr(loss_fn, "experimental", None))
+    scen = Scenario(0.0, staleness, False, inputs_used, getattr(loss_fn, "experimental", None))
     scen_engine = ScenarioEngine(
         scen, generator=torch.Generator().manual_seed(spec.seed + 3), record_topk=0 if stop is None else stop.topk,
         perturb=(lambda p, g: p.quantized()) if fp8 else None,
         reference=copy.deepcopy(policy).requires_grad_(False) if "ref_logp" in inputs_used else None,
     )  # fmt: skip
     rollouts_per_step = spec.group_size * spec.prompts_per_step
+    buffered = None
+    if buffer is not None:
+        buffered = BufferedEngine(buffer, suite, scen_engine, groups=spec.prompts_per_step, group_size=spec.group_size)
     steps: list[dict[str, Any]] = []
     evals = [{"step": 0, "rollouts": 0, "tokens": 0, **_evaluate(policy, suite, eval_ids)}]
     total_rollouts = total_tokens = 0
     for step in range(1, spec.steps + 1):
-        width = spec.pool if spec.family == "allocator" and spec.method in SELECTORS else spec.prompts_per_step
-        pool = train_ids[torch.randperm(train_ids.numel(), generator=gen)[:width]]
         policy.eval()
         scen_engine.advance(policy, step)
-        engine = _Engine(suite, policy, sample_gen, scen_engine, stop)
-        budget: Any = rollouts_per_step
-        t0 = time.perf_counter()
-        if spec.unit == "tokens":
-            budget = lengths.budget(int(rollouts_per_step * lengths.prior), pool)
-        result = run_step(alloc, pool, budget, engine)
-        if spec.unit == "tokens":
-            lengths.update(result)
-        method_seconds = time.perf_counter() - t0 - engine.seconds + engine.stop_seconds
+        if buffered is not None:
+            fresh = train_ids[torch.randperm(train_ids.numel(), generator=gen)[: buffered.fresh]]
+            got = buffered.step(policy, fresh, step, sample_gen)
+            batch = got if got["roll"] is not None else None
+            n = 0 if batch is None else got["ids"].numel()
+            rewards, group = (got["rewards"], got["group"]) if batch is not None else (torch.zeros(0), torch.zeros(0))
+            weight, kept_frac = torch.ones(n), 1.0
+            method_seconds = got["seconds"]
+            metrics: dict[str, float] = {k: got["metrics"][k] for k in BUFFER_METRICS}
+        else:
+            width = spec.pool if spec.family == "allocator" and spec.method in SELECTORS else spec.prompts_per_step
+            pool = train_ids[torch.randperm(train_ids.numel(), generator=gen)[:width]]
+            engine = _Engine(suite, policy, sample_gen, scen_engine, stop)
+            budget: Any = rollouts_per_step
+            t0 = time.perf_counter()
+            if spec.unit == "tokens":
+                budget = lengths.budget(int(rollouts_per_step * lengths.prior), pool)
+            result = run_step(alloc, pool, budget, engine)
+            if spec.unit == "tokens":
+                lengths.update(result)
+            method_seconds = time.perf_counter() - t0 - engine.seconds + engine.stop_seconds
+            batch = engine.batch(result)
+            n = 0 if batch is None else batch["ids"].numel()
+            rewards, group, weight = result.rewards[:n].float(), result.group[:n], result.weight[:n].float()
+            kept_frac = float(result.metrics["kept_frac"])
+            metrics = {}
+            if stop is not None:
+                metrics["stopped_frac"] = engine.stopped_rows / max(engine.rows, 1)
+                metrics["saved_frac"] = engine.saved_tokens / max(engine.full_tokens, 1)
         policy.train()
-        batch = engine.batch(result)
-        n = 0 if batch is None else batch["ids"].numel()
         total_rollouts += n
         total_tokens += 0 if batch is None else batch["generated"]
-        metrics: dict[str, float] = {}
-        if stop is not None:
-            metrics["stopped_frac"] = engine.stopped_rows / max(engine.rows, 1)
-            metrics["saved_frac"] = engine.saved_tokens / max(engine.full_tokens, 1)
-        if batch is not None and bool((result.weight[:n] > 0).any()):
-            rewards, group = result.rewards[:n].float(), result.group[:n]
-            weight = result.weight[:n].float()
+        if batch is not None and bool((weight > 0).any()):
             if batch["seq_weight"] is not None:
                 weight = weight * batch["seq_weight"]
             adv = _survivors_advantages(estimator, batch, rewards, group, weight, step)
@@ -466,8 +487,8 @@ def run(
                 "step": step,
                 "rollouts": total_rollouts,
                 "tokens": total_tokens,
-                "reward": float(result.rewards[:n].mean()) if n else math.nan,
-                "kept_frac": float(result.metrics["kept_frac"]),
+                "reward": float(rewards.mean()) if n else math.nan,
+                "kept_frac": kept_frac,
                 "method_seconds": method_seconds,
                 **metrics,
             }

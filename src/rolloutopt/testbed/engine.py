@@ -142,9 +142,18 @@ class ScenarioEngine:
         """The version of the oldest engine of this step."""
         return self.step - (len(self.snapshots) - 1) if self.scenario.staleness > 0 else self.step
 
-    def sample(self, prompts: Int[Tensor, "B L"], width: int, generator: torch.Generator) -> tuple[Rollouts, IntBT]:
+    def sample(
+        self,
+        prompts: Int[Tensor, "B L"],
+        width: int,
+        generator: torch.Generator,
+        *,
+        prefix: Int[Tensor, "B P"] | None = None,
+        prefix_len: IntB | None = None,
+    ) -> tuple[Rollouts, IntBT]:
         """Rollouts of ``prompts [B, L]`` (at most ``width`` tokens) and the generating version ``[B, T]`` (int64)
-        of every token."""
+        of every token; ``prefix``/``prefix_len`` continue responses already begun
+        (:func:`~rolloutopt.testbed.policy.sample_from`; the versions then count the prefix as this step's)."""
         if not self.engines:
             raise RuntimeError("call advance() before sample()")
         source = None
@@ -152,7 +161,7 @@ class ScenarioEngine:
             source = _switch_points(prompts.shape[0], width, len(self.engines) - 1, self.generator)
         roll = sample_from(
             self.engines, prompts, width, temperature=self.temperature, generator=generator, source=source,
-            topk=self.n_sample_topk,
+            topk=self.n_sample_topk, prefix=prefix, prefix_len=prefix_len,
         )  # fmt: skip
         versions = torch.full(roll.mask.shape, self.oldest_version, dtype=torch.int64, device=roll.mask.device)
         if source is not None:

@@ -237,6 +237,8 @@ def sample_from(
     generator: torch.Generator,
     source: Int[Tensor, "B max_new_tokens"] | None = None,
     topk: int = 0,
+    prefix: Int[Tensor, "B P"] | None = None,
+    prefix_len: Int[Tensor, " B"] | None = None,
 ) -> Rollouts:
     """Sample responses to ``prompts [B, L]`` (int64) until ``<eos>`` or ``max_new_tokens``, token by token.
 
@@ -248,6 +250,12 @@ def sample_from(
     records that policy's K most likely tokens and their log-probs at every position (``Rollouts.topk_ids`` /
     ``topk_logp``). ``temperature=0`` decodes greedily (log-probs are then those of the untempered policy).
     Randomness comes only from ``generator`` (one multinomial draw per position).
+
+    ``prefix`` (int64 ``[B, P]``) with ``prefix_len`` (int64 ``[B]``, each in ``[0, min(P, max_new_tokens))``)
+    continues responses already begun (a partial rollout resumed by a buffer): the first ``prefix_len[i]`` tokens
+    of row ``i`` are ``prefix[i, :prefix_len[i]]`` (forced, not drawn; they must not hold ``<eos>``), and sampling
+    goes on from there, so that the row's tokens are its whole response. Forced positions still consume their draw,
+    so the other rows' samples do not depend on the prefixes; their log-probs and top-K are the policies' own.
     """
     _check_temperature(temperature)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -279,10 +287,29 @@ def sample_from(
             "None" if source is None else f"{source.dtype} {tuple(source.shape)}",
             "pass the index of the generating policy at each position",
         )
+    if (prefix is None) != (prefix_len is None):
+        raise InputError("prefix/prefix_len", "both or neither", "only one", "pass prefix_len with prefix")
+    if prefix is not None and prefix_len is not None:
+        ok_len = prefix_len.dtype == torch.int64 and prefix_len.shape == (b,)
+        ok_prefix = prefix.dtype == torch.int64 and prefix.ndim == 2 and prefix.shape[0] == b
+        if not (ok_len and ok_prefix) or bool(((prefix_len < 0) | (prefix_len >= max_new_tokens)).any()):
+            raise InputError(
+                "prefix/prefix_len",
+                f"int64 [{b}, P] and [{b}] with 0 <= prefix_len < min(P + 1, max_new_tokens={max_new_tokens})",
+                f"{prefix.dtype} {tuple(prefix.shape)}, {prefix_len.dtype} {tuple(prefix_len.shape)}",
+                "pass each row's tokens so far and their count",
+            )
+        if bool((prefix_len > prefix.shape[1]).any()):
+            raise InputError("prefix_len", f"at most P={prefix.shape[1]}", repr(prefix_len.max()), "pad prefix")
+        forced = torch.arange(prefix.shape[1], device=prefix.device)[None, :] < prefix_len[:, None]
+        if bool(((prefix == EOS) & forced).any()):
+            raise InputError("prefix", "tokens before <eos>", "<eos> inside a prefix", "a finished row needs none")
     dev = prompts.device
     rows = torch.arange(b, device=dev)
     if source is not None:
         source = source.to(dev)
+    if prefix is not None and prefix_len is not None:
+        prefix, prefix_len = prefix.to(dev), prefix_len.to(dev)
     outs = [m(prompts) for m in models]
     states = [h for _, h in outs]
     lasts = [logits[:, -1] for logits, _ in outs]
@@ -296,6 +323,8 @@ def sample_from(
             nxt = torch.multinomial(logsm.exp(), 1, generator=generator).squeeze(-1)
         else:
             nxt = logsm.argmax(-1)
+        if prefix is not None and prefix_len is not None and t < prefix.shape[1]:
+            nxt = torch.where(t < prefix_len, prefix[:, t], nxt)
         lp = logsm.gather(-1, nxt[:, None]).squeeze(-1)
         ent = -(logsm.exp() * logsm).sum(-1)
         nxt = torch.where(alive, nxt, torch.full_like(nxt, PAD))
