@@ -166,3 +166,22 @@ def test_run_step_updates_unless_told_not_to() -> None:
     ca, cb = a.table.state_dict()["columns"], b.table.state_dict()["columns"]
     assert ca.keys() == cb.keys() and all(torch.equal(ca[k], cb[k]) for k in ca)
     assert torch.equal(a.state_dict()["generator"], b.state_dict()["generator"])
+
+
+def test_run_step_hands_the_finished_plan_to_on_finish_before_the_update() -> None:
+    """``on_finish(plan, result)`` is called once, with the finished plan (AR3PO's ``reused()`` is readable there)
+    and the very result returned, before the allocator learns from it; a non-callable is refused."""
+    from rolloutopt.allocators import AR3PO
+
+    seen: list[tuple[object, AllocationResult, int]] = []
+    alloc = AR3PO(k=2, seed=0, experimental=True)
+
+    def hook(plan: object, result: AllocationResult) -> None:
+        seen.append((plan, result, alloc._step))
+
+    res = run_step(alloc, IDS, 6, lambda req: torch.zeros(req.total), on_finish=hook)
+    assert len(seen) == 1 and seen[0][1] is res and seen[0][2] == 0  # before update() advanced the step
+    assert alloc._step == 1 and seen[0][0].reused().rows.numel() == 0  # type: ignore[attr-defined]
+    with pytest.raises(InputError) as err:
+        run_step(alloc, IDS, 6, lambda req: torch.zeros(req.total), on_finish="log")  # type: ignore[arg-type]
+    assert err.value.argument == "on_finish"

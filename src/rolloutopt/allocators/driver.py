@@ -33,6 +33,7 @@ def run_step(
     generate: Callable[[Request], Generated],
     *,
     update: bool = True,
+    on_finish: Callable[[Any, AllocationResult], None] | None = None,
 ) -> AllocationResult:
     """Run one step of ``allocator``: plan, answer every request with ``generate``, finish, and update.
 
@@ -43,6 +44,7 @@ def run_step(
             answer = generate(request)              # rewards, or {"rewards": ..., "entropy": ...}
             plan.observe(request, rewards, **signals)
         result = plan.finish()
+        on_finish(plan, result)                     # if given
         allocator.update(result)                    # unless update=False
 
     ``generate`` is called once per request, in order; a multi-round allocator (top-ups, dynamic sampling)
@@ -59,17 +61,25 @@ def run_step(
         generate: ``request -> Generated`` (see :data:`Generated`).
         update: call ``allocator.update(result)`` (default); False leaves it to the caller, e.g. to update on
             one data-parallel rank's merged result.
+        on_finish: ``on_finish(plan, result)``, called once the plan is finished and before the update: where a
+            trainer reads what a plan hands back beside its result, the stored responses to train on again
+            (:class:`~rolloutopt.allocators.AR3PO`'s ``plan.reused()``, :class:`~rolloutopt.allocators.DOTS`'s
+            ``plan.replayed()``).
 
     Returns:
         The step's :class:`~rolloutopt.allocators.AllocationResult`.
     """
     if not callable(generate):
         raise InputError("generate", "a callable request -> rewards (or a mapping)", describe(generate), "pass one")
+    if on_finish is not None and not callable(on_finish):
+        raise InputError("on_finish", "None or a callable (plan, result) -> None", describe(on_finish), "pass one")
     plan = allocator.plan(prompt_ids, budget)
     while (request := plan.next()) is not None:
         rewards, signals = _split(generate(request), request)
         plan.observe(request, rewards, **signals)
     result: AllocationResult = plan.finish()
+    if on_finish is not None:
+        on_finish(plan, result)
     if update:
         allocator.update(result)
     return result

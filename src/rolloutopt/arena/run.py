@@ -14,8 +14,9 @@ and per cell. Everything random comes from generators seeded by the spec's seed.
 Allocators run with their paper defaults (``experimental=True`` where reconstructed), except what the arena
 must set: a group size ``n`` is the run's ``group_size`` (not V0.5's ``n``, its round-0 size); Pilot-Commit's pilot and commit sizes keep the paper's
 1:3 ratio (32 + 96) at the run's group size; allocators that count epochs (GRESO, DEPO, E3) get
-``steps_per_epoch`` = the steps the candidate pools take to cover the train set. AR3PO's reused responses enter
-the allocator's own statistics but not the loss (the arena keeps no response store; their rows have no tokens).
+``steps_per_epoch`` = the steps the candidate pools take to cover the train set. AR3PO's reused responses and DOTS's
+replayed groups are trained on again with their stored tokens and behaviour log-probs
+(:mod:`rolloutopt.arena.replay`).
 
 The **loss** family trains every loss preset by name under a scenario (:data:`SCENARIOS`): synchronous
 on-policy rollouts, rollouts ``k`` = 4 or 16 optimizer steps stale, an engine mismatch (the engine holds FP8
@@ -48,6 +49,7 @@ from rolloutopt import advantages, allocators, losses
 from rolloutopt.allocators import AllocationResult, PromptHistory, Request, ResponseLengths, run_step
 from rolloutopt.arena.base import BaseConfig, base_policy
 from rolloutopt.arena.buffers import BUFFER_METRICS, BufferedEngine
+from rolloutopt.arena.replay import ResponseStore, Reused, cat_rolls
 from rolloutopt.arena.tasks import TaskSuite
 from rolloutopt.errors import InputError
 from rolloutopt.testbed.engine import ScenarioEngine
@@ -264,20 +266,12 @@ class _Engine:
         if not self.parts:
             return None
         ids = torch.cat([p["ids"] for p in self.parts])
-        width = max(p["roll"].tokens.shape[1] for p in self.parts)
+        roll = cat_rolls([p["roll"] for p in self.parts])
+        width = roll.tokens.shape[1]
 
         def cat(ts: list[Tensor], fill: float | int) -> Tensor:
-            return torch.cat([torch.nn.functional.pad(t, (0, 0) * (t.ndim - 2) + (0, width - t.shape[1]), value=fill)
-                              for t in ts])  # fmt: skip
+            return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill) for t in ts])
 
-        rolls = [p["roll"] for p in self.parts]
-        topk = all(r.topk_ids is not None for r in rolls)
-        roll = Rollouts(
-            tokens=cat([r.tokens for r in rolls], PAD), mask=cat([r.mask for r in rolls], False),
-            logp=cat([r.logp for r in rolls], 0.0), entropy=cat([r.entropy for r in rolls], 0.0),
-            topk_ids=cat([r.topk_ids for r in rolls], PAD) if topk else None,
-            topk_logp=cat([r.topk_logp for r in rolls], 0.0) if topk else None,
-        )  # fmt: skip
         n = int(result.counts.sum())
         assert torch.equal(ids, result.prompt_ids[:n]), "the engine's rows follow the result's"
         out = {"ids": ids, "roll": roll, "versions": cat([p["versions"] for p in self.parts], 0),
@@ -291,6 +285,30 @@ class _Engine:
             else:
                 out[name] = None
         return out
+
+
+def _keep_plan(plans: list[Any]) -> Callable[[Any, AllocationResult], None]:
+    """A ``run_step`` ``on_finish`` that appends the finished plan to ``plans``."""
+
+    def keep(plan: Any, result: AllocationResult) -> None:
+        plans.append(plan)
+
+    return keep
+
+
+def _with_reused(batch: dict[str, Any] | None, reused: Reused) -> dict[str, Any]:
+    """``batch`` (the step's generated rows, or None) followed by the stored rows a plan trains on again; the
+    tokens generated stay the step's."""
+    if batch is None:
+        return {"ids": reused.ids, "roll": reused.roll, "versions": reused.versions, "generated": 0,
+                "seq_weight": None, "token_weight": None}  # fmt: skip
+    assert batch["seq_weight"] is None and batch["token_weight"] is None, "an allocator run has no stop rule"
+    dev = batch["roll"].tokens.device
+    roll = cat_rolls([batch["roll"], _to(reused.roll, dev)])
+    width = roll.tokens.shape[1]
+    versions = torch.cat([torch.nn.functional.pad(v.to(dev), (0, width - v.shape[1]), value=int(v.min()))
+                          for v in (batch["versions"], reused.versions)])  # fmt: skip
+    return {**batch, "ids": torch.cat([batch["ids"], reused.ids]), "roll": roll, "versions": versions}
 
 
 class _Estimator:
@@ -417,6 +435,7 @@ def run(
         reference=copy.deepcopy(policy).requires_grad_(False) if "ref_logp" in inputs_used else None,
     )  # fmt: skip
     rollouts_per_step = spec.group_size * spec.prompts_per_step
+    store = ResponseStore() if spec.family == "allocator" else None
     buffered = None
     if buffer is not None:
         buffered = BufferedEngine(buffer, suite, scen_engine, groups=spec.prompts_per_step, group_size=spec.group_size)
@@ -443,15 +462,25 @@ def run(
             t0 = time.perf_counter()
             if spec.unit == "tokens":
                 budget = lengths.budget(int(rollouts_per_step * lengths.prior), pool)
-            result = run_step(alloc, pool, budget, engine)
+            plans: list[Any] = []
+            metrics = {}
+            result = run_step(alloc, pool, budget, engine, on_finish=_keep_plan(plans))
             if spec.unit == "tokens":
                 lengths.update(result)
             method_seconds = time.perf_counter() - t0 - engine.seconds + engine.stop_seconds
             batch = engine.batch(result)
             n = 0 if batch is None else batch["ids"].numel()
             rewards, group, weight = result.rewards[:n].float(), result.group[:n], result.weight[:n].float()
+            if store is not None:  # AR3PO's reused responses, DOTS's replayed groups: trained on again
+                if batch is not None:
+                    store.add(step - 1, batch["ids"], batch["roll"], batch["versions"])
+                reused = store.reused(plans[0], result)
+                metrics["reused_rows"] = 0.0 if reused is None else float(reused.ids.numel())
+                if reused is not None:
+                    batch = _with_reused(batch, reused)
+                    rewards, group = torch.cat([rewards, reused.rewards]), torch.cat([group, reused.group])
+                    weight = torch.cat([weight, reused.weight])
             kept_frac = float(result.metrics["kept_frac"])
-            metrics = {}
             if stop is not None:
                 metrics["stopped_frac"] = engine.stopped_rows / max(engine.rows, 1)
                 metrics["saved_frac"] = engine.saved_tokens / max(engine.full_tokens, 1)
@@ -487,7 +516,7 @@ def run(
                 "step": step,
                 "rollouts": total_rollouts,
                 "tokens": total_tokens,
-                "reward": float(rewards.mean()) if n else math.nan,
+                "reward": float(rewards[:n].mean()) if n else math.nan,
                 "kept_frac": kept_frac,
                 "method_seconds": method_seconds,
                 **metrics,
