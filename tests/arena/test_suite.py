@@ -74,6 +74,14 @@ def test_a_suite_resumes_where_it_stopped(tmp_path: Path) -> None:
     assert paths[1].exists() and paths[0].stat().st_mtime_ns == stamp  # the finished one was skipped
     rows = summary(tmp_path / "runs")
     assert [(r["method"], r["runs"]) for r in rows] == [("greso", 1), ("uniform", 1)]
+    # the same directory for another base policy or other sizes: refused, naming what differs
+    with pytest.raises(InputError, match=r"ramble=0.0 \(now 0.5\)") as err:
+        run_suite(specs, tmp_path / "runs", suite=SUITE, base=BaseConfig(hidden=16, steps=20, batch_size=16,
+                                                                          ramble=0.5), jobs=1)  # fmt: skip
+    assert err.value.argument == "out_dir"
+    longer = plan_runs(methods=["uniform"], seeds=[0], units=["rollouts"], **{**SIZES, "steps": 2})
+    with pytest.raises(InputError, match=r"steps=1 \(now 2\)"):
+        run_suite(longer, tmp_path / "runs", suite=SUITE, base=BASE, jobs=1)
 
 
 def test_two_processes_write_the_same_records_as_one(tmp_path: Path) -> None:

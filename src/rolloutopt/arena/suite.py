@@ -4,8 +4,10 @@ JSON file as it finishes, and skipped when its file exists (a suite interrupted 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ __all__ = ["plan_runs", "run_suite"]
 
 FAMILY_STEPS = {"allocator": 60, "estimator": 60, "loss": 40, "stop": 60}
 """RL steps per run of each family in the default suite (sized so that ``make arena`` fits 2 hours on 2 cores;
-the loss family has 5 scenarios per preset, hence shorter runs)."""
+the loss family has 6 scenarios per preset, hence shorter runs)."""
 
 
 def plan_runs(
@@ -100,6 +102,30 @@ def _one(spec: RunSpec, suite: TaskSuite, base: BaseConfig, path: str, device: s
     return path
 
 
+def _plain(config: Any) -> dict[str, Any]:
+    """A config dataclass as its JSON record holds it (tuples as lists)."""
+    return dict(json.loads(json.dumps(asdict(config))))
+
+
+def _check_record(path: Path, spec: RunSpec, suite: TaskSuite, base: BaseConfig) -> None:
+    """Refuse to resume over a run file made with another spec, task suite or base policy: a file name holds the
+    family, method, unit, scenario and seed only, so a suite of other sizes or another base policy (``--steps``,
+    ``--ramble``) pointed at the same directory would otherwise skip runs that are not its own. Fields a record
+    lacks (written before they existed) count as their defaults."""
+    record = json.loads(path.read_text())
+    for name, config, default in (("spec", spec, RunSpec(spec.family, spec.method)), ("suite", suite, TaskSuite()),
+                                  ("base", base, BaseConfig())):  # fmt: skip
+        want, got = _plain(config), {**_plain(default), **record.get(name, {})}
+        diff = sorted(k for k in want if want[k] != got.get(k))
+        if diff:
+            raise InputError(
+                "out_dir",
+                f"run files of this suite only ({path.name} is the run {spec.key})",
+                f"{path} made with another {name}: " + ", ".join(f"{k}={got.get(k)!r} (now {want[k]!r})" for k in diff),
+                "pass another out_dir (--out) for other sizes or another base policy, or remove the old files",
+            )
+
+
 def _check_device(device: Any) -> str:
     """``device`` as torch spells it (``"cpu"``, ``"cuda"``, ``"cuda:1"``); an InputError when torch does not
     parse it."""
@@ -170,6 +196,9 @@ def run_suite(
     base_policy(suite, base)  # cached for the workers
     paths = {spec: out / f"{spec.key}.json" for spec in specs}
     todo = [s for s in specs if not paths[s].exists()]
+    for spec in specs:
+        if spec not in todo:
+            _check_record(paths[spec], spec, suite, base)
     for spec in specs:
         if spec not in todo and on_done is not None:
             on_done(spec, paths[spec])
