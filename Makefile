@@ -25,7 +25,7 @@ arena: $(STAMP)
 
 # longer allocator runs (150 steps, rollout budget, 5 seeds; about 40 minutes on 2 cores), beside the default suite
 arena-long: $(STAMP)
-	$(PY) -m rolloutopt arena --family allocator --units rollouts --steps 150 --out benchmarks/results/arena/long/runs --jobs $(JOBS)
+	$(PY) -m rolloutopt arena --family allocator --units rollouts --steps 150 --ramble 0 --out benchmarks/results/arena/long/runs --jobs $(JOBS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks docs_ext

@@ -5,8 +5,8 @@
 (``benchmarks/results/arena/*.png`` as ``arena/<name>.png``), so the page always shows the committed results,
 written by ``python -m rolloutopt arena`` (``rolloutopt.arena.report``). The first heading of each family's
 results gets the anchor ``arena-<family>`` (``arena-allocator``, ``arena-estimator``, ``arena-loss``,
-``arena-stop``). The result sets beside the default suite (:data:`EXTRA`: the longer runs, the rambling base
-policy's runs) replace their own markers, ``<!-- arena-<name>-summary -->``, the same way.
+``arena-stop``). The result sets beside the default suite (:data:`EXTRA`: the longer runs, the runs from a base
+policy that does not ramble) replace their own markers, ``<!-- arena-<name>-summary -->``, the same way.
 
 Each method page (``docs/methods/*.md``) gets an "In the arena" section, before its API section (the ``:::``
 blocks) or at its end: for every arena method the page documents
@@ -27,7 +27,11 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "arena"
 README = ROOT / "README.md"
 MARKER = "<!-- arena-summary -->"
-EXTRA = {"long": "make arena-long", "ramble": "the --ramble runs"}
+EXTRA = {
+    "long": "make arena-long",
+    "noramble": "python -m rolloutopt arena --ramble 0 --scenarios sync stale4 stale16 mismatch --out "
+    "benchmarks/results/arena/noramble/runs",
+}
 """Result sets beside the default suite: ``benchmarks/results/arena/<name>/``, shown where ``docs/arena.md`` holds
 ``<!-- arena-<name>-summary -->``."""
 FAMILY_WORDS = {"allocator": "allocators", "estimator": "estimators", "loss": "loss presets", "stop": "stop rules"}

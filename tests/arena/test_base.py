@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -85,11 +86,16 @@ def test_rambling_targets_repeat_the_prompts_digits_to_the_limit() -> None:
         assert target == [digits[i % len(digits)] for i in range(suite.response_limit)]
 
 
-def test_a_rambling_base_keeps_the_default_cache_key_at_zero_and_differs_above() -> None:
+def test_the_cache_key_of_a_base_that_does_not_ramble_is_that_of_before_ramble_existed() -> None:
+    """``ramble=0`` leaves the hash of the other settings (so caches built before it existed stay valid); any other
+    fraction, the default 0.5 included, changes it."""
     from rolloutopt.arena.base import _key
 
-    assert _key(SUITE, TINY) == _key(SUITE, BaseConfig(hidden=16, steps=20, batch_size=16, ramble=0.0))
-    assert _key(SUITE, TINY) != _key(SUITE, BaseConfig(hidden=16, steps=20, batch_size=16, ramble=0.5))
+    plain = BaseConfig(hidden=16, steps=20, batch_size=16, ramble=0.0)
+    settings = {k: v for k, v in asdict(plain).items() if k != "ramble"}
+    assert _key(SUITE, plain) == _key(SUITE, BaseConfig(**settings, ramble=0.0))
+    assert BaseConfig().ramble == 0.5 and TINY.ramble == 0.5
+    assert _key(SUITE, TINY) != _key(SUITE, plain)
     with pytest.raises(InputError) as err:
         BaseConfig(ramble=1.5)
     assert err.value.argument == "ramble"
@@ -99,7 +105,7 @@ def test_a_rambling_base_generates_longer_failures(tmp_path: Path) -> None:
     """Warmed up to ramble on every long prompt (here: reverse of length 3, beyond warm_length + 1 = 2), the
     policy's responses to those prompts are longer than the plain base policy's."""
     suite = TaskSuite(ops=("reverse",), lengths=(("reverse", (1, 3)),), per_cell=16, holdout=4)
-    plain = BaseConfig(hidden=16, steps=60, batch_size=16, warm_length=1, next_fraction=0.0)
+    plain = BaseConfig(hidden=16, steps=60, batch_size=16, warm_length=1, next_fraction=0.0, ramble=0.0)
     rambling = BaseConfig(hidden=16, steps=60, batch_size=16, warm_length=1, next_fraction=0.0, ramble=1.0)
     ids = suite.split()[0]
     long = ids[suite.decode_ids(ids)[1] == 3]

@@ -75,9 +75,9 @@ def test_a_suite_resumes_where_it_stopped(tmp_path: Path) -> None:
     rows = summary(tmp_path / "runs")
     assert [(r["method"], r["runs"]) for r in rows] == [("greso", 1), ("uniform", 1)]
     # the same directory for another base policy or other sizes: refused, naming what differs
-    with pytest.raises(InputError, match=r"ramble=0.0 \(now 0.5\)") as err:
+    with pytest.raises(InputError, match=r"ramble=0.5 \(now 0.0\)") as err:
         run_suite(specs, tmp_path / "runs", suite=SUITE, base=BaseConfig(hidden=16, steps=20, batch_size=16,
-                                                                          ramble=0.5), jobs=1)  # fmt: skip
+                                                                          ramble=0.0), jobs=1)  # fmt: skip
     assert err.value.argument == "out_dir"
     longer = plan_runs(methods=["uniform"], seeds=[0], units=["rollouts"], **{**SIZES, "steps": 2})
     with pytest.raises(InputError, match=r"steps=1 \(now 2\)"):

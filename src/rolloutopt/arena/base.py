@@ -40,8 +40,9 @@ class BaseConfig:
     ``ramble``: the fraction of the train prompts of the longer cells (length above ``warm_length + 1``) that are
     warmed up on a *rambling* response: the prompt's digits repeated to the response limit, with no ``<eos>``. A
     base policy warmed up so keeps generating to the limit on many prompts beyond it, as an LLM does on problems
-    beyond its competence, which gives token budgets and stop rules something to save. Default 0 (a base policy
-    that ends every response with ``<eos>``, the one the committed arena results use).
+    beyond its competence, which gives token budgets and stop rules something to save. Default 0.5 (the base of
+    the committed default results; 0: a base policy that ends every response with ``<eos>``, the one of
+    ``benchmarks/results/arena/noramble`` and of the 150-step runs).
     """
 
     hidden: int = 64
@@ -52,7 +53,7 @@ class BaseConfig:
     batch_size: int = 128
     lr: float = 3e-3
     seed: int = 0
-    ramble: float = 0.0
+    ramble: float = 0.5
 
     def __post_init__(self) -> None:
         check_int(self.hidden, "hidden", 1, "pass e.g. 64")

@@ -46,9 +46,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=None,
         help=f"RL steps per run (default per family: {', '.join(f'{k} {v}' for k, v in FAMILY_STEPS.items())})",
     )
-    p.add_argument("--ramble", type=float, default=0.0, metavar="FRACTION",
+    p.add_argument("--ramble", type=float, default=0.5, metavar="FRACTION",
                    help="base policy warmed up to ramble to the length limit on this fraction of the long prompts "
-                   "(default 0: the committed results' base policy; use another --out)")  # fmt: skip
+                   "(default 0.5, the committed default results' base; 0: a base that always stops, as in "
+                   "benchmarks/results/arena/noramble; another base needs another --out)")  # fmt: skip
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS),
                    help="scenarios of the loss family (default: all)")  # fmt: skip
     p.add_argument(
