@@ -36,13 +36,14 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from rolloutopt.arena.replay import map_roll
 from rolloutopt.control import APRILBuffer, CoPRISScheduler, Requests
 from rolloutopt.control.partial import PartialScheduler
 from rolloutopt.errors import InputError
@@ -201,7 +202,7 @@ class BufferedEngine:
                 prompts = self.suite.prompts(ids).to(dev)
                 roll, _ = self.scenario.sample(prompts, self.suite.response_limit, gen, prefix=prefix.to(dev),
                                                prefix_len=plen[idx].to(dev))  # fmt: skip
-                roll = _cpu(roll)
+                roll = map_roll(roll, lambda t: t.cpu())
                 rewards = self.suite.reward(ids, roll.tokens, roll.mask)
                 lengths = roll.mask.sum(1)
                 for j, i in enumerate(idx.tolist()):
@@ -276,14 +277,6 @@ class BufferedEngine:
         tokens = torch.where(todo.mask, todo.tokens, PAD).to(dev)
         logp, _ = policy.log_probs(prompts, tokens, temperature=self.scenario.temperature)
         self.sched.record_recompute(todo.rollout_ids, logp.cpu().float(), policy_version=version)
-
-
-def _cpu(roll: Rollouts) -> Rollouts:
-    return Rollouts(**{f.name: _on_cpu(getattr(roll, f.name)) for f in fields(roll)})
-
-
-def _on_cpu(x: Any) -> Any:
-    return x.cpu() if isinstance(x, Tensor) else x
 
 
 def _or_zeros(x: Tensor | None, mask: Tensor) -> Tensor:

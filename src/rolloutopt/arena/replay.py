@@ -19,6 +19,7 @@ papers do). An allocator without stored responses gets nothing back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -30,7 +31,21 @@ from rolloutopt.testbed.policy import Rollouts
 from rolloutopt.testbed.task import PAD
 from rolloutopt.typing import FloatB, IntB, IntBT
 
-__all__ = ["ResponseStore", "Reused", "cat_rolls"]
+__all__ = ["ResponseStore", "Reused", "cat_rolls", "map_roll"]
+
+
+def map_roll(roll: Rollouts, fn: Callable[[Tensor], Tensor]) -> Rollouts:
+    """``roll`` with ``fn`` applied to each of its tensors (the absent top-K stays None)."""
+    return Rollouts(**{f.name: _apply(getattr(roll, f.name), fn) for f in fields(roll)})
+
+
+def _rows_of(r: int) -> Callable[[Tensor], Tensor]:
+    """A tensor's row ``r``, kept as a batch of one."""
+    return lambda t: t[r : r + 1]
+
+
+def _apply(x: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    return fn(x) if isinstance(x, Tensor) else x
 
 
 def cat_rolls(rolls: list[Rollouts]) -> Rollouts:
@@ -73,7 +88,7 @@ class ResponseStore:
 
     def add(self, step: int, ids: IntB, roll: Rollouts, versions: IntBT) -> None:
         """The rows generated at allocator step ``step`` (0-based: the updates before it), in result order."""
-        roll = Rollouts(**{f.name: _cpu(getattr(roll, f.name)) for f in fields(roll)})
+        roll = map_roll(roll, lambda t: t.cpu())
         within = torch.zeros_like(ids)
         for p in torch.unique(ids).tolist():  # each row's index among its prompt's rows, in observation order
             rows = (ids == p).nonzero().squeeze(1)
@@ -84,7 +99,7 @@ class ResponseStore:
         parts = []
         for s, r in zip(steps, rows, strict=True):
             rec = self.steps[s]
-            parts.append((rec["ids"][r : r + 1], _slice(rec["roll"], r), rec["versions"][r : r + 1]))
+            parts.append((rec["ids"][r : r + 1], map_roll(rec["roll"], _rows_of(r)), rec["versions"][r : r + 1]))
         roll = cat_rolls([p[1] for p in parts])
         return torch.cat([p[0] for p in parts]), roll, _pad_versions([p[2] for p in parts], roll)
 
@@ -120,15 +135,3 @@ def _pad_versions(parts: list[Tensor], roll: Rollouts) -> Tensor:
     """Per-row version tensors ``[1, T_i]`` padded (with each row's first version) to ``roll``'s width."""
     width = roll.tokens.shape[1]
     return torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[1]), value=int(v[0, 0])) for v in parts])
-
-
-def _slice(roll: Rollouts, r: int) -> Rollouts:
-    return Rollouts(**{f.name: _row(getattr(roll, f.name), r) for f in fields(roll)})
-
-
-def _row(x: Any, r: int) -> Any:
-    return x[r : r + 1] if isinstance(x, Tensor) else x
-
-
-def _cpu(x: Any) -> Any:
-    return x.cpu() if isinstance(x, Tensor) else x

@@ -38,7 +38,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ from rolloutopt import advantages, allocators, losses
 from rolloutopt.allocators import AllocationResult, PromptHistory, Request, ResponseLengths, run_step
 from rolloutopt.arena.base import BaseConfig, base_policy
 from rolloutopt.arena.buffers import BUFFER_METRICS, BufferedEngine
-from rolloutopt.arena.replay import ResponseStore, Reused, cat_rolls
+from rolloutopt.arena.replay import ResponseStore, Reused, cat_rolls, map_roll
 from rolloutopt.arena.tasks import TaskSuite
 from rolloutopt.errors import InputError
 from rolloutopt.testbed.engine import ScenarioEngine
@@ -170,15 +170,9 @@ def _allocator(spec: RunSpec, num_train: int) -> Any:
         return cls(**kwargs)
 
 
-def _map(roll: Rollouts, fn: Callable[[Tensor], Tensor]) -> Rollouts:
-    """``roll`` with ``fn`` applied to each of its tensors."""
-    parts = {f.name: getattr(roll, f.name) for f in fields(roll)}
-    return Rollouts(**{k: fn(v) if isinstance(v, Tensor) else v for k, v in parts.items()})
-
-
 def _to(roll: Rollouts, device: torch.device | str) -> Rollouts:
     """``roll`` with every tensor on ``device``."""
-    return _map(roll, lambda t: t.to(device))
+    return map_roll(roll, lambda t: t.to(device))
 
 
 def _truncate(roll: Rollouts, mask: Tensor) -> Rollouts:
@@ -366,7 +360,7 @@ def _survivors_advantages(
     keep = weight > 0
     if batch["seq_weight"] is None or bool(keep.all()):
         return estimator(batch["ids"], roll, rewards, group, step)
-    adv = estimator(batch["ids"][keep], _map(roll, lambda t: t[keep]), rewards[keep], group[keep], step)
+    adv = estimator(batch["ids"][keep], map_roll(roll, lambda t: t[keep]), rewards[keep], group[keep], step)
     out = torch.zeros((keep.numel(), *adv.shape[1:]), dtype=adv.dtype)
     if adv.ndim == 2 and adv.shape[1] != roll.mask.shape[1]:  # token advantages over the survivors' width
         out = torch.zeros((keep.numel(), roll.mask.shape[1]), dtype=adv.dtype)
